@@ -1,0 +1,1 @@
+"""genjax: Hugging Face-compatible text generation as pure, jittable JAX functions."""

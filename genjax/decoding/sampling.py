@@ -1,0 +1,152 @@
+"""Greedy and multinomial sampling in one ``lax.while_loop``.
+
+The loop knows nothing about models: it takes a step function
+
+    step(params, tokens int32[B, T], positions int32[B, T], cache, attention_mask int32[B, S])
+        -> (logits float32[B, T, V], cache)
+
+and a :class:`DecodeState` holding everything that changes from step to step. Greedy decoding
+is sampling whose token choice is ``argmax``.
+
+Each iteration feeds the last chosen token to the model, processes the next-token logits,
+chooses a token, writes it into the buffer, and marks rows that emitted EOS as finished; a
+finished row receives ``pad_token_id`` from then on, as in transformers. The first token is
+chosen from the prefill logits before the loop, so the loop makes exactly one model call per
+token and never a wasted one.
+
+Static or traced:
+    Static: the buffer length ``S`` (so the number of new tokens), the processors in the chain,
+    whether tokens are sampled, and which outputs are recorded.
+    Traced: the PRNG key, the processor settings, the pad and EOS ids, and all state.
+
+Randomness: the token at new-token index ``i`` is drawn with ``fold_in(key, i)``, so the same key
+gives the same tokens however the loop is driven (jitted or not, streamed or not).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from genjax.cache import KVCache
+from genjax.processors import LogitsContext, Processor
+from genjax.stopping import is_eos, should_continue
+from genjax.typing import Array, PyTree
+
+StepFn = Callable[[PyTree, Array, Array, KVCache, Array], tuple[Array, KVCache]]
+TokenChooser = Callable[[Array, Array], Array]
+
+
+@struct.dataclass
+class DecodeState:
+    """Everything the decoding loop carries from one token to the next."""
+
+    tokens: Array  # int32[B, S]: padding, prompt, then generated tokens
+    length: Array  # int32[]: slots of `tokens` filled so far
+    positions: Array  # int32[B]: position id of the next token fed to the model
+    cache: KVCache  # float[L, B, S, K, H] keys and values, index = slots seen by the model
+    attention_mask: Array  # int32[B, S]: 1 where a slot holds a real token (new slots are 1)
+    finished: Array  # bool[B]: rows that emitted EOS
+    key: Array  # key[]: the PRNG key of the whole call
+    scores: Array | None  # float32[B, N, V]: processed scores, when recorded
+    raw_logits: Array | None  # float32[B, N, V]: raw logits, when recorded
+
+
+@struct.dataclass
+class DecodeRules:
+    """How tokens are chosen: fixed for a whole call."""
+
+    process: Processor = struct.field(pytree_node=False)  # the logits processor chain
+    choose: TokenChooser = struct.field(pytree_node=False)  # (scores[B, V], key) -> int32[B]
+    context: LogitsContext  # prompt bookkeeping; tokens and length are replaced each step
+    pad_token_id: Array  # int32[]: written into rows that have finished
+    eos_token_ids: Array | None  # int32[E], or None when nothing ends a row early
+
+
+def greedy_chooser() -> TokenChooser:
+    """Chooses the highest score (the first one on ties, as ``torch.argmax``)."""
+    return lambda scores, key: jnp.argmax(scores, axis=-1).astype(jnp.int32)
+
+
+def sampling_chooser() -> TokenChooser:
+    """Draws a token from ``softmax(scores)`` for each row."""
+    return lambda scores, key: jax.random.categorical(key, scores, axis=-1).astype(jnp.int32)
+
+
+def _record(buffer: Array | None, values: Array, step: Array) -> Array | None:
+    """Writes float32[B, V] values at step ``step`` of a float32[B, N, V] buffer."""
+    if buffer is None:
+        return None
+    return jax.lax.dynamic_update_slice(
+        buffer, values[:, None, :].astype(buffer.dtype), (0, step, 0)
+    )
+
+
+def choose_next(state: DecodeState, logits: Array, rules: DecodeRules) -> DecodeState:
+    """Processes the next-token logits, picks a token per row and writes it into the buffer.
+
+    Args:
+        state: the state before the token is chosen.
+        logits: float32[B, V] raw next-token logits.
+        rules: the processors, the token chooser and the special ids.
+
+    Returns:
+        The state with one more token.
+    """
+    context = rules.context.replace(tokens=state.tokens, length=state.length)
+    scores = rules.process(logits.astype(jnp.float32), context)
+    step = state.length - context.prompt_end
+    tokens = rules.choose(scores, jax.random.fold_in(state.key, step))
+    tokens = jnp.where(state.finished, jnp.asarray(rules.pad_token_id, jnp.int32), tokens)
+    return state.replace(
+        tokens=jax.lax.dynamic_update_slice(state.tokens, tokens[:, None], (0, state.length)),
+        length=state.length + 1,
+        finished=state.finished | is_eos(tokens, rules.eos_token_ids),
+        scores=_record(state.scores, scores, step),
+        raw_logits=_record(state.raw_logits, logits, step),
+    )
+
+
+def decode(
+    step_fn: StepFn,
+    params: PyTree,
+    state: DecodeState,
+    first_logits: Array,
+    rules: DecodeRules,
+) -> DecodeState:
+    """Runs the decoding loop until every row finished or the buffer is full.
+
+    Args:
+        step_fn: the model's step function (see the module docstring).
+        params: the model parameters, passed to ``step_fn``.
+        state: the state after prefill; ``state.cache`` holds the prompt.
+        first_logits: float32[B, V], the prefill's logits at the last prompt slot.
+        rules: how tokens are chosen (:class:`DecodeRules`).
+
+    Returns:
+        The final state; ``state.tokens`` holds the generated tokens and ``pad_token_id`` after a
+        row finished; slots never reached (all rows finished early) hold ``pad_token_id`` too if
+        the buffer was initialised with it.
+
+    Example:
+        A test drives it with a fake step function returning fixed logits; see
+        ``tests/test_decoding.py``.
+    """
+    max_length = state.tokens.shape[1]
+    state = choose_next(state, first_logits, rules)
+
+    def body(state: DecodeState) -> DecodeState:
+        last = jax.lax.dynamic_slice_in_dim(state.tokens, state.length - 1, 1, axis=1)
+        logits, cache = step_fn(
+            params, last, state.positions[:, None], state.cache, state.attention_mask
+        )
+        state = state.replace(cache=cache, positions=state.positions + 1)
+        return choose_next(state, logits[:, -1], rules)
+
+    def cond(state: DecodeState) -> Array:
+        return should_continue(state.length, max_length, state.finished)
+
+    return jax.lax.while_loop(cond, body, state)

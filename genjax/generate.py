@@ -1,0 +1,360 @@
+"""The entry point: validate inputs, prefill, run the decoding loop, assemble the output.
+
+Static or traced:
+    Static (a change compiles a new program): the model, the prompt bucket length, the number of
+    new tokens ``N``, ``num_return_sequences``, which processors are enabled, the output flags,
+    the user's extra processors.
+    Traced (a change reuses the compiled program): the parameters, the token ids and mask, the
+    PRNG key, every sampling value (``temperature``, ``top_k``, ``top_p``, ``min_p``,
+    ``repetition_penalty``), the pad and EOS ids, and the prompt length within its bucket.
+
+Prompt buckets: called with concrete arrays, ``generate`` left-pads the prompt to the next bucket
+length (a power of two, at least 16) with masked slots, so nearby prompt lengths share one
+program; the padding is removed from ``sequences`` before it is returned, and transformers'
+length rules (``min_length``, repetition penalty) ignore it. Inside a user's ``jax.jit`` the
+prompt shape is already fixed and no padding is added.
+
+Differences from transformers forced by static shapes: outputs always hold ``N`` steps
+(see :mod:`genjax.outputs`); ``use_cache=False`` gives the same tokens through the cache.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from genjax.config import GenerationConfig
+from genjax.decoding.sampling import (
+    DecodeRules,
+    DecodeState,
+    decode,
+    greedy_chooser,
+    sampling_chooser,
+)
+from genjax.errors import InputError, UnsupportedError
+from genjax.outputs import GenerateOutput
+from genjax.processors import LogitsContext, Processor, from_config
+from genjax.typing import Array, PyTree
+
+MIN_BUCKET = 16
+_SUPPORTED_MODES = ("greedy_search", "sample")
+
+
+def bucket_length(prompt_length: int) -> int:
+    """The padded prompt length: the next power of two, at least ``MIN_BUCKET``.
+
+    Example:
+        >>> bucket_length(20)
+        32
+    """
+    return max(MIN_BUCKET, 1 << (max(prompt_length, 1) - 1).bit_length())
+
+
+def generate(
+    model,
+    params: PyTree,
+    input_ids: Array,
+    config: GenerationConfig | None = None,
+    *,
+    attention_mask: Array | None = None,
+    key: Array | None = None,
+    logits_processor: Sequence[Processor] = (),
+    **config_overrides,
+) -> GenerateOutput:
+    """Generates tokens after ``input_ids`` with greedy decoding or multinomial sampling.
+
+    Args:
+        model: a model following the protocol of :mod:`genjax.models` (hashable; static).
+        params: the model parameters (traced).
+        input_ids: int[B, P] prompts, left-padded when their lengths differ.
+        config: a :class:`GenerationConfig`; None means ``GenerationConfig()``. Its traced values
+            may be per row (shape ``[B]``).
+        attention_mask: int or bool[B, P], 1 on real tokens. When None it is inferred as
+            transformers does: ``input_ids != pad_token_id`` if the pad id occurs in the input
+            and is not an EOS id, else all ones.
+        key: a PRNG key (``jax.random.key(seed)``); required when sampling.
+        logits_processor: extra processors (``(scores[B, V], context) -> scores``) applied after
+            the configured ones and before the sampling warpers, as in transformers. Static:
+            pass the same objects to reuse a compiled program.
+        **config_overrides: generation config fields overriding ``config`` for this call.
+
+    Returns:
+        A :class:`GenerateOutput`; ``sequences`` is int32[B*R, P+N].
+
+    Raises:
+        InputError: malformed ``input_ids``, ``attention_mask`` or ``key``.
+        GenerationConfigError: an invalid config.
+        UnsupportedError: a generation mode or option genjax does not support yet.
+
+    Example:
+        >>> cfg = GenerationConfig(max_new_tokens=8, do_sample=True, temperature=0.7)
+        >>> out = genjax.generate(model, params, ids, cfg, key=jax.random.key(0))
+        >>> out.sequences.shape
+        (1, 13)
+    """
+    config = _effective_config(config, config_overrides)
+    resolved = config.with_defaults()
+    _check_mode(resolved)
+    input_ids, attention_mask, key = _check_inputs(model, input_ids, attention_mask, key, resolved)
+    prompt_length = input_ids.shape[1]
+    max_new_tokens = _num_new_tokens(config, resolved, prompt_length, model)
+    if resolved.min_new_tokens is not None:  # transformers: min_new_tokens overrides min_length
+        resolved = resolved.replace(min_length=0)
+
+    pad_token_id, eos_token_ids = _special_ids(resolved)
+    if attention_mask is None:
+        attention_mask = _infer_attention_mask(input_ids, pad_token_id, eos_token_ids)
+    input_ids = jnp.asarray(input_ids, jnp.int32)
+    attention_mask = jnp.asarray(attention_mask, jnp.int32)
+    offset = 0
+    if not isinstance(input_ids, jax.core.Tracer):
+        offset = bucket_length(prompt_length) - prompt_length
+        input_ids, attention_mask = _pad_left(input_ids, attention_mask, pad_token_id, offset)
+    out = _generate_jit(
+        model,
+        params,
+        input_ids,
+        attention_mask,
+        resolved,
+        key if key is not None else jax.random.key(0),
+        jnp.asarray(offset, jnp.int32),
+        max_new_tokens=max_new_tokens,
+        logits_processor=tuple(logits_processor),
+    )
+    if offset:
+        out = out.replace(sequences=out.sequences[:, offset:])
+    return out
+
+
+@functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "logits_processor"))
+def _generate_jit(
+    model,
+    params,
+    input_ids,
+    attention_mask,
+    config,
+    key,
+    offset,
+    *,
+    max_new_tokens,
+    logits_processor,
+) -> GenerateOutput:
+    """The compiled body of ``generate``; ``offset`` (traced) counts the bucket padding slots."""
+    pad_token_id, eos_token_ids = _special_ids(config)
+    return _prefill_and_decode(
+        model,
+        params,
+        input_ids,
+        attention_mask,
+        config,
+        key,
+        offset,
+        max_new_tokens,
+        pad_token_id,
+        eos_token_ids,
+        logits_processor,
+    )
+
+
+def _prefill_and_decode(
+    model,
+    params,
+    input_ids,
+    attention_mask,
+    config,
+    key,
+    offset,
+    max_new_tokens,
+    pad_token_id,
+    eos_token_ids,
+    logits_processor,
+) -> GenerateOutput:
+    """Runs the prompt through the model, repeats rows for ``num_return_sequences``, decodes."""
+    batch, prompt_length = input_ids.shape
+    total = prompt_length + max_new_tokens
+    repeats = config.num_return_sequences
+
+    # Position ids as transformers computes them: count real tokens; padding gets 1.
+    positions = jnp.where(attention_mask == 0, 1, jnp.cumsum(attention_mask, axis=-1) - 1)
+    cache_mask = jnp.concatenate(
+        [attention_mask, jnp.ones((batch, max_new_tokens), jnp.int32)], axis=1
+    )
+    cache = model.init_cache(batch, total)
+    logits, cache = model.apply(params, input_ids, positions, cache, cache_mask)
+
+    rows = jnp.repeat(jnp.arange(batch), repeats)
+    tokens = jnp.concatenate(
+        [input_ids, jnp.full((batch, max_new_tokens), pad_token_id, jnp.int32)], axis=1
+    )
+    vocab = logits.shape[-1]
+    record = lambda flag: jnp.zeros((batch * repeats, max_new_tokens, vocab)) if flag else None
+    state = DecodeState(
+        tokens=tokens[rows],
+        length=jnp.asarray(prompt_length, jnp.int32),
+        positions=jnp.sum(attention_mask, axis=-1)[rows].astype(jnp.int32),
+        cache=cache.gather_rows(rows),
+        attention_mask=cache_mask[rows],
+        finished=jnp.zeros((batch * repeats,), bool),
+        key=key,
+        scores=record(config.output_scores),
+        raw_logits=record(config.output_logits),
+    )
+    context = LogitsContext(
+        tokens=state.tokens,
+        length=state.length,
+        offset=offset,
+        prompt_end=jnp.asarray(prompt_length, jnp.int32),
+        first_valid=jnp.argmax(state.attention_mask != 0, axis=-1).astype(jnp.int32),
+    )
+    rules = DecodeRules(
+        process=from_config(config, eos_token_ids, extra=logits_processor),
+        choose=sampling_chooser() if config.do_sample else greedy_chooser(),
+        context=context,
+        pad_token_id=pad_token_id,
+        eos_token_ids=eos_token_ids,
+    )
+    state = decode(model.apply, params, state, logits[rows, -1], rules)
+    return GenerateOutput(sequences=state.tokens, scores=state.scores, logits=state.raw_logits)
+
+
+def _special_ids(config: GenerationConfig) -> tuple[Array, Array | None]:
+    """Returns (pad id int32[], EOS ids int32[E] or None); the pad id defaults to the first EOS
+    id, as in transformers, or 0 when there is no EOS (then no row is ever padded)."""
+    eos = config.eos_token_id
+    eos_token_ids = None if eos is None else jnp.atleast_1d(jnp.asarray(eos, jnp.int32))
+    if config.pad_token_id is not None:
+        pad = jnp.asarray(config.pad_token_id, jnp.int32)
+    elif eos_token_ids is not None:
+        pad = eos_token_ids[0]
+    else:
+        pad = jnp.zeros((), jnp.int32)
+    return pad, eos_token_ids
+
+
+def _infer_attention_mask(input_ids: Array, pad_token_id: Array, eos_token_ids: Array | None):
+    """transformers' default mask: ``ids != pad`` if pad occurs in the input and is not EOS."""
+    has_pad = jnp.any(input_ids == pad_token_id)
+    if eos_token_ids is not None:
+        has_pad = has_pad & ~jnp.any(eos_token_ids == pad_token_id)
+    return jnp.where(has_pad, input_ids != pad_token_id, True).astype(jnp.int32)
+
+
+def _pad_left(input_ids: Array, attention_mask: Array, pad_token_id: Array, extra: int):
+    """Left-pads int32[B, P] ids and mask with ``extra`` masked slots."""
+    if not extra:
+        return input_ids, attention_mask
+    batch = input_ids.shape[0]
+    ids = jnp.concatenate([jnp.full((batch, extra), pad_token_id, jnp.int32), input_ids], 1)
+    mask = jnp.concatenate([jnp.zeros((batch, extra), jnp.int32), attention_mask], 1)
+    return ids, mask
+
+
+def _effective_config(config: GenerationConfig | None, overrides: dict) -> GenerationConfig:
+    if config is None:
+        config = GenerationConfig()
+    elif not isinstance(config, GenerationConfig):
+        raise TypeError(
+            f"generate() expects `config` to be a genjax.GenerationConfig or None, got "
+            f"{type(config).__name__}. Build one with GenerationConfig(...) or "
+            f"GenerationConfig.from_pretrained(path)."
+        )
+    if overrides:
+        config, unused = config.update(**overrides)
+        if unused:
+            raise TypeError(
+                f"generate() got unexpected keyword arguments {sorted(unused)}: they are not "
+                f"GenerationConfig fields. Check their spelling against GenerationConfig."
+            )
+    return config
+
+
+def _check_mode(config: GenerationConfig) -> None:
+    mode = str(config.generation_mode.value)
+    if mode not in _SUPPORTED_MODES:
+        raise UnsupportedError(
+            f"generation mode {mode!r} is not supported by genjax yet; supported: "
+            f"{', '.join(_SUPPORTED_MODES)}. Set num_beams=1 and leave assistant / contrastive "
+            f"/ DoLa options unset."
+        )
+    config.validate()
+
+
+def _check_inputs(model, input_ids, attention_mask, key, config):
+    """Validates the arrays at the Python boundary (values only when they are concrete)."""
+    if not hasattr(input_ids, "shape"):
+        input_ids = np.asarray(input_ids)
+    if input_ids.ndim != 2 or not jnp.issubdtype(input_ids.dtype, jnp.integer):
+        raise InputError(
+            f"`input_ids` must be an integer array of shape [batch, prompt_length]; got dtype "
+            f"{input_ids.dtype} and shape {tuple(input_ids.shape)}. For one prompt use "
+            f"ids[None, :]."
+        )
+    if input_ids.shape[1] == 0 or input_ids.shape[0] == 0:
+        raise InputError(
+            f"`input_ids` must hold at least one prompt of at least one token; got shape "
+            f"{tuple(input_ids.shape)}."
+        )
+    if not isinstance(input_ids, jax.core.Tracer):
+        values = np.asarray(input_ids)
+        low, high = int(values.min()), int(values.max())
+        if low < 0 or high >= model.vocab_size:
+            raise InputError(
+                f"`input_ids` holds ids in [{low}, {high}], outside the model's vocabulary "
+                f"[0, {model.vocab_size - 1}]. Tokenize with the model's own tokenizer."
+            )
+    if attention_mask is not None:
+        if not hasattr(attention_mask, "shape"):
+            attention_mask = np.asarray(attention_mask)
+        if tuple(attention_mask.shape) != tuple(input_ids.shape):
+            raise InputError(
+                f"`attention_mask` must have the shape of `input_ids` {tuple(input_ids.shape)}; "
+                f"got {tuple(attention_mask.shape)}."
+            )
+    if config.do_sample and key is None:
+        raise InputError(
+            "sampling (do_sample=True) needs an explicit PRNG key: pass key=jax.random.key(seed)."
+        )
+    if key is not None and not (
+        isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+    ):
+        if isinstance(key, jax.Array) and key.shape == (2,) and key.dtype == jnp.uint32:
+            key = jax.random.wrap_key_data(key)
+        else:
+            raise InputError(
+                f"`key` must be a single PRNG key from jax.random.key(seed); got "
+                f"{type(key).__name__} {getattr(key, 'shape', '')}."
+            )
+    if key is not None and key.shape != ():
+        raise InputError(f"`key` must be a single key of shape (); got shape {key.shape}.")
+    return input_ids, attention_mask, key
+
+
+def _num_new_tokens(config, resolved, prompt_length: int, model) -> int:
+    """N, by transformers' rules: ``max_new_tokens`` wins; else ``max_length - P`` when
+    ``max_length`` was set; else 20 new tokens, capped by ``max_position_embeddings``."""
+    limit = getattr(model, "max_position_embeddings", None)
+    if config.max_new_tokens is not None:
+        new = config.max_new_tokens
+    elif config.max_length is not None:
+        new = config.max_length - prompt_length
+    else:
+        new = resolved.max_length
+        if limit is not None:
+            new = min(new, limit - prompt_length)
+    if new < 1:
+        raise InputError(
+            f"nothing to generate: the prompt has {prompt_length} tokens and the config allows "
+            f"max_length={config.max_length}, max_new_tokens={config.max_new_tokens}. Set "
+            f"max_new_tokens to the number of tokens to generate."
+        )
+    if limit is not None and prompt_length + new > limit:
+        raise InputError(
+            f"prompt length {prompt_length} + {new} new tokens = {prompt_length + new} exceeds "
+            f"the model's max_position_embeddings={limit}. Shorten the prompt or lower "
+            f"max_new_tokens to at most {limit - prompt_length}."
+        )
+    return int(new)

@@ -178,8 +178,8 @@ def _prefill_and_decode(
     total = prompt_length + max_new_tokens
     repeats = config.num_return_sequences
 
-    # Position ids as transformers computes them: count real tokens; padding gets 1.
-    positions = jnp.where(attention_mask == 0, 1, jnp.cumsum(attention_mask, axis=-1) - 1)
+    # Position ids as transformers v5 computes them: count real tokens; padding gets 0.
+    positions = jnp.maximum(jnp.cumsum(attention_mask, axis=-1) - 1, 0)
     cache_mask = jnp.concatenate(
         [attention_mask, jnp.ones((batch, max_new_tokens), jnp.int32)], axis=1
     )
@@ -280,7 +280,6 @@ def _check_mode(config: GenerationConfig) -> None:
             f"{', '.join(_SUPPORTED_MODES)}. Set num_beams=1 and leave assistant / contrastive "
             f"/ DoLa options unset."
         )
-    config.validate()
 
 
 def _check_inputs(model, input_ids, attention_mask, key, config):

@@ -1,0 +1,108 @@
+"""Models: the protocol ``generate`` relies on, the built-in architectures, and HF loading.
+
+The model protocol
+------------------
+Any object with these members plugs into ``genjax.generate``; nothing else about it matters
+(it need not be flax, nor come from a checkpoint):
+
+* It is **hashable and immutable** (a frozen dataclass holding a frozen config dataclass): it is
+  passed to ``jax.jit`` as a static argument, so equal models share compiled programs.
+* ``vocab_size: int`` (``V``), ``num_layers: int`` (``L``), ``dtype`` (the activation and
+  parameter dtype), and ``max_position_embeddings: int | None``: the ``config.json`` value that
+  transformers caps generated lengths by (a hard limit for GPT-2's learned table, the trained
+  context for rotary models), or None when the model has none.
+* ``init_cache(batch, max_length, dtype=None) -> genjax.cache.KVCache``: an empty cache of
+  ``max_length`` slots (``KVCache.create``); ``dtype=None`` means the model dtype.
+* ``apply(params, tokens, positions, cache, attention_mask) -> (logits, cache)``, pure:
+
+  - ``tokens``: int32[B, T], written to cache slots ``cache.index .. cache.index + T - 1``.
+  - ``positions``: int32[B, T] position ids, computed by the caller from the attention mask as
+    transformers does (``cumsum(mask) - 1``; padding gets any in-range value).
+  - ``attention_mask``: int[B, S] over all ``S`` cache slots, nonzero where a slot holds a real
+    token; slots at and after ``index + T`` may hold anything (causality hides them).
+  - Query ``i`` may attend to slot ``j`` iff ``mask[b, j]`` and ``j <= index + i`` (and
+    ``index + i - j < W`` with a sliding window ``W``): ``genjax.cache.attention_bias``.
+  - Each layer writes its keys and values with ``cache.update_layer(layer, k, v)`` and attends
+    over the returned ``[B, S, K, H]`` block; after all layers the cache is ``advance(T)``-ed.
+  - Returns float32[B, T, V] logits (computed in the model dtype, then cast) and the new cache.
+
+  A full forward pass is ``apply`` on a fresh ``init_cache(B, T)`` (index 0). Prefill then
+  decode is ``apply`` with ``T = P`` then ``T = 1`` repeatedly on one cache of length ``S``.
+
+Static or traced: the model (its config, dtype, layer count) is static; params, tokens,
+positions, the cache and the mask are traced.
+
+Example::
+
+    model, params = genjax.models.from_pretrained("HuggingFaceTB/SmolLM2-135M")
+    cache = model.init_cache(batch=1, max_length=16)
+    mask = jnp.ones((1, 16), jnp.int32)
+    logits, cache = model.apply(params, ids, jnp.arange(4)[None], cache, mask)   # prefill 4
+    logits, cache = model.apply(params, next_id, jnp.array([[4]]), cache, mask)  # one more
+
+Built-in architectures
+----------------------
+``LlamaModel`` (model_type llama, mistral, qwen2) and ``GPT2Model`` (gpt2). Their parameters are
+nested dicts whose paths mirror the HF state-dict names (``params["layers"]["0"]["self_attn"]
+["q_proj"]["kernel"]`` is ``model.layers.0.self_attn.q_proj.weight`` transposed); the modules
+``llama`` and ``gpt2`` list each tree and which ``config.json`` keys they handle, ignore or
+reject.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import jax.numpy as jnp
+
+from genjax.cache import KVCache
+from genjax.models.gpt2 import GPT2Config, GPT2Model
+from genjax.models.llama import LlamaConfig, LlamaModel
+from genjax.models.loading import ARCHITECTURES, from_config, from_pretrained, load_params
+from genjax.models.rope import SUPPORTED_ROPE_TYPES, RopeConfig
+from genjax.typing import Array, PyTree
+
+
+@runtime_checkable
+class Model(Protocol):
+    """What ``generate`` needs from a model (see the module docstring for the contract)."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def max_position_embeddings(self) -> int | None: ...
+
+    @property
+    def num_layers(self) -> int: ...
+
+    @property
+    def dtype(self) -> Any: ...
+
+    def init_cache(
+        self, batch: int, max_length: int, dtype: jnp.dtype | None = None
+    ) -> KVCache: ...
+
+    def apply(
+        self,
+        params: PyTree,
+        tokens: Array,
+        positions: Array,
+        cache: KVCache,
+        attention_mask: Array,
+    ) -> tuple[Array, KVCache]: ...
+
+
+__all__ = [
+    "ARCHITECTURES",
+    "GPT2Config",
+    "GPT2Model",
+    "LlamaConfig",
+    "LlamaModel",
+    "Model",
+    "RopeConfig",
+    "SUPPORTED_ROPE_TYPES",
+    "from_config",
+    "from_pretrained",
+    "load_params",
+]

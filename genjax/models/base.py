@@ -1,0 +1,145 @@
+"""The behaviour the built-in models share: input checks, caches, params and HF tensor names."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from genjax.cache import KVCache
+from genjax.errors import InputError
+from genjax.typing import Array, PyTree
+
+_LEAF_TO_HF = {"kernel": "weight", "scale": "weight", "embedding": "weight", "bias": "bias"}
+
+
+class ModelBase:
+    """Mixin for a frozen dataclass model with a ``config`` field.
+
+    Subclasses define ``_module()`` (the flax module), ``num_kv_heads``, ``head_dim``,
+    ``hf_prefix`` (the state-dict prefix of the base model, e.g. ``"model."``),
+    ``_hf_transposed(path)`` and ``_hf_buffers`` (a regex of non-parameter tensors to skip).
+    """
+
+    config: Any
+    hf_prefix: str = ""
+    _hf_buffers: re.Pattern | None = None
+
+    def _module(self) -> nn.Module:
+        raise NotImplementedError
+
+    def _hf_transposed(self, path: tuple[str, ...]) -> bool:
+        raise NotImplementedError
+
+    @property
+    def vocab_size(self) -> int:
+        """``V``, the number of logits."""
+        return self.config.vocab_size
+
+    @property
+    def num_layers(self) -> int:
+        """``L``."""
+        return self.config.num_layers
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        """The dtype of activations and parameters."""
+        return jnp.dtype(self.config.dtype)
+
+    def init_cache(self, batch: int, max_length: int, dtype: jnp.dtype | None = None) -> KVCache:
+        """Returns an empty cache of ``max_length`` slots (static) for ``batch`` rows (static).
+
+        Args:
+            batch: ``B``.
+            max_length: ``S``, the prompt plus every token to be generated.
+            dtype: the key/value dtype; None means the model dtype.
+
+        Example:
+            >>> cache = model.init_cache(2, 16)  # doctest: +SKIP
+        """
+        return KVCache.create(
+            num_layers=self.num_layers,
+            batch=batch,
+            length=max_length,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            dtype=self.dtype if dtype is None else jnp.dtype(dtype),
+        )
+
+    def apply(
+        self,
+        params: PyTree,
+        tokens: Array,
+        positions: Array,
+        cache: KVCache,
+        attention_mask: Array,
+    ) -> tuple[Array, KVCache]:
+        """Runs ``T`` tokens written at ``cache.index``; pure, jittable with the model static.
+
+        Args:
+            params: the parameter tree (see the module docstring).
+            tokens: int32[B, T].
+            positions: int32[B, T] position ids (``cumsum(mask) - 1`` for real tokens).
+            cache: the cache; the tokens go to slots ``index .. index + T - 1``.
+            attention_mask: int or bool[B, S] over all cache slots, nonzero where a slot holds a
+                real token (slots at and after ``index + T`` may hold anything).
+
+        Returns:
+            ``(logits, cache)``: float32[B, T, V] and the cache with ``index`` advanced by ``T``.
+
+        Example:
+            >>> cache = model.init_cache(1, 4)  # doctest: +SKIP
+            >>> logits, cache = model.apply(params, ids, pos, cache, mask)  # doctest: +SKIP
+        """
+        _check_inputs(tokens, positions, cache, attention_mask)
+        return self._module().apply({"params": params}, tokens, positions, cache, attention_mask)
+
+    def param_shapes(self) -> PyTree:
+        """Returns the parameter tree as ``jax.ShapeDtypeStruct`` leaves (nothing allocated)."""
+        return jax.eval_shape(self.init_params, jax.random.key(0))
+
+    def init_params(self, key: Array) -> PyTree:
+        """Returns randomly initialised parameters (flax initialisers), for tests and benchmarks."""
+        tokens = jnp.zeros((1, 1), jnp.int32)
+        cache = self.init_cache(1, 1)
+        mask = jnp.ones((1, 1), jnp.int32)
+        return jax.jit(self._module().init)(key, tokens, tokens, cache, mask)["params"]
+
+    def hf_tensor_name(self, path: tuple[str, ...]) -> tuple[str, bool]:
+        """Maps a parameter path to its HF state-dict name (prefix stripped) and transpose flag.
+
+        Example:
+            >>> model.hf_tensor_name(("layers", "0", "mlp", "up_proj", "kernel"))  # doctest: +SKIP
+            ('layers.0.mlp.up_proj.weight', True)
+        """
+        name = ".".join((*path[:-1], _LEAF_TO_HF[path[-1]]))
+        return name, self._hf_transposed(path)
+
+    def is_hf_buffer(self, name: str) -> bool:
+        """True for checkpoint tensors that are buffers, not parameters (skipped at load)."""
+        return self._hf_buffers is not None and self._hf_buffers.search(name) is not None
+
+
+def _check_inputs(tokens: Array, positions: Array, cache: KVCache, attention_mask: Array) -> None:
+    if tokens.ndim != 2:
+        raise InputError(f"tokens must be int[B, T], got shape {tokens.shape}.")
+    if positions.shape != tokens.shape:
+        raise InputError(
+            f"positions must match tokens {tokens.shape}, got shape {positions.shape}; pass "
+            "cumsum(attention_mask) - 1 for the written slots."
+        )
+    batch, length = tokens.shape
+    if length > cache.length:
+        raise InputError(f"{length} tokens do not fit a cache of {cache.length} slots.")
+    if attention_mask.shape != (batch, cache.length):
+        raise InputError(
+            f"attention_mask must be [B, S] = {(batch, cache.length)} (every cache slot), got "
+            f"shape {attention_mask.shape}."
+        )
+    if cache.keys.shape[1] != batch:
+        raise InputError(f"the cache holds {cache.keys.shape[1]} rows, but tokens have {batch}.")
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise InputError(f"tokens must be integers, got dtype {tokens.dtype}.")

@@ -1,0 +1,289 @@
+"""GPT-2: learned position embeddings, pre-norm LayerNorm blocks, fused q/k/v projection.
+
+Parameter tree (HF name = path joined by dots, ``kernel``/``scale``/``embedding`` -> ``weight``,
+prefix ``transformer.`` except ``lm_head``). GPT-2's ``Conv1D`` weights are already [in, out], so
+they load as they are; only an untied ``lm_head`` is transposed::
+
+    wte/embedding                 [V, D]
+    wpe/embedding                 [P, D]      (P = n_positions, indexed by position ids)
+    h/<i>/ln_1/{scale,bias}       [D]
+    h/<i>/attn/c_attn/kernel      [D, 3D]     (+ bias [3D]; q, k, v in that order)
+    h/<i>/attn/c_proj/kernel      [D, D]      (+ bias [D])
+    h/<i>/ln_2/{scale,bias}       [D]
+    h/<i>/mlp/c_fc/kernel         [D, F]      (+ bias [F])
+    h/<i>/mlp/c_proj/kernel       [F, D]      (+ bias [D])
+    ln_f/{scale,bias}             [D]
+    lm_head/kernel                [D, V]      (only when tie_word_embeddings is false)
+
+config.json keys (besides ``_hf.IGNORED_KEYS``):
+
+    handled   vocab_size n_positions n_embd n_layer n_head n_inner activation_function
+              layer_norm_epsilon scale_attn_weights scale_attn_by_inverse_layer_idx
+              reorder_and_upcast_attn tie_word_embeddings add_cross_attention (false only), and
+              the aliases max_position_embeddings hidden_size num_hidden_layers
+              num_attention_heads
+    ignored   n_ctx (unused by transformers) resid_pdrop embd_pdrop attn_pdrop summary_type
+              summary_use_proj summary_activation summary_proj_to_labels summary_first_dropout
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from genjax.cache import KVCache, attention_bias
+from genjax.errors import CheckpointError
+from genjax.models import _hf
+from genjax.models.base import ModelBase
+from genjax.models.layers import ACTIVATIONS, Embed, LayerNorm, attention, check_activation, dense
+
+_DEFAULTS = {
+    "vocab_size": 50257,
+    "n_positions": 1024,
+    "n_embd": 768,
+    "n_layer": 12,
+    "n_head": 12,
+    "n_inner": None,
+    "activation_function": "gelu_new",
+    "layer_norm_epsilon": 1e-5,
+    "scale_attn_weights": True,
+    "scale_attn_by_inverse_layer_idx": False,
+    "reorder_and_upcast_attn": False,
+    "tie_word_embeddings": True,
+}
+# transformers' GPT2Config.attribute_map: a config.json may use the generic names.
+_ALIASES = {
+    "max_position_embeddings": "n_positions",
+    "hidden_size": "n_embd",
+    "num_hidden_layers": "n_layer",
+    "num_attention_heads": "n_head",
+}
+_IGNORED = (
+    "n_ctx",
+    "resid_pdrop",
+    "embd_pdrop",
+    "attn_pdrop",
+    "summary_type",
+    "summary_use_proj",
+    "summary_activation",
+    "summary_proj_to_labels",
+    "summary_first_dropout",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class GPT2Config:
+    """Static structure of a GPT-2 model (hashable).
+
+    Attributes:
+        vocab_size: ``V``.
+        hidden_size: ``D`` (``n_embd``).
+        num_layers: ``L`` (``n_layer``).
+        num_heads: ``N`` (``n_head``); the head dimension is ``D // N``.
+        intermediate_size: ``F`` (``n_inner``, default ``4 D``).
+        max_position_embeddings: ``P`` (``n_positions``), the rows of ``wpe``.
+        layer_norm_eps: ``layer_norm_epsilon``.
+        activation: ``activation_function``, a key of ``layers.ACTIVATIONS``.
+        scale_attn_weights: scale scores by ``H ** -0.5``.
+        scale_attn_by_inverse_layer_idx: further divide layer ``i``'s scores by ``i + 1``.
+        reorder_and_upcast_attn: compute ``Q K^T`` in float32 (same math in float32 models).
+        tie_word_embeddings: logits use ``wte``; no ``lm_head``.
+        dtype: the activation and parameter dtype name.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    intermediate_size: int
+    max_position_embeddings: int
+    layer_norm_eps: float = 1e-5
+    activation: str = "gelu_new"
+    scale_attn_weights: bool = True
+    scale_attn_by_inverse_layer_idx: bool = False
+    reorder_and_upcast_attn: bool = False
+    tie_word_embeddings: bool = True
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        object.__setattr__(self, "dtype", jnp.dtype(self.dtype).name)
+        if self.hidden_size % self.num_heads:
+            raise CheckpointError(
+                f"n_embd ({self.hidden_size}) must be a multiple of n_head ({self.num_heads})."
+            )
+        check_activation(self.activation, "activation_function")
+
+    @property
+    def head_dim(self) -> int:
+        """``H = D // N``."""
+        return self.hidden_size // self.num_heads
+
+    @classmethod
+    def from_hf(
+        cls,
+        config: Mapping[str, Any],
+        dtype: str = "float32",
+        ignore_config_keys: Iterable[str] = (),
+    ) -> GPT2Config:
+        """Reads an HF GPT-2 ``config.json`` dict.
+
+        Raises:
+            UnsupportedError: naming a config key or value genjax does not implement.
+
+        Example:
+            >>> GPT2Config.from_hf({"model_type": "gpt2", "n_embd": 64, "n_head": 4}).head_dim
+            16
+        """
+        _hf.check_keys(
+            config,
+            "gpt2",
+            (*_DEFAULTS, *_ALIASES, "add_cross_attention"),
+            _IGNORED,
+            ignore_config_keys,
+        )
+        config = dict(config)
+        for alias, name in _ALIASES.items():
+            if alias in config:
+                config[name] = config.pop(alias)
+
+        def get(key):
+            return _hf.read(config, key, _DEFAULTS)
+
+        hidden = get("n_embd")
+        return cls(
+            vocab_size=get("vocab_size"),
+            hidden_size=hidden,
+            num_layers=get("n_layer"),
+            num_heads=get("n_head"),
+            intermediate_size=get("n_inner") or 4 * hidden,
+            max_position_embeddings=get("n_positions"),
+            layer_norm_eps=float(get("layer_norm_epsilon")),
+            activation=get("activation_function"),
+            scale_attn_weights=bool(get("scale_attn_weights")),
+            scale_attn_by_inverse_layer_idx=bool(get("scale_attn_by_inverse_layer_idx")),
+            reorder_and_upcast_attn=bool(get("reorder_and_upcast_attn")),
+            tie_word_embeddings=bool(get("tie_word_embeddings")),
+            dtype=dtype,
+        )
+
+
+class _Attention(nn.Module):
+    config: GPT2Config
+    layer: int
+
+    @nn.compact
+    def __call__(self, x, bias, cache: KVCache):
+        c, dtype = self.config, jnp.dtype(self.config.dtype)
+        batch, length, _ = x.shape
+        qkv = dense(3 * c.hidden_size, True, dtype, "c_attn")(x)
+        qkv = qkv.reshape(batch, length, 3, c.num_heads, c.head_dim)
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        keys, values, cache = cache.update_layer(self.layer, k, v)
+        scale = c.head_dim**-0.5 if c.scale_attn_weights else 1.0
+        if c.scale_attn_by_inverse_layer_idx:
+            scale /= float(self.layer + 1)
+        out = attention(q, keys, values, bias, scale, upcast_scores=c.reorder_and_upcast_attn)
+        return dense(c.hidden_size, True, dtype, "c_proj")(out), cache
+
+
+class _MLP(nn.Module):
+    config: GPT2Config
+
+    @nn.compact
+    def __call__(self, x):
+        c, dtype = self.config, jnp.dtype(self.config.dtype)
+        h = ACTIVATIONS[c.activation](dense(c.intermediate_size, True, dtype, "c_fc")(x))
+        return dense(c.hidden_size, True, dtype, "c_proj")(h)
+
+
+class _Block(nn.Module):
+    config: GPT2Config
+    layer: int
+
+    @nn.compact
+    def __call__(self, x, bias, cache):
+        c, dtype = self.config, jnp.dtype(self.config.dtype)
+        h = LayerNorm(c.layer_norm_eps, dtype, name="ln_1")(x)
+        h, cache = _Attention(c, self.layer, name="attn")(h, bias, cache)
+        x = x + h
+        h = LayerNorm(c.layer_norm_eps, dtype, name="ln_2")(x)
+        return x + _MLP(c, name="mlp")(h), cache
+
+
+class _Blocks(nn.Module):
+    config: GPT2Config
+
+    @nn.compact
+    def __call__(self, x, bias, cache):
+        for i in range(self.config.num_layers):
+            x, cache = _Block(self.config, i, name=str(i))(x, bias, cache)
+        return x, cache
+
+
+class _GPT2LM(nn.Module):
+    config: GPT2Config
+
+    @nn.compact
+    def __call__(self, tokens, positions, cache, attention_mask):
+        c, dtype = self.config, jnp.dtype(self.config.dtype)
+        length = tokens.shape[1]
+        wte = Embed(c.vocab_size, c.hidden_size, dtype, name="wte")
+        wpe = Embed(c.max_position_embeddings, c.hidden_size, dtype, name="wpe")
+        x = wte(tokens) + wpe(positions)
+        bias = attention_bias(attention_mask, cache.index, length, jnp.float32)
+        x, cache = _Blocks(c, name="h")(x, bias, cache)
+        x = LayerNorm(c.layer_norm_eps, dtype, name="ln_f")(x)
+        if c.tie_word_embeddings:
+            logits = wte.attend(x)
+        else:
+            logits = dense(c.vocab_size, False, dtype, "lm_head")(x)
+        return logits.astype(jnp.float32), cache.advance(length)
+
+
+@dataclasses.dataclass(frozen=True)
+class GPT2Model(ModelBase):
+    """A GPT-2 causal LM: a hashable, pure model (see ``genjax.models``).
+
+    Example:
+        >>> model, params = genjax.models.from_pretrained("openai-community/gpt2")
+        ...  # doctest: +SKIP
+    """
+
+    config: GPT2Config
+
+    hf_prefix = "transformer."
+    # The causal-mask buffers old GPT-2 checkpoints saved with the weights.
+    _hf_buffers = re.compile(r"(^|\.)(attn|crossattention)\.(bias|masked_bias)$")
+
+    @classmethod
+    def from_hf_config(
+        cls, config: Mapping[str, Any], dtype: str = "float32", ignore_config_keys=()
+    ) -> GPT2Model:
+        """Builds the model from an HF ``config.json`` dict (see :meth:`GPT2Config.from_hf`)."""
+        return cls(GPT2Config.from_hf(config, dtype, ignore_config_keys))
+
+    @property
+    def max_position_embeddings(self) -> int:
+        """``n_positions``: position ids must stay below it (the rows of ``wpe``)."""
+        return self.config.max_position_embeddings
+
+    @property
+    def num_kv_heads(self) -> int:
+        """``K = N``."""
+        return self.config.num_heads
+
+    @property
+    def head_dim(self) -> int:
+        """``H``."""
+        return self.config.head_dim
+
+    def _module(self) -> nn.Module:
+        return _GPT2LM(self.config)
+
+    def _hf_transposed(self, path: tuple[str, ...]) -> bool:
+        return path[0] == "lm_head"

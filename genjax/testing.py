@@ -1,0 +1,238 @@
+"""Test helpers: tiny random HF-format checkpoints written without torch.
+
+The tensor names and shapes are written out here by hand, from transformers' state dicts, so
+that loading them checks ``genjax.models``' own name mapping rather than repeating it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+from safetensors.numpy import save_file
+
+_TINY = {
+    "llama": {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 101,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 64,
+        "rms_norm_eps": 1e-6,
+        "hidden_act": "silu",
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": "float32",
+        "transformers_version": "5.0.0",
+    },
+    "mistral": {
+        "model_type": "mistral",
+        "architectures": ["MistralForCausalLM"],
+        "vocab_size": 101,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "max_position_embeddings": 64,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        "sliding_window": 4,
+        "tie_word_embeddings": False,
+    },
+    "qwen2": {
+        "model_type": "qwen2",
+        "architectures": ["Qwen2ForCausalLM"],
+        "vocab_size": 101,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 64,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": 2,
+        "tie_word_embeddings": False,
+    },
+    "gpt2": {
+        "model_type": "gpt2",
+        "architectures": ["GPT2LMHeadModel"],
+        "vocab_size": 101,
+        "n_embd": 32,
+        "n_layer": 2,
+        "n_head": 4,
+        "n_inner": None,
+        "n_positions": 64,
+        "n_ctx": 64,
+        "activation_function": "gelu_new",
+        "layer_norm_epsilon": 1e-5,
+        "resid_pdrop": 0.1,
+        "embd_pdrop": 0.1,
+        "attn_pdrop": 0.1,
+        "scale_attn_weights": True,
+        "tie_word_embeddings": True,
+    },
+}
+
+
+def tiny_config(model_type: str, **overrides: Any) -> dict[str, Any]:
+    """Returns a tiny HF ``config.json`` dict; an override of None removes the key.
+
+    Example:
+        >>> tiny_config("llama", num_hidden_layers=1)["num_hidden_layers"]
+        1
+    """
+    if model_type not in _TINY:
+        raise ValueError(f"model_type must be one of {sorted(_TINY)}, got {model_type!r}.")
+    config = {**_TINY[model_type], **overrides}
+    return {key: value for key, value in config.items() if value is not None}
+
+
+def write_random_checkpoint(
+    path: str | os.PathLike,
+    model_type: str,
+    *,
+    seed: int = 0,
+    dtype: str = "float32",
+    num_shards: int = 1,
+    prefix: bool = True,
+    **config_overrides: Any,
+) -> dict[str, Any]:
+    """Writes ``config.json`` and random safetensors weights with HF names into ``path``.
+
+    Weights are scaled so activations stay of order one (kernels ~ 1/sqrt(fan_in), norms near 1),
+    which makes numeric comparisons meaningful.
+
+    Args:
+        path: the folder (created if needed).
+        model_type: ``"llama"``, ``"mistral"``, ``"qwen2"`` or ``"gpt2"``.
+        seed: the numpy seed.
+        dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``: the stored dtype.
+        num_shards: more than one writes ``model-0000i-of-0000n.safetensors`` plus
+            ``model.safetensors.index.json``.
+        prefix: keep the ``model.``/``transformer.`` prefix (a ``*ForCausalLM`` checkpoint);
+            False writes base-model names.
+        **config_overrides: ``config.json`` entries to set (None removes one).
+
+    Returns:
+        The config dict written.
+
+    Example:
+        >>> write_random_checkpoint(tmp_path, "llama", tie_word_embeddings=True)  # doctest: +SKIP
+    """
+    config = tiny_config(model_type, **config_overrides)
+    shapes = _gpt2_shapes(config) if model_type == "gpt2" else _llama_shapes(config, model_type)
+    rng = np.random.default_rng(seed)
+    stored_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[
+        dtype
+    ]
+    base_prefix = "transformer." if model_type == "gpt2" else "model."
+    tensors = {}
+    for name, shape in shapes.items():
+        full = name if name.startswith("lm_head") or not prefix else base_prefix + name
+        tensors[full] = _random(rng, name, shape).astype(stored_dtype)
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    _save(tensors, os.fspath(path), num_shards)
+    return config
+
+
+def _random(rng: np.random.Generator, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    leaf = name.rsplit(".", 1)[-1]
+    is_norm = "norm" in name or name.split(".")[-2].startswith("ln_")
+    if is_norm and leaf == "weight":
+        return 1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32)
+    if leaf == "bias":
+        return 0.1 * rng.standard_normal(shape, dtype=np.float32)
+    if name.endswith(("embed_tokens.weight", "wte.weight", "wpe.weight")):
+        return rng.standard_normal(shape, dtype=np.float32)
+    fan_in = shape[0] if name.startswith("h.") else shape[-1]  # GPT-2 Conv1D is [in, out]
+    return rng.standard_normal(shape, dtype=np.float32) / np.sqrt(fan_in)
+
+
+def _llama_shapes(config: dict[str, Any], model_type: str) -> dict[str, tuple[int, ...]]:
+    width, vocab = config["hidden_size"], config["vocab_size"]
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or width // heads
+    mlp = config["intermediate_size"]
+    o_bias = model_type == "llama" and config.get("attention_bias", False)
+    qkv_bias = model_type == "qwen2" or o_bias
+    mlp_bias = model_type == "llama" and config.get("mlp_bias", False)
+    shapes = {"embed_tokens.weight": (vocab, width)}
+    for i in range(config["num_hidden_layers"]):
+        layer = f"layers.{i}."
+        projections = {
+            "self_attn.q_proj": (heads * head_dim, width, qkv_bias),
+            "self_attn.k_proj": (kv_heads * head_dim, width, qkv_bias),
+            "self_attn.v_proj": (kv_heads * head_dim, width, qkv_bias),
+            "self_attn.o_proj": (width, heads * head_dim, o_bias),
+            "mlp.gate_proj": (mlp, width, mlp_bias),
+            "mlp.up_proj": (mlp, width, mlp_bias),
+            "mlp.down_proj": (width, mlp, mlp_bias),
+        }
+        shapes[layer + "input_layernorm.weight"] = (width,)
+        shapes[layer + "post_attention_layernorm.weight"] = (width,)
+        for proj, (out, inp, bias) in projections.items():
+            shapes[f"{layer}{proj}.weight"] = (out, inp)
+            if bias:
+                shapes[f"{layer}{proj}.bias"] = (out,)
+    shapes["norm.weight"] = (width,)
+    if not config.get("tie_word_embeddings", False):
+        shapes["lm_head.weight"] = (vocab, width)
+    return shapes
+
+
+def _gpt2_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    width, vocab = config["n_embd"], config["vocab_size"]
+    inner = config.get("n_inner") or 4 * width
+    shapes = {"wte.weight": (vocab, width), "wpe.weight": (config["n_positions"], width)}
+    for i in range(config["n_layer"]):
+        block = f"h.{i}."
+        for norm in ("ln_1", "ln_2"):
+            shapes[f"{block}{norm}.weight"] = shapes[f"{block}{norm}.bias"] = (width,)
+        for conv, (inp, out) in {
+            "attn.c_attn": (width, 3 * width),
+            "attn.c_proj": (width, width),
+            "mlp.c_fc": (width, inner),
+            "mlp.c_proj": (inner, width),
+        }.items():
+            shapes[f"{block}{conv}.weight"] = (inp, out)
+            shapes[f"{block}{conv}.bias"] = (out,)
+    shapes["ln_f.weight"] = shapes["ln_f.bias"] = (width,)
+    if not config.get("tie_word_embeddings", True):
+        shapes["lm_head.weight"] = (vocab, width)
+    return shapes
+
+
+def _save(tensors: dict[str, np.ndarray], path: str, num_shards: int) -> None:
+    metadata = {"format": "pt"}
+    if num_shards == 1:
+        save_file(tensors, os.path.join(path, "model.safetensors"), metadata=metadata)
+        return
+    names = list(tensors)
+    weight_map = {}
+    for shard in range(num_shards):
+        file = f"model-{shard + 1:05d}-of-{num_shards:05d}.safetensors"
+        part = {name: tensors[name] for name in names[shard::num_shards]}
+        save_file(part, os.path.join(path, file), metadata=metadata)
+        weight_map.update(dict.fromkeys(part, file))
+    index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}}
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({**index, "weight_map": weight_map}, f, indent=2)

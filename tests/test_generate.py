@@ -1,0 +1,193 @@
+"""generate against recorded transformers outputs, and the equivalences that must hold."""
+
+import functools
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import genjax
+from genjax import GenerationConfig
+from genjax.errors import InputError, UnsupportedError
+
+FIXTURES = Path(__file__).parent / "fixtures"
+ARCHS = ["llama", "llama3_tied", "qwen2", "mistral", "gpt2"]
+
+
+@functools.cache
+def _load(arch):
+    model, params = genjax.models.from_pretrained(FIXTURES / arch)
+    meta = json.loads((FIXTURES / arch / "cases.json").read_text())
+    records = dict(np.load(FIXTURES / arch / "records.npz"))
+    return model, params, meta, records
+
+
+def _cases():
+    for arch in ARCHS:
+        meta = json.loads((FIXTURES / arch / "cases.json").read_text())
+        for case in meta["cases"]:
+            yield pytest.param(arch, case["name"], id=f"{arch}-{case['name']}")
+
+
+@pytest.mark.parametrize("arch, name", list(_cases()))
+def test_matches_recorded_transformers(arch, name):
+    model, params, meta, records = _load(arch)
+    case = next(c for c in meta["cases"] if c["name"] == name)
+    kwargs = dict(case["generate_kwargs"])
+    kwargs.pop("return_dict_in_generate", None)
+    prefix = case["inputs"]
+    ids = records[f"{prefix}/input_ids"]
+    mask = records[f"{prefix}/attention_mask"]
+    out = genjax.generate(
+        model, params, ids, GenerationConfig(**kwargs), attention_mask=mask, key=jax.random.key(0)
+    )
+    expected_scores = records[f"{name}/scores"]
+    expected_logits = records[f"{name}/logits"]
+    if kwargs.get("do_sample"):
+        # Sampled tokens depend on the RNG; the first step's scores do not.
+        np.testing.assert_allclose(out.logits[:, 0], expected_logits[:, 0], atol=1e-4)
+        np.testing.assert_allclose(out.scores[:, 0], expected_scores[:, 0], atol=1e-4)
+        return
+    expected = records[f"{name}/sequences"]
+    steps = expected_scores.shape[1]
+    np.testing.assert_array_equal(out.sequences[:, : expected.shape[1]], expected)
+    # transformers stops when every row finished; genjax's static buffer holds pad after that.
+    np.testing.assert_array_equal(out.sequences[:, expected.shape[1] :], kwargs["pad_token_id"])
+    np.testing.assert_allclose(out.logits[:, :steps], expected_logits, atol=1e-4)
+    np.testing.assert_allclose(out.scores[:, :steps], expected_scores, atol=1e-4)
+    np.testing.assert_array_equal(out.scores[:, steps:], 0.0)
+
+
+def _llama():
+    model, params, meta, records = _load("llama")
+    return model, params, records["greedy/input_ids"], records["greedy/attention_mask"]
+
+
+def test_jitted_equals_unjitted_with_config_as_argument():
+    model, params, ids, mask = _llama()
+    config = GenerationConfig(max_new_tokens=6, do_sample=True, temperature=0.8, top_k=20)
+    key = jax.random.key(1)
+    eager = genjax.generate(model, params, ids, config, attention_mask=mask, key=key)
+    generate = functools.partial(genjax.generate, model)
+    jitted = jax.jit(lambda p, i, c, m, k: generate(p, i, c, attention_mask=m, key=k).sequences)
+    np.testing.assert_array_equal(jitted(params, ids, config, mask, key), eager.sequences)
+
+
+def test_cached_decoding_equals_one_full_forward_pass():
+    model, params, ids, mask = _llama()
+    config = GenerationConfig(max_new_tokens=8, pad_token_id=0, output_logits=True)
+    out = genjax.generate(model, params, ids, config, attention_mask=mask)
+    full_mask = jnp.concatenate([jnp.asarray(mask), jnp.ones((ids.shape[0], 8), jnp.int32)], 1)
+    positions = jnp.maximum(jnp.cumsum(full_mask, -1) - 1, 0)
+    total = out.sequences.shape[1]
+    logits, _ = model.apply(
+        params, out.sequences, positions, model.init_cache(ids.shape[0], total), full_mask
+    )
+    np.testing.assert_allclose(out.logits, logits[:, ids.shape[1] - 1 : -1], atol=1e-4)
+
+
+def test_top_k_one_sampling_equals_greedy():
+    model, params, ids, mask = _llama()
+    greedy = genjax.generate(
+        model, params, ids, GenerationConfig(max_new_tokens=8, pad_token_id=0), attention_mask=mask
+    )
+    sampled = genjax.generate(
+        model,
+        params,
+        ids,
+        GenerationConfig(max_new_tokens=8, pad_token_id=0, do_sample=True, top_k=1),
+        attention_mask=mask,
+        key=jax.random.key(5),
+    )
+    np.testing.assert_array_equal(sampled.sequences, greedy.sequences)
+
+
+def test_sampling_is_reproducible_per_key_and_returns_r_sequences_per_prompt():
+    model, params, ids, mask = _llama()
+    config = GenerationConfig(
+        max_new_tokens=6, pad_token_id=0, do_sample=True, num_return_sequences=3
+    )
+    a = genjax.generate(model, params, ids, config, attention_mask=mask, key=jax.random.key(2))
+    b = genjax.generate(model, params, ids, config, attention_mask=mask, key=jax.random.key(2))
+    c = genjax.generate(model, params, ids, config, attention_mask=mask, key=jax.random.key(3))
+    assert a.sequences.shape == (3 * ids.shape[0], ids.shape[1] + 6)
+    np.testing.assert_array_equal(a.sequences, b.sequences)
+    assert not np.array_equal(a.sequences, c.sequences)
+    # Rows b*R .. b*R+R-1 continue prompt b.
+    np.testing.assert_array_equal(a.sequences[:, : ids.shape[1]], np.repeat(ids, 3, axis=0))
+
+
+def test_new_sampling_values_key_and_nearby_prompt_length_compile_nothing():
+    model, params, ids, mask = _llama()
+    traces = []
+
+    def counting(scores, context):
+        traces.append(1)
+        return scores
+
+    def run(ids, mask, seed=0, **kw):
+        key = jax.random.key(seed)
+        config = GenerationConfig(max_new_tokens=4, pad_token_id=0, do_sample=True, **kw)
+        genjax.generate(
+            model, params, ids, config, attention_mask=mask, key=key, logits_processor=[counting]
+        )
+
+    settings = dict(temperature=0.7, top_k=10, top_p=0.9, min_p=0.05, repetition_penalty=1.2)
+    run(ids, mask, **settings)
+    compiled = len(traces)
+    assert compiled > 0
+    run(ids, mask, temperature=1.3, top_k=3, top_p=0.5, min_p=0.1, repetition_penalty=1.5)
+    run(ids, mask, seed=9, **settings)
+    run(ids[:, 2:], mask[:, 2:], **settings)  # 7 tokens instead of 9: same bucket
+    assert len(traces) == compiled
+
+
+def test_transition_scores_sum_to_sequence_log_probability():
+    model, params, ids, mask = _llama()
+    config = GenerationConfig(max_new_tokens=5, pad_token_id=0, output_scores=True)
+    out = genjax.generate(model, params, ids, config, attention_mask=mask)
+    scores = genjax.compute_transition_scores(out.sequences, out.scores, normalize_logits=True)
+    logp = jax.nn.log_softmax(out.scores, -1)
+    new = out.sequences[:, -5:]
+    expected = jnp.take_along_axis(logp, new[..., None], -1)[..., 0]
+    np.testing.assert_allclose(scores, expected, rtol=1e-6)
+    # Greedy picks the argmax, so each transition score is the row maximum.
+    np.testing.assert_allclose(scores, logp.max(-1), rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "change, error, words",
+    [
+        (dict(input_ids=np.zeros((2, 3), np.float32)), InputError, "integer"),
+        (dict(input_ids=np.zeros((3,), np.int32)), InputError, "ids[None, :]"),
+        (dict(input_ids=np.full((1, 3), 999, np.int32)), InputError, "vocabulary"),
+        (dict(attention_mask=np.ones((1, 4), np.int32)), InputError, "shape"),
+        (dict(max_new_tokens=100), InputError, "max_position_embeddings"),
+        (dict(do_sample=True), InputError, "key"),
+        (dict(num_beams=2), UnsupportedError, "beam_search"),
+        (dict(no_repeat_ngram_size=2), UnsupportedError, "no_repeat_ngram_size"),
+    ],
+)
+def test_bad_input_raises_a_clear_error(change, error, words):
+    model, params, _, _ = _llama()
+    ids = change.pop("input_ids", np.ones((1, 3), np.int32))
+    mask = change.pop("attention_mask", None)
+    config = GenerationConfig(max_new_tokens=4, pad_token_id=0).replace(**change)
+    with pytest.raises(error) as info:
+        genjax.generate(model, params, ids, config, attention_mask=mask)
+    assert words in str(info.value)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_full_forward_logits_match_recorded_transformers(arch):
+    model, params, _, records = _load(arch)
+    ids = records["forward/input_ids"]
+    mask = records["forward/attention_mask"]
+    positions = records["forward/position_ids"]
+    cache = model.init_cache(ids.shape[0], ids.shape[1])
+    logits, _ = model.apply(params, ids, positions, cache, mask)
+    real = mask.astype(bool)  # logits at padded slots carry no meaning in either library
+    np.testing.assert_allclose(np.asarray(logits)[real], records["forward/logits"][real], atol=1e-4)

@@ -1,0 +1,728 @@
+"""Models: loading HF-format checkpoints, cached decoding, config handling, and HF parity.
+
+The default tests write tiny random checkpoints with ``genjax.testing`` (no torch, no network).
+The ``parity`` tests build tiny random transformers models and compare logits.
+"""
+
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from genjax.cache import KVCache
+from genjax.errors import CheckpointError, InputError, UnsupportedError
+from genjax.models import (
+    GPT2Model,
+    LlamaModel,
+    Model,
+    from_config,
+    from_pretrained,
+)
+from genjax.models import loading as loading_module
+from genjax.models.rope import RopeConfig, inverse_frequencies
+from genjax.testing import tiny_config, write_random_checkpoint
+
+# (model_type, config overrides) of the architectures the numeric tests cover.
+CASES = {
+    "llama": ("llama", {}),
+    "llama_bias_tied_llama3": (
+        "llama",
+        {
+            "attention_bias": True,
+            "mlp_bias": True,
+            "tie_word_embeddings": True,
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8,
+            },
+        },
+    ),
+    "llama_yarn": (
+        "llama",
+        {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}},
+    ),
+    "mistral_window4": ("mistral", {}),
+    "qwen2": ("qwen2", {}),
+    "qwen2_window": (
+        "qwen2",
+        {"use_sliding_window": True, "sliding_window": 3, "max_window_layers": 1},
+    ),
+    "gpt2": ("gpt2", {}),
+    "gpt2_untied": (
+        "gpt2",
+        {
+            "tie_word_embeddings": False,
+            "scale_attn_by_inverse_layer_idx": True,
+            "reorder_and_upcast_attn": True,
+            "activation_function": "gelu",
+        },
+    ),
+}
+
+
+def _load(tmp_path, model_type, **overrides):
+    write_random_checkpoint(tmp_path, model_type, **overrides)
+    return from_pretrained(tmp_path)
+
+
+def _hf_positions(mask):
+    """Position ids as transformers' generate makes them: cumsum(mask) - 1, padding -> 1."""
+    mask = np.asarray(mask)
+    return np.where(mask == 0, 1, np.cumsum(mask, -1) - 1).astype(np.int32)
+
+
+def _batch(vocab, seed=0, lengths=(12, 9, 5), size=12):
+    """A left-padded batch: int32 tokens [B, S] and mask [B, S] (row b has lengths[b] tokens)."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, vocab, (len(lengths), size)).astype(np.int32)
+    mask = (np.arange(size)[None] >= size - np.asarray(lengths)[:, None]).astype(np.int32)
+    return tokens, mask
+
+
+def _full_forward(model, params, tokens, mask):
+    tokens, mask = jnp.asarray(tokens), jnp.asarray(mask)
+    cache = model.init_cache(tokens.shape[0], tokens.shape[1])
+    logits, cache = model.apply(params, tokens, jnp.asarray(_hf_positions(mask)), cache, mask)
+    return np.asarray(logits), cache
+
+
+def _stepwise(model, params, tokens, mask, prefill):
+    """Prefills ``prefill`` tokens, then decodes one at a time; returns float32[B, S, V]."""
+    positions = jnp.asarray(_hf_positions(mask))
+    tokens, mask = jnp.asarray(tokens), jnp.asarray(mask)
+    cache = model.init_cache(tokens.shape[0], tokens.shape[1])
+    logits, cache = model.apply(params, tokens[:, :prefill], positions[:, :prefill], cache, mask)
+    outputs = [logits]
+    for t in range(prefill, tokens.shape[1]):
+        logits, cache = model.apply(
+            params, tokens[:, t : t + 1], positions[:, t : t + 1], cache, mask
+        )
+        outputs.append(logits)
+    assert int(cache.index) == tokens.shape[1]
+    return np.concatenate([np.asarray(o) for o in outputs], axis=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "gpt2"])
+def test_loading_round_trip(tmp_path, model_type):
+    write_random_checkpoint(tmp_path, model_type)
+    model, params = from_pretrained(tmp_path)
+    stored = load_file(os.path.join(tmp_path, "model.safetensors"))
+    leaves = jax.tree_util.tree_leaves(params)
+    assert len(leaves) == len(stored)
+    assert all(leaf.dtype == jnp.float32 for leaf in leaves)
+    assert isinstance(model, Model)
+    if model_type == "gpt2":
+        layer = params["h"]["1"]
+        np.testing.assert_array_equal(
+            layer["attn"]["c_attn"]["kernel"], stored["transformer.h.1.attn.c_attn.weight"]
+        )
+        np.testing.assert_array_equal(layer["ln_2"]["scale"], stored["transformer.h.1.ln_2.weight"])
+        np.testing.assert_array_equal(params["wpe"]["embedding"], stored["transformer.wpe.weight"])
+    else:
+        layer = params["layers"]["1"]
+        np.testing.assert_array_equal(
+            layer["self_attn"]["k_proj"]["kernel"],
+            stored["model.layers.1.self_attn.k_proj.weight"].T,
+        )
+        np.testing.assert_array_equal(
+            layer["mlp"]["down_proj"]["kernel"], stored["model.layers.1.mlp.down_proj.weight"].T
+        )
+        np.testing.assert_array_equal(
+            params["embed_tokens"]["embedding"], stored["model.embed_tokens.weight"]
+        )
+        np.testing.assert_array_equal(params["lm_head"]["kernel"], stored["lm_head.weight"].T)
+        if model_type == "qwen2":
+            np.testing.assert_array_equal(
+                layer["self_attn"]["q_proj"]["bias"], stored["model.layers.1.self_attn.q_proj.bias"]
+            )
+            assert "bias" not in layer["self_attn"]["o_proj"]
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gpt2"])
+def test_sharded_and_unprefixed_checkpoints_load_the_same(tmp_path, model_type):
+    _, reference = _load(tmp_path / "single", model_type)
+    _, sharded = _load(tmp_path / "sharded", model_type, num_shards=3)
+    _, bare = _load(tmp_path / "bare", model_type, prefix=False)
+    for other in (sharded, bare):
+        jax.tree_util.tree_map(np.testing.assert_array_equal, reference, other)
+
+
+def test_bfloat16_checkpoint_and_dtypes(tmp_path):
+    write_random_checkpoint(tmp_path, "llama", dtype="bfloat16")
+    stored = load_file(os.path.join(tmp_path, "model.safetensors"))
+    model, params = from_pretrained(tmp_path)
+    assert model.dtype == jnp.float32
+    np.testing.assert_array_equal(
+        params["norm"]["scale"], stored["model.norm.weight"].astype(np.float32)
+    )
+    model16, params16 = from_pretrained(tmp_path, dtype="bfloat16")
+    assert model16.dtype == jnp.bfloat16
+    assert all(leaf.dtype == jnp.bfloat16 for leaf in jax.tree_util.tree_leaves(params16))
+    assert model16.init_cache(1, 4).keys.dtype == jnp.bfloat16
+    assert model16.init_cache(1, 4, dtype=jnp.float32).keys.dtype == jnp.float32
+    tokens, mask = _batch(model.vocab_size)
+    full32, _ = _full_forward(model, params, tokens, mask)
+    full16, _ = _full_forward(model16, params16, tokens, mask)
+    assert full16.dtype == np.float32
+    real = mask.astype(bool)
+    np.testing.assert_allclose(full16[real], full32[real], atol=0.25)
+
+
+def test_raw_reader_matches_safetensors(tmp_path):
+    write_random_checkpoint(tmp_path, "llama", dtype="bfloat16")
+    file = os.path.join(tmp_path, "model.safetensors")
+    header = loading_module._read_header(file)
+    stored = load_file(file)
+    for name in ("model.norm.weight", "lm_head.weight"):
+        raw = loading_module._read_raw(file, header[name])
+        assert raw.dtype == ml_dtypes.bfloat16
+        np.testing.assert_array_equal(raw, stored[name])
+
+
+def test_buffers_and_tied_head_in_checkpoint_are_skipped(tmp_path):
+    write_random_checkpoint(tmp_path / "llama", "llama", tie_word_embeddings=True)
+    write_random_checkpoint(tmp_path / "gpt2", "gpt2")
+    extras = {
+        "llama": {
+            "model.layers.0.self_attn.rotary_emb.inv_freq": np.ones(4, np.float32),
+            "lm_head.weight": np.ones((101, 32), np.float32),
+        },
+        "gpt2": {
+            "transformer.h.0.attn.bias": np.ones((1, 1, 64, 64), np.float32),
+            "transformer.h.0.attn.masked_bias": np.ones((), np.float32),
+        },
+    }
+    for name, extra in extras.items():
+        file = os.path.join(tmp_path / name, "model.safetensors")
+        save_file({**load_file(file), **extra}, file)
+        model, params = from_pretrained(tmp_path / name)
+        assert "lm_head" not in params
+
+
+def test_hub_ids_go_through_snapshot_download(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    write_random_checkpoint(tmp_path, "gpt2")
+    calls = []
+
+    def fake_snapshot_download(**kwargs):
+        calls.append(kwargs)
+        return str(tmp_path)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    model, _ = from_pretrained("org/tiny-gpt2", revision="v1", local_files_only=True, token="t")
+    assert isinstance(model, GPT2Model)
+    (call,) = calls
+    assert call["repo_id"] == "org/tiny-gpt2" and call["revision"] == "v1"
+    assert call["local_files_only"] is True and call["token"] == "t"
+    assert "*.safetensors" in call["allow_patterns"] and "config.json" in call["allow_patterns"]
+    assert not any(".bin" in pattern for pattern in call["allow_patterns"])
+
+
+def test_hub_failure_is_a_checkpoint_error(monkeypatch):
+    import huggingface_hub
+
+    def failing(**kwargs):
+        raise OSError("offline")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", failing)
+    with pytest.raises(CheckpointError, match="org/missing.*offline"):
+        from_pretrained("org/missing")
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoint and config errors
+
+
+def test_missing_and_unexpected_tensors_are_named(tmp_path):
+    write_random_checkpoint(tmp_path, "llama")
+    file = os.path.join(tmp_path, "model.safetensors")
+    tensors = load_file(file)
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    tensors["model.layers.0.self_attn.q_norm.weight"] = np.ones(8, np.float32)
+    save_file(tensors, file)
+    with pytest.raises(CheckpointError) as error:
+        from_pretrained(tmp_path)
+    assert "model.layers.1.mlp.up_proj.weight" in str(error.value)
+    assert "model.layers.0.self_attn.q_norm.weight" in str(error.value)
+
+
+def test_wrong_shape_is_named(tmp_path):
+    write_random_checkpoint(tmp_path, "gpt2")
+    file = os.path.join(tmp_path, "model.safetensors")
+    tensors = load_file(file)
+    tensors["transformer.h.0.mlp.c_fc.weight"] = np.ones((128, 32), np.float32)
+    save_file(tensors, file)
+    with pytest.raises(CheckpointError, match=r"h\.0\.mlp\.c_fc\.weight: expected \(32, 128\)"):
+        from_pretrained(tmp_path)
+
+
+def test_pickle_only_checkpoint_is_rejected(tmp_path):
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(tiny_config("llama"), f)
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not read")
+    with pytest.raises(CheckpointError, match="pytorch_model.bin.*safetensors"):
+        from_pretrained(tmp_path)
+
+
+def test_missing_or_corrupt_files_are_named(tmp_path):
+    write_random_checkpoint(tmp_path / "sharded", "llama", num_shards=2)
+    os.remove(tmp_path / "sharded" / "model-00002-of-00002.safetensors")
+    with pytest.raises(CheckpointError, match="model-00002-of-00002.safetensors"):
+        from_pretrained(tmp_path / "sharded")
+    (tmp_path / "corrupt").mkdir()
+    write_random_checkpoint(tmp_path / "corrupt", "gpt2")
+    (tmp_path / "corrupt" / "model.safetensors").write_bytes(b"\x05\x00")
+    with pytest.raises(CheckpointError, match="not a valid safetensors file"):
+        from_pretrained(tmp_path / "corrupt")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="config.json"):
+        from_pretrained(tmp_path / "empty")
+    with pytest.raises(CheckpointError, match="no checkpoint folder"):
+        from_pretrained("./does/not/exist")
+
+
+@pytest.mark.parametrize(
+    "model_type, overrides, names",
+    [
+        ("bert", {}, ["'bert'", "llama, mistral, qwen2, gpt2"]),
+        (
+            "llama",
+            {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1.0}},
+            ["'longrope'", "llama3"],
+        ),
+        ("llama", {"rope_scaling": {"type": "su", "factor": 2.0}}, ["'su'"]),
+        (
+            "llama",
+            {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "beta": 1}},
+            ["'beta'"],
+        ),
+        ("llama", {"hidden_act": "xielu"}, ["hidden_act='xielu'"]),
+        ("llama", {"attn_logit_softcapping": 50.0}, ["attn_logit_softcapping"]),
+        ("llama", {"partial_rotary_factor": 0.5}, ["partial_rotary_factor"]),
+        ("llama", {"quantization_config": {"quant_method": "awq"}}, ["quantization_config"]),
+        ("llama", {"sliding_window": 4}, ["'sliding_window'"]),
+        ("qwen2", {"use_mrope": True}, ["use_mrope"]),
+        ("gpt2", {"add_cross_attention": True}, ["add_cross_attention"]),
+        ("gpt2", {"activation_function": "mish"}, ["activation_function='mish'"]),
+        ("mistral", {"some_new_key": 1}, ["'some_new_key'", "ignore_config_keys"]),
+    ],
+)
+def test_unsupported_configs_are_named(model_type, overrides, names):
+    config = tiny_config("llama" if model_type == "bert" else model_type, **overrides)
+    config["model_type"] = model_type
+    with pytest.raises(UnsupportedError) as error:
+        from_config(config)
+    for name in names:
+        assert name in str(error.value)
+
+
+def test_ignore_config_keys_vouches_for_unknown_keys():
+    config = tiny_config("llama", some_new_key=1)
+    with pytest.raises(UnsupportedError):
+        from_config(config)
+    assert from_config(config, ignore_config_keys=["some_new_key"]).num_layers == 2
+    stale = {"rope_type": "linear", "factor": 2.0, "original_max_position_embeddings": 8}
+    config = tiny_config("llama", rope_parameters=stale)
+    with pytest.raises(UnsupportedError, match="original_max_position_embeddings"):
+        from_config(config)
+    model = from_config(config, ignore_config_keys=["original_max_position_embeddings"])
+    assert model.config.rope.factor == 2.0
+
+
+def test_bad_dtype_is_rejected(tmp_path):
+    with pytest.raises(TypeError, match="floating"):
+        from_config(tiny_config("llama"), dtype="int32")
+
+
+# Real config.json files as transformers v4 wrote them (weights not needed).
+LLAMA32_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "initializer_range": 0.02,
+    "intermediate_size": 8192,
+    "max_position_embeddings": 131072,
+    "mlp_bias": False,
+    "model_type": "llama",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 16,
+    "num_key_value_heads": 8,
+    "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {
+        "factor": 32.0,
+        "high_freq_factor": 4.0,
+        "low_freq_factor": 1.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.45.0.dev0",
+    "use_cache": True,
+    "vocab_size": 128256,
+}
+QWEN25_CONFIG = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "hidden_act": "silu",
+    "hidden_size": 896,
+    "initializer_range": 0.02,
+    "intermediate_size": 4864,
+    "max_position_embeddings": 32768,
+    "max_window_layers": 21,
+    "model_type": "qwen2",
+    "num_attention_heads": 14,
+    "num_hidden_layers": 24,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0,
+    "sliding_window": 131072,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.43.1",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+MISTRAL01_CONFIG = {
+    "architectures": ["MistralForCausalLM"],
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 14336,
+    "max_position_embeddings": 32768,
+    "model_type": "mistral",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 10000.0,
+    "sliding_window": 4096,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.34.0.dev0",
+    "use_cache": True,
+    "vocab_size": 32000,
+}
+GPT2_CONFIG = {
+    "activation_function": "gelu_new",
+    "architectures": ["GPT2LMHeadModel"],
+    "attn_pdrop": 0.1,
+    "bos_token_id": 50256,
+    "embd_pdrop": 0.1,
+    "eos_token_id": 50256,
+    "initializer_range": 0.02,
+    "layer_norm_epsilon": 1e-05,
+    "model_type": "gpt2",
+    "n_ctx": 1024,
+    "n_embd": 768,
+    "n_head": 12,
+    "n_layer": 12,
+    "n_positions": 1024,
+    "resid_pdrop": 0.1,
+    "summary_activation": None,
+    "summary_first_dropout": 0.1,
+    "summary_proj_to_labels": True,
+    "summary_type": "cls_index",
+    "summary_use_proj": True,
+    "task_specific_params": {"text-generation": {"do_sample": True, "max_length": 50}},
+    "vocab_size": 50257,
+}
+
+
+def test_real_configs_parse():
+    assert from_config(LLAMA32_CONFIG).max_position_embeddings == 131072
+    llama = from_config(LLAMA32_CONFIG).config
+    assert (llama.head_dim, llama.num_kv_heads, llama.tie_word_embeddings) == (64, 8, True)
+    assert llama.rope == RopeConfig(
+        rope_type="llama3",
+        theta=500000.0,
+        dim=64,
+        factor=32.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=8192,
+        max_position_embeddings=131072,
+    )
+    qwen = from_config(QWEN25_CONFIG).config
+    assert qwen.sliding_windows == (None,) * 24 and qwen.qkv_bias and not qwen.o_bias
+    assert qwen.rope.theta == 1e6 and qwen.head_dim == 64
+    mistral = from_config(MISTRAL01_CONFIG).config
+    assert mistral.sliding_windows == (4096,) * 32 and mistral.head_dim == 128
+    gpt2 = from_config(GPT2_CONFIG)
+    assert gpt2.config.intermediate_size == 3072 and gpt2.max_position_embeddings == 1024
+    assert from_config({**LLAMA32_CONFIG, "rope_scaling": None}).config.rope.rope_type == "default"
+
+
+def test_qwen2_sliding_layers_follow_transformers():
+    def windows(**overrides):
+        return from_config(tiny_config("qwen2", num_hidden_layers=3, **overrides)).config
+
+    assert windows(sliding_window=4).sliding_windows == (None, None, None)
+    on = {"use_sliding_window": True, "sliding_window": 4}
+    assert windows(**on, max_window_layers=1).sliding_windows == (None, 4, 4)
+    layer_types = ["sliding_attention", "full_attention", "sliding_attention"]
+    assert windows(**on, layer_types=layer_types).sliding_windows == (4, None, 4)
+    with pytest.raises(CheckpointError, match="layer_types"):
+        windows(**on, layer_types=["local", "full_attention", "full_attention"])
+
+
+def test_legacy_rope_scaling_is_read():
+    config = tiny_config(
+        "llama",
+        rope_parameters=None,
+        rope_theta=500.0,
+        rope_scaling={"type": "linear", "factor": 4},
+    )
+    rope = from_config(config).config.rope
+    assert (rope.rope_type, rope.theta, rope.factor) == ("linear", 500.0, 4.0)
+    base = inverse_frequencies(dataclasses.replace(rope, rope_type="default", factor=None))
+    np.testing.assert_allclose(inverse_frequencies(rope), base / 4, rtol=1e-7)
+    np.testing.assert_allclose(base, 1 / 500.0 ** (np.arange(0, 8, 2) / 8), rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# Numerics
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_cached_decoding_equals_full_forward(tmp_path, case):
+    model_type, overrides = CASES[case]
+    model, params = _load(tmp_path, model_type, **overrides)
+    tokens, mask = _batch(model.vocab_size)
+    full, cache = _full_forward(model, params, tokens, mask)
+    assert full.shape == (3, 12, model.vocab_size) and full.dtype == np.float32
+    assert int(cache.index) == 12
+    real = mask.astype(bool)
+    assert np.isfinite(full).all()
+    for prefill in (5,):
+        steps = _stepwise(model, params, tokens, mask, prefill)
+        np.testing.assert_allclose(steps[real], full[real], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gpt2"])
+def test_jit_equals_eager_and_compiles_once(tmp_path, model_type):
+    model, params = _load(tmp_path, model_type)
+    same_model = from_config(os.path.join(tmp_path, "config.json"))
+    assert same_model == model and hash(same_model) == hash(model)
+
+    def apply(model, params, tokens, positions, cache, mask):
+        return model.apply(params, tokens, positions, cache, mask)
+
+    jitted = jax.jit(apply, static_argnums=0)
+    tokens, mask = _batch(model.vocab_size)
+    positions = _hf_positions(mask)
+    cache = model.init_cache(3, 12)
+    eager, _ = apply(model, params, tokens, positions, cache, mask)
+    compiled, new_cache = jitted(model, params, tokens, positions, cache, mask)
+    np.testing.assert_allclose(compiled, eager, atol=1e-5, rtol=1e-5)
+    assert isinstance(new_cache, KVCache)
+    other_tokens, other_mask = _batch(model.vocab_size, seed=1, lengths=(3, 12, 7))
+    jitted(same_model, params, other_tokens, _hf_positions(other_mask), cache, other_mask)
+    assert jitted._cache_size() == 1
+
+
+def test_sliding_window_changes_only_positions_beyond_it(tmp_path):
+    model, params = _load(tmp_path, "mistral", sliding_window=4)
+    full_model = LlamaModel(dataclasses.replace(model.config, sliding_windows=(None, None)))
+    tokens, mask = _batch(model.vocab_size, lengths=(10,), size=10)
+    windowed, _ = _full_forward(model, params, tokens, mask)
+    unwindowed, _ = _full_forward(full_model, params, tokens, mask)
+    np.testing.assert_allclose(windowed[0, :4], unwindowed[0, :4], atol=1e-6)
+    for position in range(4, 10):
+        assert np.abs(windowed[0, position] - unwindowed[0, position]).max() > 1e-3
+
+
+def test_dynamic_rope_scales_only_past_the_trained_length(tmp_path):
+    dynamic = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+    model, params = _load(tmp_path, "llama", rope_parameters=dynamic, max_position_embeddings=8)
+    plain = LlamaModel(dataclasses.replace(model.config, rope=RopeConfig(dim=8)))
+    short_tokens, short_mask = _batch(model.vocab_size, lengths=(8,), size=8)
+    np.testing.assert_allclose(
+        _full_forward(model, params, short_tokens, short_mask)[0],
+        _full_forward(plain, params, short_tokens, short_mask)[0],
+        atol=1e-6,
+    )
+    long_tokens, long_mask = _batch(model.vocab_size, lengths=(12,), size=12)
+    scaled = _full_forward(model, params, long_tokens, long_mask)[0]
+    unscaled = _full_forward(plain, params, long_tokens, long_mask)[0]
+    assert np.abs(scaled[0, 1:] - unscaled[0, 1:]).max() > 1e-3
+
+
+def test_apply_validates_shapes(tmp_path):
+    model, params = _load(tmp_path, "gpt2")
+    cache = model.init_cache(2, 8)
+    tokens = jnp.zeros((2, 3), jnp.int32)
+    with pytest.raises(InputError, match="attention_mask"):
+        model.apply(params, tokens, tokens, cache, jnp.ones((2, 3), jnp.int32))
+    with pytest.raises(InputError, match="positions"):
+        model.apply(params, tokens, tokens[:, :1], cache, jnp.ones((2, 8), jnp.int32))
+
+
+def test_init_params_matches_the_loaded_tree(tmp_path):
+    model, params = _load(tmp_path, "qwen2")
+    fresh = model.init_params(jax.random.key(0))
+    assert jax.tree_util.tree_structure(fresh) == jax.tree_util.tree_structure(params)
+    shapes = jax.tree_util.tree_map(lambda x: x.shape, fresh)
+    assert shapes == jax.tree_util.tree_map(lambda x: x.shape, params)
+
+
+# ---------------------------------------------------------------------------------------------
+# Parity with transformers (needs torch + transformers: `pytest -m parity`)
+
+
+def _hf_cases():
+    import transformers as tf
+
+    small = {
+        "vocab_size": 100,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 64,
+    }
+    llama3 = {
+        "rope_type": "llama3",
+        "rope_theta": 10000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8,
+    }
+    gpt2 = {
+        "vocab_size": 100,
+        "n_embd": 32,
+        "n_layer": 2,
+        "n_head": 4,
+        "n_positions": 64,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    return {
+        "llama_gqa_bias": (tf.LlamaConfig, {**small, "attention_bias": True, "mlp_bias": True}),
+        "llama3_tied": (
+            tf.LlamaConfig,
+            {**small, "rope_parameters": llama3, "tie_word_embeddings": True},
+        ),
+        "llama_linear": (
+            tf.LlamaConfig,
+            {**small, "rope_parameters": {"rope_type": "linear", "factor": 2.0}},
+        ),
+        "llama_dynamic": (
+            tf.LlamaConfig,
+            {
+                **small,
+                "max_position_embeddings": 8,
+                "rope_parameters": {"rope_type": "dynamic", "factor": 2.0},
+            },
+        ),
+        "llama_yarn": (
+            tf.LlamaConfig,
+            {
+                **small,
+                "rope_parameters": {
+                    "rope_type": "yarn",
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 16,
+                },
+            },
+        ),
+        "llama_head_dim": (tf.LlamaConfig, {**small, "head_dim": 16}),
+        "qwen2": (tf.Qwen2Config, small),
+        "qwen2_window": (
+            tf.Qwen2Config,
+            {**small, "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1},
+        ),
+        "mistral_window": (tf.MistralConfig, {**small, "sliding_window": 4, "head_dim": 16}),
+        "gpt2": (tf.GPT2Config, gpt2),
+        "gpt2_variants": (
+            tf.GPT2Config,
+            {
+                **gpt2,
+                "tie_word_embeddings": False,
+                "scale_attn_by_inverse_layer_idx": True,
+                "reorder_and_upcast_attn": True,
+                "activation_function": "gelu",
+            },
+        ),
+    }
+
+
+PARITY_CASES = [
+    "llama_gqa_bias",
+    "llama3_tied",
+    "llama_linear",
+    "llama_dynamic",
+    "llama_yarn",
+    "llama_head_dim",
+    "qwen2",
+    "qwen2_window",
+    "mistral_window",
+    "gpt2",
+    "gpt2_variants",
+]
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("case", PARITY_CASES)
+def test_parity_with_transformers(tmp_path, case):
+    torch = pytest.importorskip("torch")
+    tf = pytest.importorskip("transformers")
+    config_class, kwargs = _hf_cases()[case]
+    torch.manual_seed(0)
+    hf_model = tf.AutoModelForCausalLM.from_config(
+        config_class(**kwargs), attn_implementation="eager"
+    ).eval()
+    with torch.no_grad():
+        for name, param in hf_model.named_parameters():
+            noise = torch.randn_like(param)
+            if param.ndim > 1:
+                param.copy_(noise / param.shape[-1] ** 0.5 * 2)
+            elif "ln_" in name or "norm" in name:
+                param.copy_(1 + 0.1 * noise) if name.endswith("weight") else param.copy_(noise / 10)
+            else:
+                param.copy_(noise / 10)
+    hf_model.save_pretrained(tmp_path, safe_serialization=True)
+
+    model, params = from_pretrained(tmp_path)
+    tokens, mask = _batch(100, seed=3)
+    positions = _hf_positions(mask)
+    with torch.no_grad():
+        expected = hf_model(
+            input_ids=torch.from_numpy(tokens).long(),
+            attention_mask=torch.from_numpy(mask).long(),
+            position_ids=torch.from_numpy(positions).long(),
+            use_cache=False,
+        ).logits.numpy()
+    got, _ = _full_forward(model, params, tokens, mask)
+    real = mask.astype(bool)
+    assert np.abs(expected[real]).max() > 1.0  # the comparison is not trivially small
+    np.testing.assert_allclose(got[real], expected[real], atol=1e-4, rtol=1e-4)

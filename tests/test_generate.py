@@ -32,10 +32,9 @@ def _cases():
             yield pytest.param(arch, case["name"], id=f"{arch}-{case['name']}")
 
 
-@pytest.mark.parametrize("arch, name", list(_cases()))
-def test_matches_recorded_transformers(arch, name):
-    model, params, meta, records = _load(arch)
-    case = next(c for c in meta["cases"] if c["name"] == name)
+def _check_case(model, params, case, records):
+    """Runs one recorded transformers case through genjax and compares the outputs."""
+    name = case["name"]
     kwargs = dict(case["generate_kwargs"])
     kwargs.pop("return_dict_in_generate", None)
     prefix = case["inputs"]
@@ -59,6 +58,26 @@ def test_matches_recorded_transformers(arch, name):
     np.testing.assert_allclose(out.logits[:, :steps], expected_logits, atol=1e-4)
     np.testing.assert_allclose(out.scores[:, :steps], expected_scores, atol=1e-4)
     np.testing.assert_array_equal(out.scores[:, steps:], 0.0)
+
+
+@pytest.mark.parametrize("arch, name", list(_cases()))
+def test_matches_recorded_transformers(arch, name):
+    model, params, meta, records = _load(arch)
+    _check_case(model, params, next(c for c in meta["cases"] if c["name"] == name), records)
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("arch", ARCHS)
+def test_matches_live_transformers(arch, tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_fixtures", FIXTURES / "make_fixtures.py")
+    make_fixtures = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_fixtures)
+    built = make_fixtures.build_case(arch, tmp_path)
+    model, params = genjax.models.from_pretrained(tmp_path)
+    for case in built["cases"]:
+        _check_case(model, params, case, built["arrays"])
 
 
 def _llama():

@@ -143,71 +143,37 @@ def _generate_jit(
     max_new_tokens,
     logits_processor,
 ) -> GenerateOutput:
-    """The compiled body of ``generate``; ``offset`` (traced) counts the bucket padding slots."""
+    """The compiled body of ``generate``: prefill, repeat rows for ``num_return_sequences``,
+    decode. ``offset`` (traced) counts the bucket padding slots at the start of each row."""
     pad_token_id, eos_token_ids = _special_ids(config)
-    return _prefill_and_decode(
-        model,
-        params,
-        input_ids,
-        attention_mask,
-        config,
-        key,
-        offset,
-        max_new_tokens,
-        pad_token_id,
-        eos_token_ids,
-        logits_processor,
-    )
-
-
-def _prefill_and_decode(
-    model,
-    params,
-    input_ids,
-    attention_mask,
-    config,
-    key,
-    offset,
-    max_new_tokens,
-    pad_token_id,
-    eos_token_ids,
-    logits_processor,
-) -> GenerateOutput:
-    """Runs the prompt through the model, repeats rows for ``num_return_sequences``, decodes."""
     batch, prompt_length = input_ids.shape
-    total = prompt_length + max_new_tokens
-    repeats = config.num_return_sequences
+    rows = jnp.repeat(jnp.arange(batch), config.num_return_sequences)  # int32[B*R]
 
     # Position ids as transformers v5 computes them: count real tokens; padding gets 0.
     positions = jnp.maximum(jnp.cumsum(attention_mask, axis=-1) - 1, 0)
-    cache_mask = jnp.concatenate(
-        [attention_mask, jnp.ones((batch, max_new_tokens), jnp.int32)], axis=1
-    )
-    cache = model.init_cache(batch, total)
+    new_slots = jnp.ones((batch, max_new_tokens), jnp.int32)
+    cache_mask = jnp.concatenate([attention_mask, new_slots], axis=1)  # int32[B, S]
+    cache = model.init_cache(batch, prompt_length + max_new_tokens)
     logits, cache = model.apply(params, input_ids, positions, cache, cache_mask)
 
-    rows = jnp.repeat(jnp.arange(batch), repeats)
-    tokens = jnp.concatenate(
-        [input_ids, jnp.full((batch, max_new_tokens), pad_token_id, jnp.int32)], axis=1
-    )
-    vocab = logits.shape[-1]
-    record = lambda flag: jnp.zeros((batch * repeats, max_new_tokens, vocab)) if flag else None
+    tokens = jnp.concatenate([input_ids, new_slots * pad_token_id], axis=1)  # int32[B, S]
+    recorded = (batch * config.num_return_sequences, max_new_tokens, logits.shape[-1])
     state = DecodeState(
         tokens=tokens[rows],
         length=jnp.asarray(prompt_length, jnp.int32),
         positions=jnp.sum(attention_mask, axis=-1)[rows].astype(jnp.int32),
         cache=cache.gather_rows(rows),
         attention_mask=cache_mask[rows],
-        finished=jnp.zeros((batch * repeats,), bool),
+        finished=jnp.zeros(rows.shape, bool),
         key=key,
-        scores=record(config.output_scores),
-        raw_logits=record(config.output_logits),
+        scores=jnp.zeros(recorded) if config.output_scores else None,
+        raw_logits=jnp.zeros(recorded) if config.output_logits else None,
     )
     context = LogitsContext(
         tokens=state.tokens,
         length=state.length,
         offset=offset,
-        prompt_end=jnp.asarray(prompt_length, jnp.int32),
+        prompt_end=state.length,
         first_valid=jnp.argmax(state.attention_mask != 0, axis=-1).astype(jnp.int32),
     )
     rules = DecodeRules(

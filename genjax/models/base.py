@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -25,6 +26,7 @@ class ModelBase:
     """
 
     config: Any
+    config_class: type = object  # the frozen config dataclass, with a ``from_hf`` constructor
     hf_prefix: str = ""
     _hf_buffers: re.Pattern | None = None
 
@@ -33,6 +35,23 @@ class ModelBase:
 
     def _hf_transposed(self, path: tuple[str, ...]) -> bool:
         raise NotImplementedError
+
+    @classmethod
+    def from_hf_config(
+        cls, config: Mapping[str, Any], dtype: str = "float32", ignore_config_keys=()
+    ) -> ModelBase:
+        """Builds the model from an HF ``config.json`` dict (see the config class's ``from_hf``)."""
+        return cls(cls.config_class.from_hf(config, dtype, ignore_config_keys))
+
+    @property
+    def max_position_embeddings(self) -> int | None:
+        """The context length from config.json; transformers caps generation lengths by it."""
+        return self.config.max_position_embeddings
+
+    @property
+    def head_dim(self) -> int:
+        """``H``."""
+        return self.config.head_dim
 
     @property
     def vocab_size(self) -> int:

@@ -256,31 +256,15 @@ class GPT2Model(ModelBase):
 
     config: GPT2Config
 
+    config_class = GPT2Config
     hf_prefix = "transformer."
     # The causal-mask buffers old GPT-2 checkpoints saved with the weights.
     _hf_buffers = re.compile(r"(^|\.)(attn|crossattention)\.(bias|masked_bias)$")
-
-    @classmethod
-    def from_hf_config(
-        cls, config: Mapping[str, Any], dtype: str = "float32", ignore_config_keys=()
-    ) -> GPT2Model:
-        """Builds the model from an HF ``config.json`` dict (see :meth:`GPT2Config.from_hf`)."""
-        return cls(GPT2Config.from_hf(config, dtype, ignore_config_keys))
-
-    @property
-    def max_position_embeddings(self) -> int:
-        """``n_positions``: position ids must stay below it (the rows of ``wpe``)."""
-        return self.config.max_position_embeddings
 
     @property
     def num_kv_heads(self) -> int:
         """``K = N``."""
         return self.config.num_heads
-
-    @property
-    def head_dim(self) -> int:
-        """``H``."""
-        return self.config.head_dim
 
     def _module(self) -> nn.Module:
         return _GPT2LM(self.config)

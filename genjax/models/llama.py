@@ -362,30 +362,14 @@ class LlamaModel(ModelBase):
 
     config: LlamaConfig
 
+    config_class = LlamaConfig
     hf_prefix = "model."
     _hf_buffers = re.compile(r"rotary_emb\.inv_freq$")
-
-    @classmethod
-    def from_hf_config(
-        cls, config: Mapping[str, Any], dtype: str = "float32", ignore_config_keys=()
-    ) -> LlamaModel:
-        """Builds the model from an HF ``config.json`` dict (see :meth:`LlamaConfig.from_hf`)."""
-        return cls(LlamaConfig.from_hf(config, dtype, ignore_config_keys))
-
-    @property
-    def max_position_embeddings(self) -> int | None:
-        """The trained context from config.json (rotary models run past it, but HF caps by it)."""
-        return self.config.max_position_embeddings
 
     @property
     def num_kv_heads(self) -> int:
         """``K``."""
         return self.config.num_kv_heads
-
-    @property
-    def head_dim(self) -> int:
-        """``H``."""
-        return self.config.head_dim
 
     def _module(self) -> nn.Module:
         return _LlamaLM(self.config)

@@ -9,7 +9,7 @@ Example:
 The axis letters used in shapes throughout are defined in :mod:`genjax.typing`.
 """
 
-from genjax import models, processors
+from genjax import models, processors, tokenizer
 from genjax.config import GenerationConfig, GenerationMode
 from genjax.generate import generate
 from genjax.outputs import GenerateOutput, compute_transition_scores
@@ -24,4 +24,5 @@ __all__ = [
     "generate",
     "models",
     "processors",
+    "tokenizer",
 ]

@@ -9,7 +9,7 @@ Example:
 The axis letters used in shapes throughout are defined in :mod:`genjax.typing`.
 """
 
-from genjax import models, processors, tokenizer
+from genjax import models, processors, sharding, tokenizer
 from genjax.config import GenerationConfig, GenerationMode
 from genjax.generate import generate
 from genjax.outputs import GenerateOutput, compute_transition_scores
@@ -24,5 +24,6 @@ __all__ = [
     "generate",
     "models",
     "processors",
+    "sharding",
     "tokenizer",
 ]

@@ -2,11 +2,13 @@
 
 Static or traced:
     Static (a change compiles a new program): the model, the prompt bucket length, the number of
-    new tokens ``N``, ``num_return_sequences``, which processors are enabled, the output flags,
-    the user's extra processors.
+    new tokens ``N``, ``num_return_sequences``, ``num_beams``, ``early_stopping``, which
+    processors are enabled, the output flags, the user's extra processors and stopping criteria,
+    whether ``max_time`` is set, and the number of stop strings and the shapes of their tables.
     Traced (a change reuses the compiled program): the parameters, the token ids and mask, the
     PRNG key, every sampling value (``temperature``, ``top_k``, ``top_p``, ``min_p``,
-    ``repetition_penalty``), the pad and EOS ids, and the prompt length within its bucket.
+    ``repetition_penalty``), ``length_penalty``, the pad and EOS ids, the ``max_time`` value,
+    the stop-string tables' contents, and the prompt length within its bucket.
 
 Prompt buckets: called with concrete arrays, ``generate`` left-pads the prompt to the next bucket
 length (a power of two, at least 16) with masked slots, so nearby prompt lengths share one
@@ -21,13 +23,14 @@ Differences from transformers forced by static shapes: outputs always hold ``N``
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from genjax.config import GenerationConfig
+from genjax.decoding import beam
 from genjax.decoding.sampling import (
     DecodeRules,
     DecodeState,
@@ -37,11 +40,18 @@ from genjax.decoding.sampling import (
 )
 from genjax.errors import InputError, UnsupportedError
 from genjax.outputs import GenerateOutput
-from genjax.processors import LogitsContext, Processor, from_config
+from genjax.processors import LogitsContext, Processor, from_config, validate_config
+from genjax.stopping import (
+    StopCriterion,
+    as_criteria,
+    start_timer,
+    stop_string_table,
+    stopping_rules,
+)
 from genjax.typing import Array, PyTree
 
 MIN_BUCKET = 16
-_SUPPORTED_MODES = ("greedy_search", "sample")
+_SUPPORTED_MODES = ("greedy_search", "sample", "beam_search", "beam_sample")
 
 
 def bucket_length(prompt_length: int) -> int:
@@ -63,9 +73,16 @@ def generate(
     attention_mask: Array | None = None,
     key: Array | None = None,
     logits_processor: Sequence[Processor] = (),
+    allowed_tokens_fn: Callable[[Array, Array], Array] | None = None,
+    stopping_criteria: Sequence[StopCriterion] = (),
+    tokenizer=None,
     **config_overrides,
 ) -> GenerateOutput:
-    """Generates tokens after ``input_ids`` with greedy decoding or multinomial sampling.
+    """Generates tokens after ``input_ids``: greedy, sampling, beam search or beam sampling.
+
+    The strategy follows ``config.generation_mode``. Beam search (``num_beams > 1``; see
+    :mod:`genjax.decoding.beam`) also returns ``sequences_scores`` float32[B*R] and
+    ``beam_indices`` int32[B*R, N], and its ``scores``/``logits`` have ``B*M`` rows.
 
     Args:
         model: a model following the protocol of :mod:`genjax.models` (hashable; static).
@@ -80,13 +97,26 @@ def generate(
         logits_processor: extra processors (``(scores[B, V], context) -> scores``) applied after
             the configured ones and before the sampling warpers, as in transformers. Static:
             pass the same objects to reuse a compiled program.
+        allowed_tokens_fn: a jittable ``fn(tokens int32[B, S], length int32[]) -> bool[B, V]``
+            mask of the tokens allowed next, transformers' ``prefix_allowed_tokens_fn`` (see
+            :func:`genjax.processors.allowed_tokens`). Static: pass the same function to reuse a
+            compiled program.
+        stopping_criteria: extra stopping rules ``fn(tokens int32[B, S], length int32[]) ->
+            bool[B]``, True where a row is done, checked after each new token (the newest at
+            slot ``length - 1``) like transformers' ``StoppingCriteriaList``; see
+            :data:`genjax.stopping.StopCriterion`. Static: hashable callables.
+        tokenizer: the model's tokenizer (a transformers tokenizer, a ``tokenizers.Tokenizer``,
+            or an object with ``get_vocab()``), required by ``config.stop_strings``. Its tables
+            are built once per vocabulary and stop strings, then traced.
         **config_overrides: generation config fields overriding ``config`` for this call.
 
     Returns:
         A :class:`GenerateOutput`; ``sequences`` is int32[B*R, P+N].
 
     Raises:
-        InputError: malformed ``input_ids``, ``attention_mask`` or ``key``.
+        InputError: malformed ``input_ids``, ``attention_mask`` or ``key``; ``stop_strings``
+            without a ``tokenizer``.
+        TypeError: a stopping criterion that is not a hashable callable.
         GenerationConfigError: an invalid config.
         UnsupportedError: a generation mode or option genjax does not support yet.
 
@@ -99,11 +129,19 @@ def generate(
     config = _effective_config(config, config_overrides)
     resolved = config.with_defaults()
     _check_mode(resolved)
+    validate_config(resolved, model.vocab_size)
     input_ids, attention_mask, key = _check_inputs(model, input_ids, attention_mask, key, resolved)
     prompt_length = input_ids.shape[1]
     max_new_tokens = _num_new_tokens(config, resolved, prompt_length, model)
     if resolved.min_new_tokens is not None:  # transformers: min_new_tokens overrides min_length
         resolved = resolved.replace(min_length=0)
+    stopping_criteria = as_criteria(stopping_criteria)
+    if stopping_criteria and resolved.num_beams > 1:
+        raise UnsupportedError(
+            "stopping_criteria are not supported with beam search yet: beams stop on EOS and "
+            "length only. Remove stopping_criteria, or set num_beams=1."
+        )
+    stop_strings = _stop_string_table(resolved, tokenizer)
 
     pad_token_id, eos_token_ids = _special_ids(resolved)
     if attention_mask is None:
@@ -122,15 +160,27 @@ def generate(
         resolved,
         key if key is not None else jax.random.key(0),
         jnp.asarray(offset, jnp.int32),
+        stop_strings,
         max_new_tokens=max_new_tokens,
         logits_processor=tuple(logits_processor),
+        allowed_tokens_fn=allowed_tokens_fn,
+        stopping_criteria=stopping_criteria,
     )
     if offset:
         out = out.replace(sequences=out.sequences[:, offset:])
     return out
 
 
-@functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "logits_processor"))
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "model",
+        "max_new_tokens",
+        "logits_processor",
+        "allowed_tokens_fn",
+        "stopping_criteria",
+    ),
+)
 def _generate_jit(
     model,
     params,
@@ -139,13 +189,39 @@ def _generate_jit(
     config,
     key,
     offset,
+    stop_strings=None,
     *,
     max_new_tokens,
     logits_processor,
+    allowed_tokens_fn=None,
+    stopping_criteria=(),
 ) -> GenerateOutput:
     """The compiled body of ``generate``: prefill, repeat rows for ``num_return_sequences``,
-    decode. ``offset`` (traced) counts the bucket padding slots at the start of each row."""
+    decode. ``offset`` (traced) counts the bucket padding slots at the start of each row;
+    ``stop_strings`` is a :class:`~genjax.stopping.StopStringTable` or None."""
+    if config.num_beams > 1:
+        return _generate_beams(
+            model,
+            params,
+            input_ids,
+            attention_mask,
+            config,
+            key,
+            offset,
+            max_new_tokens=max_new_tokens,
+            logits_processor=logits_processor,
+            allowed_tokens_fn=allowed_tokens_fn,
+        )
     pad_token_id, eos_token_ids = _special_ids(config)
+    stopping = stopping_rules(
+        eos_token_ids,
+        criteria=stopping_criteria,
+        stop_strings=stop_strings,
+        max_time=config.max_time,
+        first_slot=offset,
+    )
+    # max_time counts from here, before the prefill, as transformers' MaxTimeCriteria does.
+    stopping, (input_ids,) = start_timer(stopping, input_ids)
     batch, prompt_length = input_ids.shape
     rows = jnp.repeat(jnp.arange(batch), config.num_return_sequences)  # int32[B*R]
 
@@ -177,14 +253,95 @@ def _generate_jit(
         first_valid=jnp.argmax(state.attention_mask != 0, axis=-1).astype(jnp.int32),
     )
     rules = DecodeRules(
-        process=from_config(config, eos_token_ids, extra=logits_processor),
+        process=from_config(
+            config, eos_token_ids, extra=logits_processor, allowed_tokens_fn=allowed_tokens_fn
+        ),
         choose=sampling_chooser() if config.do_sample else greedy_chooser(),
         context=context,
         pad_token_id=pad_token_id,
-        eos_token_ids=eos_token_ids,
+        stopping=stopping,
     )
     state = decode(model.apply, params, state, logits[rows, -1], rules)
     return GenerateOutput(sequences=state.tokens, scores=state.scores, logits=state.raw_logits)
+
+
+def _generate_beams(
+    model,
+    params,
+    input_ids,
+    attention_mask,
+    config,
+    key,
+    offset,
+    *,
+    max_new_tokens,
+    logits_processor,
+    allowed_tokens_fn=None,
+) -> GenerateOutput:
+    """Beam search / beam sampling: prefill each prompt once, repeat its cache rows for the M
+    beams, run :func:`genjax.decoding.beam.beam_search`, return the R best hypotheses."""
+    pad_token_id, eos_token_ids = _special_ids(config)
+    batch, prompt_length = input_ids.shape
+    num_beams = config.num_beams
+    positions = jnp.maximum(jnp.cumsum(attention_mask, axis=-1) - 1, 0)
+    new_slots = jnp.ones((batch, max_new_tokens), jnp.int32)
+    cache_mask = jnp.concatenate([attention_mask, new_slots], axis=1)  # int32[B, S]
+    cache = model.init_cache(batch, prompt_length + max_new_tokens)
+    logits, cache = model.apply(params, input_ids, positions, cache, cache_mask)
+
+    recorded = (batch * num_beams, max_new_tokens, logits.shape[-1])
+    state = beam.init_state(
+        jnp.concatenate([input_ids, new_slots * pad_token_id], axis=1),
+        cache,
+        cache_mask,
+        key,
+        num_beams=num_beams,
+        num_new_tokens=max_new_tokens,
+        scores_shape=recorded if config.output_scores else None,
+        logits_shape=recorded if config.output_logits else None,
+    )
+    context = LogitsContext(
+        tokens=state.tokens,
+        length=state.length,
+        offset=offset,
+        prompt_end=state.length,
+        first_valid=jnp.argmax(state.attention_mask != 0, axis=-1).astype(jnp.int32),
+    )
+    rules = beam.BeamRules(
+        process=from_config(
+            config, eos_token_ids, extra=logits_processor, allowed_tokens_fn=allowed_tokens_fn
+        ),
+        do_sample=bool(config.do_sample),
+        early_stopping=config.early_stopping,
+        context=context,
+        length_penalty=config.length_penalty,
+        eos_token_ids=eos_token_ids,
+    )
+    first_logits = jnp.repeat(logits[:, -1], num_beams, axis=0)
+    state = beam.beam_search(model.apply, params, state, first_logits, rules)
+    sequences, sequences_scores, beam_indices = beam.best_hypotheses(
+        state, config.num_return_sequences
+    )
+    return GenerateOutput(
+        sequences=sequences,
+        scores=state.scores,
+        logits=state.raw_logits,
+        sequences_scores=sequences_scores,
+        beam_indices=beam_indices,
+    )
+
+
+def _stop_string_table(config: GenerationConfig, tokenizer):
+    """The stop-string tables (built on the host, cached), or None without stop strings."""
+    if config.stop_strings is None:
+        return None
+    if tokenizer is None:
+        raise InputError(
+            f"stop_strings={config.stop_strings!r} need the model's tokenizer to find the tokens "
+            f"that spell them, but no tokenizer was given. Pass tokenizer= to generate (a "
+            f"transformers tokenizer or a tokenizers.Tokenizer), or unset stop_strings."
+        )
+    return stop_string_table(tokenizer, config.stop_strings)
 
 
 def _special_ids(config: GenerationConfig) -> tuple[Array, Array | None]:
@@ -239,6 +396,8 @@ def _effective_config(config: GenerationConfig | None, overrides: dict) -> Gener
 
 
 def _check_mode(config: GenerationConfig) -> None:
+    if config.num_beams > 1:
+        beam.check_supported(config)
     mode = str(config.generation_mode.value)
     if mode not in _SUPPORTED_MODES:
         raise UnsupportedError(

@@ -2,10 +2,17 @@
 
 Static shapes: every output has the full ``N = max_new_tokens`` steps, even when all rows finished
 earlier (transformers returns only the steps it ran). Slots of ``sequences`` past a row's end
-hold ``pad_token_id``; steps of ``scores`` and ``logits`` that were never run hold 0.
+hold ``pad_token_id``; steps of ``scores`` and ``logits`` that were never run hold 0; columns of
+``beam_indices`` past a hypothesis' end hold -1. Cutting genjax's outputs to transformers' length
+``n`` (the steps run) gives transformers' ``scores``/``logits``; for beam search transformers cuts
+``sequences`` and ``beam_indices`` further, to the longest returned hypothesis (``P +`` the most
+non-negative ``beam_indices`` in a row).
 """
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -18,50 +25,85 @@ from genjax.typing import Array
 class GenerateOutput:
     """The result of :func:`genjax.generate`.
 
-    R is ``num_return_sequences``; rows of one prompt are adjacent (row ``b * R + r``).
+    R is ``num_return_sequences`` and M ``num_beams``; rows of one prompt are adjacent (row
+    ``b * R + r``, and ``b * M + m`` for beam search's ``scores`` and ``logits``).
     """
 
     sequences: Array  # int32[B*R, P+N]: the prompt as given, then new tokens
-    scores: Array | None = None  # float32[B*R, N, V]: processed scores, if output_scores
-    logits: Array | None = None  # float32[B*R, N, V]: raw logits, if output_logits
+    scores: Array | None = None  # float32[B*R, N, V] processed scores (beams: [B*M, N, V])
+    logits: Array | None = None  # float32[B*R, N, V] raw logits (beams: [B*M, N, V])
     sequences_scores: Array | None = None  # float32[B*R]: beam search only
-    beam_indices: Array | None = None  # int32[B*R, N]: beam search only
+    beam_indices: Array | None = None  # int32[B*R, N]: beam search only; rows of `scores`
 
 
 def compute_transition_scores(
     sequences: Array,
-    scores: Array,
+    scores: Array | Sequence[Array],
     beam_indices: Array | None = None,
     normalize_logits: bool = False,
 ) -> Array:
     """Returns the score of each generated token, as transformers' method of the same name.
 
+    For beam search, ``scores[:, t]`` holds one row per running beam (``B*M`` rows) and
+    ``beam_indices[r, t]`` names the row that produced token ``t`` of sequence ``r``, so the
+    transition score is ``scores[beam_indices[r, t], t, token]``. Summed over a sequence and divided
+    by ``length ** length_penalty`` (``length`` = the non-negative entries of its
+    ``beam_indices`` row, its generated tokens including EOS) it gives ``sequences_scores``, when
+    ``normalize_logits=False`` (the processed scores already are log-probabilities).
+
     Args:
-        sequences: int32[B, P+N], as returned by ``generate``.
-        scores: float32[B, N, V], the processed scores (or raw logits) of each step.
-        beam_indices: int32[B, N], the beam each step's token came from (beam search), where -1
-            marks steps after the sequence ended; None for greedy and sampling.
+        sequences: int32[B*R, P+n], as returned by ``generate`` (or by transformers).
+        scores: float32[rows, N, V], the processed scores (or raw logits) of each step; or a
+            sequence of float32[rows, V], one per step, as transformers returns them. ``rows`` is
+            ``B*R`` without beams and ``B*M`` with them.
+        beam_indices: int32[B*R, n] (``n <= N``): the row of ``scores`` each step's token came
+            from, -1 after the sequence ended; None for greedy and sampling (then row ``r`` of
+            ``scores`` belongs to sequence ``r`` and ``n = N``).
         normalize_logits: apply ``log_softmax`` over V to each step first.
 
     Returns:
-        float32[B, N]: ``scores[b, t, sequences[b, P + t]]`` (for beam search, read in the row of
-        ``beam_indices[b, t]``); 0 where ``beam_indices`` is -1.
+        float32[B*R, n]: the score of each of the last ``n`` tokens of ``sequences``; 0 where
+        ``beam_indices`` is -1. (transformers cuts the result to the longest sequence; genjax
+        keeps ``n`` columns, the extra ones 0.)
 
     Example:
-        >>> out = genjax.generate(model, params, ids, cfg.replace(output_scores=True))
-        >>> genjax.compute_transition_scores(out.sequences, out.scores, normalize_logits=True)
+        >>> out = genjax.generate(model, params, ids, cfg.replace(num_beams=4, output_scores=True))
+        >>> steps = genjax.compute_transition_scores(out.sequences, out.scores, out.beam_indices)
+        >>> length = (out.beam_indices >= 0).sum(-1)
+        >>> steps.sum(-1) / length**cfg.length_penalty  # == out.sequences_scores
+
+    References:
+        Hugging Face transformers v5, ``GenerationMixin.compute_transition_scores``.
     """
+    if isinstance(scores, (list, tuple)):
+        scores = jnp.stack([jnp.asarray(step) for step in scores], axis=1)
     scores = jnp.asarray(scores, jnp.float32)
-    batch, steps, _ = scores.shape
+    sequences = jnp.asarray(sequences)
+    if scores.ndim != 3 or sequences.ndim != 2:
+        raise ValueError(
+            f"compute_transition_scores expects sequences int[rows, length] and scores "
+            f"float[rows, steps, vocab]; got shapes {sequences.shape} and {scores.shape}."
+        )
+    if beam_indices is None:
+        rows, steps = scores.shape[:2]
+        beam_indices = jnp.broadcast_to(jnp.arange(rows)[:, None], (rows, steps))
+    beam_indices = jnp.asarray(beam_indices)
+    steps = beam_indices.shape[1]
+    if steps > scores.shape[1] or steps > sequences.shape[1]:
+        raise ValueError(
+            f"beam_indices covers {steps} steps, but scores holds {scores.shape[1]} and sequences "
+            f"{sequences.shape[1]} tokens. Pass the outputs of one generate call."
+        )
+    return _transition_scores(sequences, scores, beam_indices, normalize_logits)
+
+
+@functools.partial(jax.jit, static_argnames="normalize_logits")
+def _transition_scores(sequences, scores, beam_indices, normalize_logits):
     if normalize_logits:
         scores = jax.nn.log_softmax(scores, axis=-1)
-    new_tokens = jnp.asarray(sequences)[:, -steps:]
-    if beam_indices is None:
-        rows = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, steps))
-        unused = jnp.zeros((batch, steps), bool)
-    else:
-        beam_indices = jnp.asarray(beam_indices)
-        unused = beam_indices < 0
-        rows = jnp.where(unused, 0, beam_indices)
+    steps = beam_indices.shape[1]
+    unused = beam_indices < 0
+    rows = jnp.where(unused, 0, beam_indices)
+    new_tokens = sequences[:, sequences.shape[1] - steps :]
     picked = scores[rows, jnp.arange(steps)[None, :], new_tokens]
     return jnp.where(unused, 0.0, picked)

@@ -4,13 +4,34 @@ A processor is a function ``(scores, context) -> scores`` on float32[B, V] score
 ``context`` is a :class:`LogitsContext` describing the token buffer. Factories close over their
 settings (optax-style); :func:`chain` composes processors left to right; :func:`from_config` builds
 the chain transformers' ``generate`` would build from a :class:`~genjax.GenerationConfig`, in the
-same order, using only the primitives in this module.
+same order, using only the factories in this module. Each factory is named after the config field
+it implements:
+
+=============================== ===========================================================
+token rules                     ``sequence_bias``, ``repetition_penalty``,
+                                ``no_repeat_ngram_size``, ``bad_words_ids``, ``min_length``,
+                                ``min_new_tokens``, ``allowed_tokens`` (transformers'
+                                ``prefix_allowed_tokens_fn``), ``forced_bos_token_id``,
+                                ``forced_eos_token_id``, ``remove_invalid_values``,
+                                ``exponential_decay_length_penalty``, ``suppress_tokens``,
+                                ``begin_suppress_tokens``
+sampling warpers                ``temperature``, ``top_h``, ``top_k``, ``top_p``, ``min_p``,
+                                ``typical_p``, ``epsilon_cutoff``, ``eta_cutoff``
+last                            ``renormalize_logits``
+=============================== ===========================================================
+
+Every docstring states the processor's cost per call. ``top_k``, ``top_p`` and ``top_h`` never
+sort the whole vocabulary on ordinary steps and share one partial sort when adjacent in a chain
+(see :class:`SortedFilter`).
 
 Static or traced:
-    Settings such as ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty`` and
-    token ids may be Python numbers or traced arrays, scalars or one value per row (``[B]``);
-    changing them never recompiles. Which processors are in a chain, and ``min_tokens_to_keep``,
-    are static (they shape the program).
+    Strengths, cut-offs and token ids that are single values (``temperature``, ``top_k``,
+    ``top_p``, ``min_p``, ``top_h``, ``typical_p``, ``epsilon_cutoff``, ``eta_cutoff``,
+    ``repetition_penalty``, the forced token ids, the EOS ids, the decay start and factor, the
+    sequence biases) may be Python numbers or traced arrays, most of them one value per row
+    (``[B]``); changing them never recompiles. Static (they shape the program): which processors
+    are in a chain, ``min_tokens_to_keep``, ``no_repeat_ngram_size``, the token sequences of
+    ``bad_words_ids`` and ``sequence_bias``, and the user's ``allowed_tokens`` function.
 
 Example:
     >>> import jax.numpy as jnp
@@ -21,10 +42,17 @@ Example:
     [[-inf, 4.285714149475342, 2.857142925262451, -inf]]
 
 References:
-    Holtzman et al. 2020, "The Curious Case of Neural Text Degeneration" (top-p).
-    Nguyen et al. 2024, "Turning Up the Heat: Min-p Sampling for Creative and Coherent LLM Outputs".
     Keskar et al. 2019, "CTRL: A Conditional Transformer Language Model" (repetition penalty).
-    Hugging Face transformers' ``generation/logits_process.py`` defines the semantics matched here.
+    Holtzman et al. 2020, "The Curious Case of Neural Text Degeneration" (top-p).
+    Meister et al. 2022, "Locally Typical Sampling" (typical decoding), arXiv:2202.00666.
+    Hewitt et al. 2022, "Truncation Sampling as Language Model Desmoothing" (epsilon, eta),
+    arXiv:2210.15191.
+    "Top-H Decoding: Adapting the Creativity and Coherence with Bounded Entropy in Text
+    Generation", arXiv:2509.02510.
+    Paulus et al. 2017, "A Deep Reinforced Model for Abstractive Summarization" (no-repeat
+    n-grams), arXiv:1705.04304.
+    Hugging Face transformers' ``generation/logits_process.py`` and ``_get_logits_processor``
+    define the semantics and the order matched here.
 """
 
 from __future__ import annotations
@@ -33,12 +61,70 @@ from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
-from genjax.errors import UnsupportedError
+from genjax._ngram import bad_words_ids, bias_pairs, no_repeat_ngram_size, sequence_bias
+from genjax._processor_base import check_id_list, check_id_lists, check_vocab, is_concrete
+from genjax._token_rules import (
+    allowed_tokens,
+    begin_suppress_tokens,
+    exponential_decay_length_penalty,
+    forced_bos_token_id,
+    forced_eos_token_id,
+    min_length,
+    min_new_tokens,
+    remove_invalid_values,
+    renormalize_logits,
+    repetition_penalty,
+    suppress_tokens,
+)
+from genjax._warpers import (
+    SortedFilter,
+    epsilon_cutoff,
+    eta_cutoff,
+    min_p,
+    temperature,
+    top_h,
+    top_k,
+    top_p,
+    typical_p,
+)
+from genjax.errors import GenerationConfigError, UnsupportedError
 from genjax.typing import Array
 
-NEG_INF = -jnp.inf
+__all__ = [
+    "LogitsContext",
+    "Processor",
+    "SortedFilter",
+    "allowed_tokens",
+    "bad_words_ids",
+    "begin_suppress_tokens",
+    "chain",
+    "check_supported",
+    "epsilon_cutoff",
+    "eta_cutoff",
+    "exponential_decay_length_penalty",
+    "forced_bos_token_id",
+    "forced_eos_token_id",
+    "from_config",
+    "identity",
+    "min_length",
+    "min_new_tokens",
+    "min_p",
+    "no_repeat_ngram_size",
+    "remove_invalid_values",
+    "renormalize_logits",
+    "repetition_penalty",
+    "sequence_bias",
+    "suppress_tokens",
+    "temperature",
+    "top_h",
+    "top_k",
+    "top_p",
+    "typical_p",
+    "validate_config",
+]
 
 
 @struct.dataclass
@@ -54,6 +140,10 @@ class LogitsContext:
         row 0    .   .   p   a   b   c   x   y   _      offset = 2 (genjax padding)
         row 1    .   .   d   e   f   g   z   w   _      prompt_end = 6, length = 8
                          |<- user input_ids ->|  new     first_valid = [3, 2]
+
+    Here transformers' prompt length (``input_ids_seq_length``) is ``prompt_end - offset = 4``,
+    its current length ``length - offset = 6``, and its ``max_length`` ``S - offset = 7`` unless
+    ``max_length`` says otherwise.
     """
 
     tokens: Array  # int32[B, S]: the token buffer
@@ -61,10 +151,20 @@ class LogitsContext:
     offset: Array  # int32[]: slots of genjax padding before the user's input_ids
     prompt_end: Array  # int32[]: the slot where new tokens start
     first_valid: Array  # int32[B]: each row's first slot holding a real (unpadded) token
+    max_length: Array | None = None  # int32[] or None: transformers' max_length; None: S - offset
 
     @classmethod
-    def for_prompt(cls, input_ids: Array, attention_mask: Array | None = None) -> LogitsContext:
-        """Returns the context before the first new token, for ``input_ids`` int32[B, P]."""
+    def for_prompt(
+        cls,
+        input_ids: Array,
+        attention_mask: Array | None = None,
+        max_length: int | Array | None = None,
+    ) -> LogitsContext:
+        """Returns the context before the first new token, for ``input_ids`` int32[B, P].
+
+        ``max_length`` is transformers' ``max_length`` (prompt plus new tokens), used only by
+        :func:`forced_eos_token_id`; None means ``P``.
+        """
         batch, prompt_length = input_ids.shape
         if attention_mask is None:
             first_valid = jnp.zeros((batch,), jnp.int32)
@@ -76,12 +176,25 @@ class LogitsContext:
             offset=jnp.zeros((), jnp.int32),
             prompt_end=jnp.asarray(prompt_length, jnp.int32),
             first_valid=first_valid,
+            max_length=None if max_length is None else jnp.asarray(max_length, jnp.int32),
         )
 
     @property
     def input_length(self) -> Array:
         """int32[]: the length of transformers' ``input_ids`` (user prompt plus new tokens)."""
         return self.length - self.offset
+
+    @property
+    def prompt_length(self) -> Array:
+        """int32[]: transformers' ``input_ids_seq_length``: the user's prompt, padding included."""
+        return self.prompt_end - self.offset
+
+    @property
+    def max_input_length(self) -> Array:
+        """int32[]: transformers' ``max_length``, the longest ``input_ids`` of the call."""
+        if self.max_length is not None:
+            return jnp.asarray(self.max_length, jnp.int32)
+        return self.tokens.shape[1] - self.offset
 
     @property
     def num_new_tokens(self) -> Array:
@@ -92,21 +205,24 @@ class LogitsContext:
 Processor = Callable[[Array, LogitsContext], Array]
 
 
-def _per_row(value: float | Array) -> Array:
-    """A scalar stays a scalar; a per-row value float[B] becomes float[B, 1] to broadcast on V."""
-    value = jnp.asarray(value)
-    return value[:, None] if value.ndim == 1 else value
-
-
 def chain(*processors: Processor) -> Processor:
     """Composes processors, applying them left to right.
 
+    Adjacent :class:`SortedFilter` s (``top_h``, ``top_k``, ``top_p``) are merged into one
+    that shares a single partial sort; the result is the same as applying them one by one.
+
     Example:
-        >>> process = chain(temperature(0.5), top_p(0.9))
+        >>> process = chain(temperature(0.5), top_k(50), top_p(0.9))
     """
+    merged: list[Processor] = []
+    for processor in processors:
+        if isinstance(processor, SortedFilter) and merged and isinstance(merged[-1], SortedFilter):
+            merged[-1] = merged[-1].then(processor)
+        else:
+            merged.append(processor)
 
     def apply(scores: Array, context: LogitsContext) -> Array:
-        for processor in processors:
+        for processor in merged:
             scores = processor(scores, context)
         return scores
 
@@ -114,240 +230,219 @@ def chain(*processors: Processor) -> Processor:
 
 
 def identity() -> Processor:
-    """The processor that changes nothing."""
+    """The processor that changes nothing.
+
+    Example:
+        >>> process = identity()
+    """
     return lambda scores, context: scores
 
 
-def temperature(value: float | Array) -> Processor:
-    """Divides the scores by ``value`` (> 0; scalar or float[B]).
-
-    Example:
-        >>> warp = temperature(0.7)
-    """
-
-    def apply(scores: Array, context: LogitsContext) -> Array:
-        return scores / _per_row(value).astype(scores.dtype)
-
-    return apply
+def _not_one(value) -> bool:
+    return value is not None and value != 1
 
 
-def _sorted_descending(scores: Array) -> Array:
-    """float[B, V] sorted along V from largest to smallest. Costs one sort of the vocabulary."""
-    return -jnp.sort(-scores, axis=-1)
-
-
-def top_k(k: int | Array, min_tokens_to_keep: int = 1) -> Processor:
-    """Keeps the ``k`` highest scores per row (ties with the k-th kept too); sets others to -inf.
-
-    ``k`` may be traced (scalar or int[B]); ``k = 0`` keeps everything, as the disabled
-    processor would. Values above the vocabulary size keep everything. Cost: one sort of the
-    vocabulary per call.
-
-    Example:
-        >>> warp = top_k(50)
-    """
-
-    def apply(scores: Array, context: LogitsContext) -> Array:
-        vocab = scores.shape[-1]
-        kk = jnp.asarray(k, jnp.int32)
-        kk = jnp.where(kk <= 0, vocab, jnp.maximum(kk, min_tokens_to_keep))
-        kk = jnp.broadcast_to(jnp.minimum(kk, vocab), scores.shape[:-1])
-        kth = jnp.take_along_axis(_sorted_descending(scores), (kk - 1)[:, None], axis=-1)
-        return jnp.where(scores < kth, NEG_INF, scores)
-
-    return apply
-
-
-def top_p(p: float | Array, min_tokens_to_keep: int = 1) -> Processor:
-    """Nucleus filtering: keeps the smallest set of top tokens whose probability reaches ``p``.
-
-    As in transformers, tokens are sorted from least to most likely, and a token is dropped when
-    the cumulative probability up to and including it is ``<= 1 - p``; the ``min_tokens_to_keep``
-    most likely always stay. ``p = 1`` keeps everything. Ties with the least likely kept token are
-    kept too (transformers breaks such ties by sort order). Cost: one sort of the vocabulary.
-
-    Example:
-        >>> warp = top_p(0.9)
-    """
-
-    def apply(scores: Array, context: LogitsContext) -> Array:
-        ascending = jnp.sort(scores, axis=-1)
-        cumulative = jnp.cumsum(jax.nn.softmax(ascending, axis=-1), axis=-1)
-        removed = cumulative <= 1.0 - _per_row(p)
-        removed = removed.at[..., -min_tokens_to_keep:].set(False)
-        # The smallest kept score; `removed` is True on a prefix of the ascending order.
-        first_kept = jnp.sum(removed, axis=-1, keepdims=True)
-        threshold = jnp.take_along_axis(ascending, first_kept, axis=-1)
-        return jnp.where(scores < threshold, NEG_INF, scores)
-
-    return apply
-
-
-def min_p(p: float | Array, min_tokens_to_keep: int = 1) -> Processor:
-    """Drops tokens whose probability is below ``p`` times the most likely token's probability.
-
-    Example:
-        >>> warp = min_p(0.05)
-    """
-
-    def apply(scores: Array, context: LogitsContext) -> Array:
-        probs = jax.nn.softmax(scores, axis=-1)
-        removed = probs < _per_row(p) * jnp.max(probs, axis=-1, keepdims=True)
-        if min_tokens_to_keep > 1:
-            _, keep = jax.lax.top_k(probs, min(min_tokens_to_keep, scores.shape[-1]))
-            rows = jnp.arange(scores.shape[0])[:, None]
-            removed = removed.at[rows, keep].set(False)
-        return jnp.where(removed, NEG_INF, scores)
-
-    return apply
-
-
-def repetition_penalty(penalty: float | Array) -> Processor:
-    """Penalizes every token id already in a row's input: divides positive scores by ``penalty``
-    and multiplies negative ones, once per distinct token.
-
-    As in transformers v5, left padding (slots before ``first_valid``) is ignored. Cost: one
-    scatter of the ``B * S`` buffer into a ``[B, V]`` mask per call.
-
-    Example:
-        >>> process = repetition_penalty(1.2)
-    """
-
-    def apply(scores: Array, context: LogitsContext) -> Array:
-        batch, vocab = scores.shape
-        slots = jnp.arange(context.tokens.shape[1])[None, :]
-        counted = (slots >= context.first_valid[:, None]) & (slots < context.length)
-        # Ids that do not count go to an extra column, dropped after the scatter.
-        ids = jnp.where(counted, jnp.clip(context.tokens, 0, vocab), vocab)
-        seen = jnp.zeros((batch, vocab + 1), bool).at[jnp.arange(batch)[:, None], ids].set(True)
-        strength = _per_row(penalty).astype(scores.dtype)
-        penalized = jnp.where(scores < 0, scores * strength, scores / strength)
-        return jnp.where(seen[:, :vocab], penalized, scores)
-
-    return apply
-
-
-def _eos_mask(eos_token_ids: Array, vocab: int) -> Array:
-    """bool[V]: True at each EOS id."""
-    eos = jnp.atleast_1d(jnp.asarray(eos_token_ids, jnp.int32))
-    return jnp.any(jnp.arange(vocab)[:, None] == eos[None, :], axis=-1)
-
-
-def min_length(length: int | Array, eos_token_ids: int | Array) -> Processor:
-    """Forbids EOS while transformers' ``input_ids`` (prompt plus new tokens) is shorter than
-    ``length``.
-
-    Example:
-        >>> process = min_length(20, eos_token_ids=2)
-    """
-
-    def apply(scores: Array, context: LogitsContext) -> Array:
-        blocked = _eos_mask(eos_token_ids, scores.shape[-1]) & (context.input_length < length)
-        return jnp.where(blocked, NEG_INF, scores)
-
-    return apply
-
-
-def min_new_tokens(count: int | Array, eos_token_ids: int | Array) -> Processor:
-    """Forbids EOS until ``count`` new tokens have been generated.
-
-    Example:
-        >>> process = min_new_tokens(5, eos_token_ids=2)
-    """
-
-    def apply(scores: Array, context: LogitsContext) -> Array:
-        blocked = _eos_mask(eos_token_ids, scores.shape[-1]) & (context.num_new_tokens < count)
-        return jnp.where(blocked, NEG_INF, scores)
-
-    return apply
-
-
-# Config fields whose processors come in a later release: a set value raises instead of being
-# silently ignored. Each maps to a predicate on the (defaults-filled) value saying it is "set".
-_NOT_YET_SUPPORTED = {
-    "guidance_scale": lambda v: v is not None and v != 1,
-    "sequence_bias": lambda v: v is not None,
-    "encoder_repetition_penalty": lambda v: v is not None and v != 1.0,
-    "no_repeat_ngram_size": lambda v: v is not None and v > 0,
-    "encoder_no_repeat_ngram_size": lambda v: v is not None and v > 0,
-    "bad_words_ids": lambda v: v is not None,
-    "forced_bos_token_id": lambda v: v is not None,
-    "forced_eos_token_id": lambda v: v is not None,
-    "remove_invalid_values": lambda v: v is True,
-    "exponential_decay_length_penalty": lambda v: v is not None,
-    "suppress_tokens": lambda v: v is not None,
-    "begin_suppress_tokens": lambda v: v is not None,
-    "top_h": lambda v: v is not None,
-    "typical_p": lambda v: v is not None and v < 1.0,
-    "epsilon_cutoff": lambda v: v is not None and 0.0 < v < 1.0,
-    "eta_cutoff": lambda v: v is not None and 0.0 < v < 1.0,
-    "watermarking_config": lambda v: v is not None,
-    "renormalize_logits": lambda v: v is True,
-    "token_healing": lambda v: bool(v),
+# Options genjax rejects: name -> (is it set?, why it is rejected and how to fix it).
+_REJECTED = {
+    "guidance_scale": (
+        _not_one,
+        "is not supported by genjax yet (classifier-free guidance). Remove it or set it to 1.",
+    ),
+    "watermarking_config": (
+        lambda v: v is not None,
+        "is not supported by genjax yet (watermarking). Remove it from the generation config.",
+    ),
+    "token_healing": (
+        lambda v: bool(v),
+        "is not supported by genjax yet. Remove it from the generation config.",
+    ),
+    "encoder_repetition_penalty": (
+        _not_one,
+        "applies to encoder-decoder models only, and genjax's models are decoder-only. Use "
+        "repetition_penalty, or set encoder_repetition_penalty to 1.0.",
+    ),
+    "encoder_no_repeat_ngram_size": (
+        lambda v: v is not None and v > 0,
+        "applies to encoder-decoder models only, and genjax's models are decoder-only. Use "
+        "no_repeat_ngram_size, or set encoder_no_repeat_ngram_size to 0.",
+    ),
 }
 
 
 def check_supported(config) -> None:
-    """Raises UnsupportedError naming the first set option that has no processor yet.
+    """Raises UnsupportedError naming the first set option genjax does not implement.
+
+    Rejected: ``guidance_scale`` other than 1, ``watermarking_config``, ``token_healing``, and the
+    encoder-decoder options ``encoder_repetition_penalty`` (other than 1) and
+    ``encoder_no_repeat_ngram_size`` (> 0).
 
     Args:
         config: a :class:`~genjax.GenerationConfig` with defaults applied.
+
+    Example:
+        >>> from genjax import GenerationConfig
+        >>> check_supported(GenerationConfig().with_defaults())
     """
-    for name, is_set in _NOT_YET_SUPPORTED.items():
+    for name, (is_set, reason) in _REJECTED.items():
         value = getattr(config, name)
         if isinstance(value, jax.core.Tracer) or is_set(value):
-            raise UnsupportedError(
-                f"generation option `{name}={value!r}` is not supported by genjax yet. Remove it "
-                f"from the generation config (or set it to its default) to generate."
-            )
+            raise UnsupportedError(f"generation option `{name}={value!r}` {reason}")
+
+
+def validate_config(config, vocab_size: int | None = None) -> None:
+    """Checks the processor settings of ``config`` in Python, before anything is traced.
+
+    Raises UnsupportedError for options genjax rejects (:func:`check_supported`), and
+    GenerationConfigError naming the field, the value and the fix for malformed token lists
+    (``bad_words_ids``, ``sequence_bias``, ``suppress_tokens``, ``begin_suppress_tokens``), ids
+    outside ``[0, vocab_size)`` (those lists and concrete forced ids; checked when
+    ``vocab_size`` is given), and ``exponential_decay_length_penalty`` without an EOS id.
+
+    Example:
+        >>> from genjax import GenerationConfig
+        >>> validate_config(GenerationConfig(bad_words_ids=[[5]]).with_defaults(), vocab_size=128)
+    """
+    check_supported(config)
+    try:
+        _check_token_settings(config, vocab_size)
+    except ValueError as err:
+        if isinstance(err, GenerationConfigError):
+            raise
+        raise GenerationConfigError(f"GenerationConfig.{err}") from None
+
+
+def _check_token_settings(config, vocab_size: int | None) -> None:
+    """Raises ValueError (message starting with the field name) for a bad token setting."""
+    lists = {}
+    if config.bad_words_ids is not None:
+        lists["bad_words_ids"] = check_id_lists("bad_words_ids", config.bad_words_ids)
+    if config.sequence_bias is not None:
+        lists["sequence_bias"] = [ids for ids, _ in bias_pairs(config.sequence_bias)]
+    for name in ("suppress_tokens", "begin_suppress_tokens"):
+        if getattr(config, name) is not None:
+            lists[name] = [check_id_list(name, getattr(config, name))]
+    for name in ("forced_bos_token_id", "forced_eos_token_id"):
+        value = getattr(config, name)
+        if value is not None and is_concrete(value):
+            lists[name] = [[int(i) for i in np.atleast_1d(np.asarray(value)).tolist()]]
+    for name, sequences in lists.items():
+        check_vocab(name, [i for ids in sequences for i in ids], vocab_size)
+    if config.exponential_decay_length_penalty is not None and config.eos_token_id is None:
+        raise GenerationConfigError(
+            f"GenerationConfig.exponential_decay_length_penalty="
+            f"{config.exponential_decay_length_penalty!r} needs an EOS token to boost, but "
+            f"eos_token_id is None. Set eos_token_id, or remove the penalty."
+        )
 
 
 def from_config(
     config,
     eos_token_ids: Array | None,
     extra: Sequence[Processor] = (),
+    *,
+    allowed_tokens_fn: Callable[[Array, Array], Array] | None = None,
+    vocab_size: int | None = None,
 ) -> Processor:
     """Builds the processor chain transformers' ``generate`` builds, in the same order.
 
-    Order: repetition penalty, min length, min new tokens, the user's ``extra`` processors, then,
-    only when sampling: temperature, top-k, top-p, min-p.
+    Order (each only when its setting is active): sequence bias, repetition penalty, no-repeat
+    n-grams, bad words, min length, min new tokens, ``allowed_tokens_fn``, forced BOS, forced EOS,
+    remove invalid values, exponential decay length penalty, suppress tokens, begin-suppress
+    tokens, the user's ``extra`` processors; then, only when sampling: temperature, top-h, top-k,
+    top-p, min-p, typical-p, epsilon, eta; then renormalization. With beam sampling the warpers
+    keep at least ``len(eos) + 1`` tokens, as transformers does.
 
     Args:
         config: a :class:`~genjax.GenerationConfig` with defaults applied (``with_defaults``).
             Inactive settings (None or neutral, e.g. ``temperature=1.0``) add no processor.
-        eos_token_ids: int32[E] (or None when the config has no EOS), for the length rules.
+        eos_token_ids: int32[E] (or None when the config has no EOS), for the length rules, bad
+            words and the decay penalty.
         extra: processors run after the configured ones and before the sampling warpers, as
             transformers runs a user's ``logits_processor`` list.
+        allowed_tokens_fn: a jittable ``fn(tokens, length) -> bool[B, V]`` (see
+            :func:`allowed_tokens`), placed where transformers places
+            ``prefix_allowed_tokens_fn``.
+        vocab_size: when given, token ids in the config are checked against it.
 
     Returns:
         One processor applying the whole chain.
+
+    Raises:
+        UnsupportedError, GenerationConfigError: see :func:`validate_config`.
 
     Example:
         >>> from genjax import GenerationConfig
         >>> cfg = GenerationConfig(do_sample=True, temperature=0.7, top_p=0.9).with_defaults()
         >>> process = from_config(cfg, eos_token_ids=None)
     """
-    check_supported(config)
+    validate_config(config, vocab_size)
     steps: list[Processor] = []
+    if config.sequence_bias is not None:
+        steps.append(sequence_bias(config.sequence_bias))
     if config.is_active("repetition_penalty"):
         steps.append(repetition_penalty(config.repetition_penalty))
+    if config.no_repeat_ngram_size is not None and config.no_repeat_ngram_size > 0:
+        steps.append(no_repeat_ngram_size(config.no_repeat_ngram_size))
+    if config.bad_words_ids is not None:
+        steps.append(bad_words_ids(config.bad_words_ids, eos_token_ids))
     if eos_token_ids is not None:
         if config.min_length is not None and config.min_length > 0:
             steps.append(min_length(config.min_length, eos_token_ids))
         if config.min_new_tokens is not None and config.min_new_tokens > 0:
             steps.append(min_new_tokens(config.min_new_tokens, eos_token_ids))
+    if allowed_tokens_fn is not None:
+        group = max(config.num_beams or 1, config.num_return_sequences or 1)
+        steps.append(allowed_tokens(allowed_tokens_fn, group))
+    steps.extend(_forcing_steps(config, eos_token_ids))
     steps.extend(extra)
     if config.do_sample:
-        keep = 1 if config.num_beams in (None, 1) else _beam_min_keep(eos_token_ids)
-        if config.is_active("temperature"):
-            steps.append(temperature(config.temperature))
-        if config.is_active("top_k"):
-            steps.append(top_k(config.top_k, keep))
-        if config.is_active("top_p"):
-            steps.append(top_p(config.top_p, keep))
-        if config.is_active("min_p"):
-            steps.append(min_p(config.min_p, keep))
+        steps.extend(_warper_steps(config, eos_token_ids))
+    if config.renormalize_logits is True:
+        steps.append(renormalize_logits())
     return chain(*steps)
+
+
+def _forcing_steps(config, eos_token_ids: Array | None) -> list[Processor]:
+    """Forced BOS/EOS, invalid values, decay penalty, suppression; in transformers' order."""
+    steps: list[Processor] = []
+    if config.forced_bos_token_id is not None:
+        steps.append(forced_bos_token_id(config.forced_bos_token_id))
+    if config.forced_eos_token_id is not None:
+        steps.append(forced_eos_token_id(config.forced_eos_token_id))
+    if config.remove_invalid_values is True:
+        steps.append(remove_invalid_values())
+    if config.exponential_decay_length_penalty is not None:
+        start, factor = config.exponential_decay_length_penalty
+        steps.append(exponential_decay_length_penalty(start, factor, eos_token_ids))
+    if config.suppress_tokens is not None:
+        steps.append(suppress_tokens(config.suppress_tokens))
+    if config.begin_suppress_tokens is not None:
+        forced_bos = config.forced_bos_token_id is not None
+        steps.append(begin_suppress_tokens(config.begin_suppress_tokens, forced_bos=forced_bos))
+    return steps
+
+
+def _warper_steps(config, eos_token_ids: Array | None) -> list[Processor]:
+    """The sampling warpers, in transformers' order."""
+    keep = 1 if config.num_beams in (None, 1) else _beam_min_keep(eos_token_ids)
+    steps: list[Processor] = []
+    if config.is_active("temperature"):
+        steps.append(temperature(config.temperature))
+    if config.is_active("top_h"):
+        steps.append(top_h(config.top_h))
+    if config.is_active("top_k"):
+        steps.append(top_k(config.top_k, keep))
+    if config.is_active("top_p"):
+        steps.append(top_p(config.top_p, keep))
+    if config.is_active("min_p"):
+        steps.append(min_p(config.min_p, keep))
+    if config.is_active("typical_p"):
+        steps.append(typical_p(config.typical_p, keep))
+    if config.is_active("epsilon_cutoff"):
+        steps.append(epsilon_cutoff(config.epsilon_cutoff, keep))
+    if config.is_active("eta_cutoff"):
+        steps.append(eta_cutoff(config.eta_cutoff, keep))
+    return steps
 
 
 def _beam_min_keep(eos_token_ids: Array | None) -> int:

@@ -13,6 +13,7 @@ from genjax.decoding.sampling import (
     greedy_chooser,
     sampling_chooser,
 )
+from genjax.stopping import stop_string_table, stopping_rules
 
 VOCAB = 8
 # The most likely token after t is TABLE[t]: 1 -> 2 -> 3 -> 4 -> 5 -> 1 ...; 6 and 7 -> 1.
@@ -25,7 +26,7 @@ def _step(params, tokens, positions, cache, attention_mask):
     return logits, cache.advance(tokens.shape[1])
 
 
-def _run(prompt_last, new_tokens, eos=None, pad=0, process=None, choose=None, key=0):
+def _run(prompt_last, new_tokens, eos=None, pad=0, process=None, choose=None, key=0, **stopping):
     batch = len(prompt_last)
     prompt = np.stack([np.zeros(batch), prompt_last], 1).astype(np.int32)  # P = 2
     total = 2 + new_tokens
@@ -46,7 +47,7 @@ def _run(prompt_last, new_tokens, eos=None, pad=0, process=None, choose=None, ke
         choose=choose or greedy_chooser(),
         context=P.LogitsContext.for_prompt(tokens[:, :2]),
         pad_token_id=jnp.asarray(pad, jnp.int32),
-        eos_token_ids=None if eos is None else jnp.asarray(eos, jnp.int32),
+        stopping=stopping_rules(None if eos is None else jnp.asarray(eos, jnp.int32), **stopping),
     )
     first_logits, _ = _step(None, tokens[:, 1:2], None, state.cache, None)
     return decode(_step, None, state, first_logits[:, -1], rules)
@@ -86,3 +87,86 @@ def test_top_k_one_sampling_equals_greedy_and_key_is_reproducible():
     c = _run([1, 3], new_tokens=5, choose=sampling_chooser(), process=P.temperature(50.0), key=8)
     np.testing.assert_array_equal(a.tokens, b.tokens)
     assert not np.array_equal(a.tokens, c.tokens)
+
+
+def _last_is(token):
+    """A custom criterion: the row is done once its newest token is ``token``."""
+    return lambda tokens, length: tokens[:, length - 1] == token
+
+
+def test_custom_criteria_finish_rows_at_different_steps():
+    # Rows 1 -> 2 3 4, 3 -> 4, 5 -> 1 2 3 4: the criterion "newest is 4" ends them at steps
+    # 3, 1 and 4; with an EOS id set, finished rows receive pad.
+    state = _run([1, 3, 5], new_tokens=6, eos=[7], pad=0, criteria=[_last_is(4)])
+    np.testing.assert_array_equal(
+        state.tokens[:, 2:], [[2, 3, 4, 0, 0, 0], [4, 0, 0, 0, 0, 0], [1, 2, 3, 4, 0, 0]]
+    )
+    assert int(state.length) == 2 + 4
+    # Any criterion finishes a row: adding "newest is 2" ends rows 0 and 2 at steps 1 and 2.
+    state = _run([1, 3, 5], new_tokens=6, eos=[7], criteria=[_last_is(4), _last_is(2)])
+    np.testing.assert_array_equal(state.tokens[:, 2:5], [[2, 0, 0], [4, 0, 0], [1, 2, 0]])
+    assert int(state.length) == 2 + 2
+
+
+def test_without_eos_finished_rows_keep_their_tokens_as_in_transformers():
+    # transformers writes pad into finished rows only when an EOS id is set.
+    state = _run([1, 3], new_tokens=5, pad=0, criteria=[_last_is(4)])
+    np.testing.assert_array_equal(state.tokens[:, 2:], [[2, 3, 4, 0, 0], [4, 5, 1, 0, 0]])
+    assert state.finished.tolist() == [True, True]
+
+
+def test_a_criterion_sees_the_whole_buffer():
+    def pair_2_3(tokens, length):  # the two newest tokens are 2, 3
+        last_two = jax.lax.dynamic_slice_in_dim(tokens, length - 2, 2, axis=1)
+        return jnp.all(last_two == jnp.array([2, 3]), axis=1)
+
+    state = _run([1, 2], new_tokens=6, eos=[7], criteria=[pair_2_3])
+    # Row 0: 2 3 -> done at step 2. Row 1: prompt ends in 2, first token 3 -> done at step 1.
+    np.testing.assert_array_equal(state.tokens[:, 2:4], [[2, 3], [3, 0]])
+    assert int(state.length) == 2 + 2
+
+
+class _Words:
+    """A tokenizer with only get_vocab(): token i's text is WORDS[i]."""
+
+    WORDS = ["a", "st", "o", "p", "s", "x", "y", "z"]
+
+    def get_vocab(self):
+        return {word: i for i, word in enumerate(self.WORDS)}
+
+
+def test_stop_strings_end_rows_at_different_steps():
+    # Texts: row 0 "st"+"o"+"p" (the stop string spans the prompt); row 1 "p"+"s"+"x"+"st"+"o"+
+    # "p"; row 2 "x"+"st"+"o"+"p".
+    table = stop_string_table(_Words(), ["stop", "zz"])
+    state = _run([1, 3, 5], new_tokens=6, eos=[7], stop_strings=table)
+    np.testing.assert_array_equal(
+        state.tokens[:, 2:], [[2, 3, 0, 0, 0, 0], [4, 5, 1, 2, 3, 0], [1, 2, 3, 0, 0, 0]]
+    )
+    assert int(state.length) == 2 + 5
+
+
+class _FakeClock:
+    """Reads 0, 1, 2, ... seconds: one more second at each read."""
+
+    def __init__(self):
+        self.reads = 0
+
+    def __call__(self):
+        self.reads += 1
+        return float(self.reads - 1)
+
+
+def test_max_time_with_a_fake_clock_stops_after_the_token_that_overran():
+    # Start read 0 s; the read after new token n says n s. max_time 2.5 s: stop after token 3.
+    clock = _FakeClock()
+    state = _run([1, 3], new_tokens=8, eos=[7], max_time=2.5, clock=clock)
+    np.testing.assert_array_equal(state.tokens[:, 2:6], [[2, 3, 4, 0], [4, 5, 1, 0]])
+    assert int(state.length) == 2 + 3 and clock.reads == 1 + 3
+    # Reading every 2nd token (after tokens 1, 3, 5): the third read (2 s) is in time, the
+    # fourth (3 s, after token 5) is not.
+    clock = _FakeClock()
+    state = _run([1], new_tokens=8, eos=[7], max_time=2.5, clock=clock, check_time_every=2)
+    assert int(state.length) == 2 + 5 and clock.reads == 1 + 3
+    state = _run([1], new_tokens=8, eos=[7], max_time=1e6)
+    assert int(state.length) == 2 + 8

@@ -186,8 +186,8 @@ def test_transition_scores_sum_to_sequence_log_probability():
         (dict(attention_mask=np.ones((1, 4), np.int32)), InputError, "shape"),
         (dict(max_new_tokens=100), InputError, "max_position_embeddings"),
         (dict(do_sample=True), InputError, "key"),
-        (dict(num_beams=2), UnsupportedError, "beam_search"),
-        (dict(no_repeat_ngram_size=2), UnsupportedError, "no_repeat_ngram_size"),
+        (dict(num_beams=4, num_beam_groups=2), UnsupportedError, "group_beam_search"),
+        (dict(guidance_scale=2.0), UnsupportedError, "guidance_scale"),
     ],
 )
 def test_bad_input_raises_a_clear_error(change, error, words):

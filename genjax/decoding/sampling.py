@@ -9,15 +9,21 @@ and a :class:`DecodeState` holding everything that changes from step to step. Gr
 is sampling whose token choice is ``argmax``.
 
 Each iteration feeds the last chosen token to the model, processes the next-token logits,
-chooses a token, writes it into the buffer, and marks rows that emitted EOS as finished; a
-finished row receives ``pad_token_id`` from then on, as in transformers. The first token is
-chosen from the prefill logits before the loop, so the loop makes exactly one model call per
-token and never a wasted one.
+chooses a token, writes it into the buffer, then applies the stopping rules
+(:mod:`genjax.stopping`: EOS, custom criteria, stop strings, ``max_time``) to the buffer, as
+transformers applies its ``StoppingCriteriaList`` after appending each token. The loop ends when
+every row is finished or the buffer is full. The first token is chosen from the prefill logits
+before the loop, so the loop makes exactly one model call per token and never a wasted one.
+
+Finished rows receive ``pad_token_id`` from then on when EOS ids are set; as in transformers,
+without EOS ids a row finished by another rule keeps receiving real tokens until the loop ends.
 
 Static or traced:
     Static: the buffer length ``S`` (so the number of new tokens), the processors in the chain,
-    whether tokens are sampled, and which outputs are recorded.
-    Traced: the PRNG key, the processor settings, the pad and EOS ids, and all state.
+    whether tokens are sampled, which outputs are recorded, which stopping rules are present
+    (custom criteria, stop-string table shapes, the ``max_time`` clock).
+    Traced: the PRNG key, the processor settings, the pad and EOS ids, the stop-string tables,
+    ``max_time``, and all state.
 
 Randomness: the token at new-token index ``i`` is drawn with ``fold_in(key, i)``, so the same key
 gives the same tokens however the loop is driven (jitted or not, streamed or not).
@@ -33,7 +39,7 @@ from flax import struct
 
 from genjax.cache import KVCache
 from genjax.processors import LogitsContext, Processor
-from genjax.stopping import is_eos, should_continue
+from genjax.stopping import StoppingRules, finished_rows, should_continue, start_timer
 from genjax.typing import Array, PyTree
 
 StepFn = Callable[[PyTree, Array, Array, KVCache, Array], tuple[Array, KVCache]]
@@ -49,7 +55,7 @@ class DecodeState:
     positions: Array  # int32[B]: position id of the next token fed to the model
     cache: KVCache  # float[L, B, S, K, H] keys and values, index = slots seen by the model
     attention_mask: Array  # int32[B, S]: 1 where a slot holds a real token (new slots are 1)
-    finished: Array  # bool[B]: rows that emitted EOS
+    finished: Array  # bool[B]: rows a stopping rule has finished
     key: Array  # key[]: the PRNG key of the whole call
     scores: Array | None  # float32[B, N, V]: processed scores, when recorded
     raw_logits: Array | None  # float32[B, N, V]: raw logits, when recorded
@@ -57,13 +63,18 @@ class DecodeState:
 
 @struct.dataclass
 class DecodeRules:
-    """How tokens are chosen: fixed for a whole call."""
+    """How tokens are chosen and when rows finish: fixed for a whole call."""
 
     process: Processor = struct.field(pytree_node=False)  # the logits processor chain
     choose: TokenChooser = struct.field(pytree_node=False)  # (scores[B, V], key) -> int32[B]
     context: LogitsContext  # prompt bookkeeping; tokens and length are replaced each step
-    pad_token_id: Array  # int32[]: written into rows that have finished
-    eos_token_ids: Array | None  # int32[E], or None when nothing ends a row early
+    pad_token_id: Array  # int32[]: written into rows that have finished (when EOS ids are set)
+    stopping: StoppingRules  # EOS ids, custom criteria, stop strings, max_time
+
+    @property
+    def eos_token_ids(self) -> Array | None:
+        """int32[E], or None when no EOS id is set."""
+        return self.stopping.eos_token_ids
 
 
 def greedy_chooser() -> TokenChooser:
@@ -91,7 +102,7 @@ def choose_next(state: DecodeState, logits: Array, rules: DecodeRules) -> Decode
     Args:
         state: the state before the token is chosen.
         logits: float32[B, V] raw next-token logits.
-        rules: the processors, the token chooser and the special ids.
+        rules: the processors, the token chooser, the pad id and the stopping rules.
 
     Returns:
         The state with one more token.
@@ -100,11 +111,14 @@ def choose_next(state: DecodeState, logits: Array, rules: DecodeRules) -> Decode
     scores = rules.process(logits.astype(jnp.float32), context)
     step = state.length - context.prompt_end
     tokens = rules.choose(scores, jax.random.fold_in(state.key, step))
-    tokens = jnp.where(state.finished, jnp.asarray(rules.pad_token_id, jnp.int32), tokens)
+    if rules.eos_token_ids is not None:  # transformers pads finished rows only when EOS is set
+        tokens = jnp.where(state.finished, jnp.asarray(rules.pad_token_id, jnp.int32), tokens)
+    buffer = jax.lax.dynamic_update_slice(state.tokens, tokens[:, None], (0, state.length))
+    length = state.length + 1
     return state.replace(
-        tokens=jax.lax.dynamic_update_slice(state.tokens, tokens[:, None], (0, state.length)),
-        length=state.length + 1,
-        finished=state.finished | is_eos(tokens, rules.eos_token_ids),
+        tokens=buffer,
+        length=length,
+        finished=finished_rows(rules.stopping, state.finished, buffer, length, step),
         scores=_record(state.scores, scores, step),
         raw_logits=_record(state.raw_logits, logits, step),
     )
@@ -124,18 +138,23 @@ def decode(
         params: the model parameters, passed to ``step_fn``.
         state: the state after prefill; ``state.cache`` holds the prompt.
         first_logits: float32[B, V], the prefill's logits at the last prompt slot.
-        rules: how tokens are chosen (:class:`DecodeRules`).
+        rules: how tokens are chosen and when rows finish (:class:`DecodeRules`). With
+            ``max_time`` and no start time yet (:func:`genjax.stopping.start_timer`), the time
+            counts from here, so the prefill is not counted.
 
     Returns:
         The final state; ``state.tokens`` holds the generated tokens and ``pad_token_id`` after a
-        row finished; slots never reached (all rows finished early) hold ``pad_token_id`` too if
-        the buffer was initialised with it.
+        row finished (when EOS ids are set); slots never reached (all rows finished early) hold
+        ``pad_token_id`` too if the buffer was initialised with it.
 
     Example:
         A test drives it with a fake step function returning fixed logits; see
         ``tests/test_decoding.py``.
     """
     max_length = state.tokens.shape[1]
+    if rules.stopping.max_time is not None and rules.stopping.start_time is None:
+        stopping, (first_logits,) = start_timer(rules.stopping, first_logits)
+        rules = rules.replace(stopping=stopping)
     state = choose_next(state, first_logits, rules)
 
     def body(state: DecodeState) -> DecodeState:

@@ -1,0 +1,214 @@
+"""Processors that match token sequences in the buffer; re-exported by :mod:`genjax.processors`.
+
+They read transformers' ``input_ids``, which is ``context.tokens[:, offset:length]``: the user's
+prompt (with any left padding the user gave, pad tokens included, exactly as transformers scans
+it), then the new tokens. genjax's own bucket padding before ``offset`` is never looked at. All
+work is on the fixed buffer int32[B, S], with masks instead of data-dependent shapes.
+
+References:
+    Paulus et al. 2017, "A Deep Reinforced Model for Abstractive Summarization" (no-repeat
+    n-grams), arXiv:1705.04304.
+    Hugging Face transformers' ``NoRepeatNGramLogitsProcessor``, ``NoBadWordsLogitsProcessor`` and
+    ``SequenceBiasLogitsProcessor`` define the semantics matched here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from genjax._processor_base import NEG_INF, check_id_list, check_id_lists, check_vocab
+from genjax.typing import Array
+
+if TYPE_CHECKING:
+    from genjax.processors import LogitsContext, Processor
+
+
+def no_repeat_ngram_size(size: int) -> Processor:
+    """Bans every token that would complete an n-gram already present in ``input_ids``.
+
+    For each row, the last ``size - 1`` tokens are compared with every earlier window of that
+    length; the token that followed a matching window is set to -inf. ``size`` (static, >= 1)
+    of 1 bans every token already present. Nothing is banned before ``input_ids`` holds ``size``
+    tokens. Cost: O(B * S * size) compares and one scatter of B * S ids per call.
+
+    Example:
+        >>> process = no_repeat_ngram_size(3)
+
+    References:
+        Paulus et al. 2017, "A Deep Reinforced Model for Abstractive Summarization",
+        arXiv:1705.04304.
+    """
+    if not isinstance(size, int | np.integer) or isinstance(size, bool) or size < 1:
+        raise ValueError(
+            f"no_repeat_ngram_size={size!r} is invalid: expected an int >= 1 (the n-gram length). "
+            f"Use 0 in the generation config to disable it."
+        )
+    size = int(size)
+
+    def apply(scores: Array, context: LogitsContext) -> Array:
+        batch, vocab = scores.shape
+        tokens = context.tokens
+        windows = tokens.shape[1] - size + 1  # window starts 0 .. S - size
+        if windows < 1:
+            return scores
+        starts = jnp.arange(windows)
+        # A window must lie inside input_ids = tokens[offset:length].
+        match = jnp.broadcast_to(
+            (starts >= context.offset) & (starts + size <= context.length), (batch, windows)
+        )
+        for k in range(size - 1):
+            newest = jax.lax.dynamic_index_in_dim(
+                tokens, context.length - size + 1 + k, axis=1, keepdims=True
+            )
+            match &= tokens[:, k : k + windows] == newest
+        following = tokens[:, size - 1 : size - 1 + windows]
+        ids = jnp.where(match, jnp.clip(following, 0, vocab), vocab)  # vocab: a spare column
+        rows = jnp.arange(batch)[:, None]
+        banned = jnp.zeros((batch, vocab + 1), bool).at[rows, ids].set(True)
+        return jnp.where(banned[:, :vocab], NEG_INF, scores)
+
+    return apply
+
+
+def bias_pairs(sequence_bias: Any) -> list[tuple[tuple[int, ...], Any]]:
+    """Validates transformers' two forms of ``sequence_bias``; returns (ids, bias) pairs.
+
+    Accepted: a list of ``[token_ids, bias]`` pairs, or a dict ``{tuple(token_ids): bias}``. A
+    later duplicate of a sequence replaces an earlier one, as in transformers.
+    """
+    example = "[[[5], -2.0], [[6, 7], 1.5]] or {(5,): -2.0, (6, 7): 1.5}"
+    pairs = list(sequence_bias.items()) if isinstance(sequence_bias, Mapping) else sequence_bias
+    if isinstance(pairs, str) or not isinstance(pairs, Sequence) or not pairs:
+        raise ValueError(
+            f"sequence_bias={sequence_bias!r} is invalid: expected a non-empty list of "
+            f"[token_ids, bias] pairs or a dict of token-id tuples to biases, e.g. {example}."
+        )
+    out: dict[tuple[int, ...], Any] = {}
+    for i, pair in enumerate(pairs):
+        if isinstance(pair, str) or not isinstance(pair, Sequence) or len(pair) != 2:
+            raise ValueError(
+                f"sequence_bias entry {i} ({pair!r}) is invalid: each entry must be a pair "
+                f"[token_ids, bias], e.g. {example}."
+            )
+        ids, bias = pair
+        if isinstance(ids, int | np.integer):
+            raise ValueError(
+                f"sequence_bias entry {i} ({pair!r}) is invalid: token_ids must be a list of ids; "
+                f"wrap the single id as [{ids}]."
+            )
+        ids = check_id_list(f"sequence_bias entry {i} token_ids", ids, allow_empty=False)
+        if isinstance(bias, bool) or not (
+            isinstance(bias, int | float | np.number) or isinstance(bias, jax.Array)
+        ):
+            raise ValueError(
+                f"sequence_bias entry {i} ({pair!r}) is invalid: the bias must be a number, "
+                f"e.g. -2.0."
+            )
+        out[ids] = bias
+    return list(out.items())
+
+
+class _SequenceTable:
+    """Sequences to bias, split as transformers does: single tokens, and longer sequences whose
+    last token is biased when the rest (the prefix) ends ``input_ids``.
+
+    Multi-token prefixes are stored right-aligned in one table int32[Q, L] (``L`` the longest
+    prefix), with -1 in the unused slots on the left.
+    """
+
+    def __init__(self, pairs: list[tuple[tuple[int, ...], Any]]):
+        singles = [(ids[0], bias) for ids, bias in pairs if len(ids) == 1]
+        multi = [(ids, bias) for ids, bias in pairs if len(ids) > 1]
+        self.single_ids = np.asarray([i for i, _ in singles], np.int32)
+        self.single_bias = [b for _, b in singles]
+        self.multi_bias = [b for _, b in multi]
+        width = max((len(ids) - 1 for ids, _ in multi), default=0)
+        self.prefixes = np.full((len(multi), width), -1, np.int32)
+        for q, (ids, _) in enumerate(multi):
+            self.prefixes[q, width - len(ids) + 1 :] = ids[:-1]
+        self.prefix_lengths = np.asarray([len(ids) - 1 for ids, _ in multi], np.int32)
+        self.last_ids = np.asarray([ids[-1] for ids, _ in multi], np.int32)
+        self.all_ids = sorted({i for ids, _ in pairs for i in ids})
+
+    def bias(self, batch: int, vocab: int, context: Any, single_values: Array) -> Array:
+        """float32[B, V]: the bias to add, given the single-token biases float32[K1]."""
+        check_vocab("the biased token sequences", self.all_ids, vocab)
+        bias = jnp.zeros((vocab,), jnp.float32).at[self.single_ids].set(single_values)
+        bias = jnp.broadcast_to(bias, (batch, vocab))
+        if not len(self.last_ids):
+            return bias
+        width = self.prefixes.shape[1]
+        slots = jnp.clip(context.length - width + jnp.arange(width), 0, context.tokens.shape[1] - 1)
+        recent = jnp.take(context.tokens, slots, axis=1)  # int32[B, L]: the newest L tokens
+        unused = self.prefixes < 0
+        same = (recent[:, None, :] == self.prefixes[None]) | unused[None]
+        fits = self.prefix_lengths <= context.length - context.offset  # prefix fits in input_ids
+        matched = jnp.all(same, axis=-1) & fits[None]  # bool[B, Q]
+        values = jnp.stack([jnp.asarray(b, jnp.float32) for b in self.multi_bias])
+        return bias.at[:, self.last_ids].add(jnp.where(matched, values[None], 0.0))
+
+
+def sequence_bias(bias: Any) -> Processor:
+    """Adds a bias to a token when it would complete one of the given token sequences.
+
+    A one-token sequence's bias always applies; a longer sequence's bias applies to its last
+    token when ``input_ids`` ends with the rest of it. Biases of several matching sequences with
+    the same last token add up.
+
+    Args:
+        bias: transformers' form: a list of ``[token_ids, bias]`` pairs, or a dict
+            ``{tuple(token_ids): bias}``. The token ids are static; a bias may be a Python number
+            or a traced scalar.
+
+    Cost: O(B * Q * L) compares (Q multi-token sequences, L the longest prefix) and a scatter-add
+    of B * Q values per call.
+
+    Example:
+        >>> process = sequence_bias([[[5], -2.0], [[6, 7], 1.5]])
+    """
+    table = _SequenceTable(bias_pairs(bias))
+
+    def apply(scores: Array, context: LogitsContext) -> Array:
+        batch, vocab = scores.shape
+        singles = jnp.asarray(
+            [jnp.asarray(b, jnp.float32) for b in table.single_bias], jnp.float32
+        ).reshape(-1)
+        return scores + table.bias(batch, vocab, context, singles).astype(scores.dtype)
+
+    return apply
+
+
+def bad_words_ids(bad_words: Sequence[Sequence[int]], eos_token_ids: Any = None) -> Processor:
+    """Forbids the given token sequences: their last token gets -inf when the rest ends the input.
+
+    A one-token sequence is always forbidden, except one equal to an EOS id (as transformers
+    drops ``[eos]`` from the list). Matching as in :func:`sequence_bias`.
+
+    Args:
+        bad_words: a non-empty list of non-empty token-id lists (static), e.g. ``[[5], [6, 7]]``.
+        eos_token_ids: int[E] EOS ids (traced), or None.
+
+    Cost: O(B * Q * L) compares (Q multi-token sequences, L the longest prefix) and a scatter-add
+    of B * Q values per call.
+
+    Example:
+        >>> process = bad_words_ids([[5], [6, 7]], eos_token_ids=2)
+    """
+    sequences = check_id_lists("bad_words_ids", bad_words)
+    table = _SequenceTable([(ids, NEG_INF) for ids in dict.fromkeys(sequences)])
+
+    def apply(scores: Array, context: LogitsContext) -> Array:
+        batch, vocab = scores.shape
+        singles = jnp.full(table.single_ids.shape, NEG_INF, jnp.float32)
+        if eos_token_ids is not None:
+            eos = jnp.atleast_1d(jnp.asarray(eos_token_ids, jnp.int32))
+            is_eos = jnp.any(table.single_ids[:, None] == eos[None, :], axis=-1)
+            singles = jnp.where(is_eos, 0.0, singles)
+        return scores + table.bias(batch, vocab, context, singles).astype(scores.dtype)
+
+    return apply

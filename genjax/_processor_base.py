@@ -1,0 +1,98 @@
+"""Small helpers shared by the logits processors (:mod:`genjax.processors`); private.
+
+Token-id validation here runs in Python on the settings a processor is built from, before
+anything is traced, and raises errors that name the setting, the value and the fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from genjax.typing import Array
+
+NEG_INF = -jnp.inf
+
+
+def per_row(value: Any) -> Array:
+    """A scalar stays a scalar; a per-row value ``[B]`` becomes ``[B, 1]`` to broadcast on V."""
+    value = jnp.asarray(value)
+    return value[:, None] if value.ndim == 1 else value
+
+
+def token_mask(token_ids: Any, vocab: int) -> Array:
+    """bool[V]: True at each of ``token_ids`` (an id or a list of ids int[K]; may be traced)."""
+    ids = jnp.atleast_1d(jnp.asarray(token_ids, jnp.int32))
+    return jnp.any(jnp.arange(vocab)[:, None] == ids[None, :], axis=-1)
+
+
+def row_token_mask(token_id: Any, vocab: int) -> Array:
+    """bool[V] for one id, or bool[B, V] for one id per row int[B]."""
+    ids = jnp.asarray(token_id, jnp.int32)
+    if ids.ndim == 1:
+        return jnp.arange(vocab)[None, :] == ids[:, None]
+    return jnp.arange(vocab) == ids
+
+
+def is_concrete(value: Any) -> bool:
+    """False for tracers (and containers holding one): their values cannot be checked."""
+    return not any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(value))
+
+
+def _is_id(value: Any) -> bool:
+    return isinstance(value, int | np.integer) and not isinstance(value, bool) and value >= 0
+
+
+def check_id_list(name: str, ids: Any, *, allow_empty: bool = True) -> tuple[int, ...]:
+    """Returns ``ids`` as a tuple of ints after checking it is a flat list of ids >= 0.
+
+    Raises:
+        ValueError: naming ``name``, the value and the expected form.
+    """
+    if isinstance(ids, np.ndarray) and ids.ndim == 1:
+        ids = ids.tolist()
+    if not isinstance(ids, Sequence) or isinstance(ids, str) or not all(_is_id(i) for i in ids):
+        raise ValueError(
+            f"{name}={ids!r} is invalid: expected a flat list of token ids (ints >= 0), e.g. "
+            f"[5, 17]. Pass the ids your tokenizer gives."
+        )
+    if not allow_empty and not ids:
+        raise ValueError(f"{name}=[] is invalid: it needs at least one token id, e.g. [5].")
+    return tuple(int(i) for i in ids)
+
+
+def check_id_lists(name: str, lists: Any) -> tuple[tuple[int, ...], ...]:
+    """Returns a non-empty list of non-empty id lists as tuples, or raises naming ``name``."""
+    example = "[[5], [6, 7]]"
+    if isinstance(lists, np.ndarray):
+        lists = lists.tolist()
+    if not isinstance(lists, Sequence) or isinstance(lists, str) or not lists:
+        raise ValueError(
+            f"{name}={lists!r} is invalid: expected a non-empty list of token-id lists, e.g. "
+            f"{example}."
+        )
+    out = []
+    for i, ids in enumerate(lists):
+        if _is_id(ids):
+            raise ValueError(
+                f"{name}={lists!r} is invalid: entry {i} is the bare id {ids}, but each entry "
+                f"must be a list of ids (one token sequence), e.g. {example}; wrap it as [{ids}]."
+            )
+        out.append(check_id_list(f"{name}[{i}]", ids, allow_empty=False))
+    return tuple(out)
+
+
+def check_vocab(name: str, ids: Sequence[int], vocab_size: int | None) -> None:
+    """Raises ValueError when an id in ``ids`` is outside ``[0, vocab_size)``."""
+    if vocab_size is None:
+        return
+    bad = sorted({i for i in ids if i >= vocab_size})
+    if bad:
+        raise ValueError(
+            f"{name} holds token ids {bad} outside the vocabulary [0, {vocab_size - 1}] "
+            f"(vocab_size={vocab_size}). Use ids from the model's own tokenizer."
+        )

@@ -1,0 +1,412 @@
+"""Beam search and beam sampling in one ``lax.while_loop``, with transformers v5's semantics.
+
+The loop knows nothing about models: like :mod:`genjax.decoding.sampling` it takes a step function
+
+    step(params, tokens int32[B*M, T], positions int32[B*M, T], cache, attention_mask int32[B*M, S])
+        -> (logits float32[B*M, T, V], cache)
+
+and a :class:`BeamState`. Row ``b * M + m`` of every ``[B*M, ...]`` array is running beam ``m``
+of prompt ``b``; per-prompt arrays are ``[B, M, ...]``, kept sorted best first.
+
+One step, as transformers v5's ``_beam_search`` does it (all on float32):
+
+1. ``log_softmax`` of the next-token logits, then the logits processors (on log-probs, with the
+   running beams' own buffers as ``input_ids``). These processed scores are what ``scores``
+   records. Then each beam's running score is added.
+2. The top ``K = max(2, 1 + E) * M`` continuations over all ``M * V`` (beam, token) pairs of a
+   prompt (``E`` EOS ids); beam sampling draws ``K`` without replacement from ``softmax`` of the
+   same totals instead (Gumbel top-k), then sorts them by total. ``K`` leaves at least ``M``
+   continuations that are not EOS.
+3. A continuation "hits a stopping criterion" when its token is EOS or the buffer is full.
+   The best ``M`` that do not become the running beams; the running rows of the KV cache are
+   reordered to their source beams with one gather (:meth:`KVCache.gather_rows`).
+4. Among the top ``M`` continuations, those that hit are finished hypotheses with score
+   ``total / new_length ** length_penalty``; they enter the ``M`` best finished hypotheses of
+   their prompt unless the prompt is already full (``early_stopping=True``) or could not improve.
+5. A prompt stops improving when its best running beam, at its best hypothetical length, cannot
+   beat its worst finished hypothesis (transformers' heuristic; ``early_stopping="never"`` with
+   ``length_penalty > 0`` assumes the full length ``N``). The loop ends when no prompt can
+   improve, when every prompt has ``M`` hypotheses and ``early_stopping=True``, or at ``N``.
+
+Index bookkeeping, one prompt, ``M = 2`` beams, ``V = 5``, no EOS so ``K = 4``. Running beams
+``a`` (score -1.0, row 0) and ``b`` (score -1.5, row 1); processed log-probs per beam::
+
+    token           0     1     2     3     4
+    beam a (-1.0)  -2.3  -0.4  -1.9  -3.0  -2.2      totals a: -3.3 -1.4 -2.9 -4.0 -3.2
+    beam b (-1.5)  -0.2  -2.5  -2.6  -3.1  -3.4      totals b: -1.7 -4.0 -4.1 -4.6 -4.9
+
+    flat index f = beam * V + token over the M*V = 10 totals; top K = 4:
+        f = 1 (-1.4), 5 (-1.7), 2 (-2.9), 4 (-3.2)
+    source beam  = f // V = 0, 1, 0, 0     token = f % V = 1, 0, 2, 4
+    new running beams = the best M that are not EOS: "a 1" (-1.4) and "b 0" (-1.7)
+    cache rows gathered: [0, 1] (here unchanged; "a 1", "a 2" would give [0, 0])
+    beam_indices column of this step: b_index * M + source beam = 0, 1
+
+``beam_indices[r, t]`` is thus the row of ``scores[:, t]`` (``B*M`` rows) that produced token
+``t`` of returned sequence ``r``: ``compute_transition_scores`` reads it there.
+
+Static or traced:
+    Static: ``M`` (``num_beams``), the buffer length ``S`` and ``N``, the processors, whether
+    continuations are sampled, ``early_stopping``, the number of EOS ids, the output flags.
+    Traced: ``length_penalty`` (scalar or per prompt ``[B]``), the EOS ids, the PRNG key, the
+    processor settings and all state.
+
+Differences from transformers forced by static shapes: every output holds ``N`` steps (see
+:mod:`genjax.outputs`); the slots of a returned sequence after its end hold ``pad_token_id``
+(transformers v5 writes ``pad_token_id or eos_token_id[0]``, i.e. ``eos_token_id[0]`` when the
+pad id is 0, a falsy tensor).
+
+Randomness: continuations at new-token index ``i`` are drawn with ``fold_in(key, i)``.
+
+References:
+    Hugging Face transformers v5, ``generation/utils.py``: ``_beam_search`` and its helpers
+    ``_get_top_k_continuations``, ``_get_running_beams_for_next_iteration``,
+    ``_update_finished_beams``, ``_check_early_stop_heuristic``; the semantics matched here.
+    t5x ``decoding.py`` ``beam_search``: a model-free beam loop over a tokens-to-logits function.
+    Kool et al. 2019, "Stochastic Beams and Where to Find Them: The Gumbel-Top-k Trick for
+    Sampling Sequences Without Replacement".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from genjax.cache import KVCache
+from genjax.errors import UnsupportedError
+from genjax.processors import LogitsContext, Processor
+from genjax.stopping import is_eos
+from genjax.typing import Array, PyTree
+
+StepFn = Callable[[PyTree, Array, Array, KVCache, Array], tuple[Array, KVCache]]
+
+EXCLUDED = -1.0e9
+"""The score transformers adds to exclude a beam (not -inf, so arithmetic stays finite)."""
+
+
+@struct.dataclass
+class BeamState:
+    """Everything the beam loop carries from one token to the next."""
+
+    tokens: Array  # int32[B*M, S]: running beams' buffers: padding, prompt, new tokens, pad
+    length: Array  # int32[]: slots of `tokens` filled so far (the same in every beam)
+    positions: Array  # int32[B*M]: position id of the next token fed to the model
+    cache: KVCache  # float[L, B*M, S, K, H]: row b*M + m holds running beam m of prompt b
+    attention_mask: Array  # int32[B*M, S]: 1 where a slot holds a real token
+    running_scores: Array  # float32[B, M]: summed processed log-probs, best first
+    running_indices: Array  # int32[B, M, N]: beam_indices of the running beams (-1: not yet)
+    hyp_tokens: Array  # int32[B, M, N]: new tokens of the best finished hypotheses
+    hyp_scores: Array  # float32[B, M]: their length-penalised scores, best first (-1e9: empty)
+    hyp_indices: Array  # int32[B, M, N]: their beam_indices (-1 after the end)
+    hyp_finished: Array  # bool[B, M]: the slot holds a finished hypothesis
+    improvable: Array  # bool[B]: running beams may still beat the worst finished hypothesis
+    done: Array  # bool[]: no prompt can change its hypotheses any more
+    key: Array  # key[]: the PRNG key of the whole call (beam sampling)
+    scores: Array | None  # float32[B*M, N, V]: processed scores, when recorded
+    raw_logits: Array | None  # float32[B*M, N, V]: raw logits, when recorded
+
+    @property
+    def num_beams(self) -> int:
+        """``M`` (static)."""
+        return self.running_scores.shape[1]
+
+    @property
+    def num_new_tokens(self) -> int:
+        """``N`` (static)."""
+        return self.running_indices.shape[2]
+
+
+@struct.dataclass
+class BeamRules:
+    """How continuations are chosen and scored: fixed for a whole call."""
+
+    process: Processor = struct.field(pytree_node=False)  # the logits processor chain
+    do_sample: bool = struct.field(pytree_node=False)  # beam sampling instead of top-k
+    early_stopping: bool | str = struct.field(pytree_node=False)  # True, False or "never"
+    context: LogitsContext  # prompt bookkeeping over B*M rows; tokens and length change per step
+    length_penalty: Array  # float32[] or [B]: hypothesis score = total / length**length_penalty
+    eos_token_ids: Array | None  # int32[E], or None when only the length ends a hypothesis
+
+    @property
+    def num_eos(self) -> int:
+        """``E`` (static)."""
+        return 0 if self.eos_token_ids is None else jnp.atleast_1d(self.eos_token_ids).shape[0]
+
+
+_ASSISTED = ("prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp", "dola_layers")
+
+
+def check_supported(config) -> None:
+    """Raises UnsupportedError for a beam-search config using an option the beam loop lacks.
+
+    Args:
+        config: a :class:`~genjax.GenerationConfig` with ``num_beams > 1``, defaults applied.
+
+    Raises:
+        UnsupportedError: assisted generation or DoLa flags (transformers ignores them with a
+            warning in beam search; genjax refuses rather than ignore them), ``stop_strings`` or
+            ``max_time`` (no beam stopping criteria beyond EOS and length yet), ``low_memory``.
+    """
+    for name in _ASSISTED:
+        value = getattr(config, name)
+        if value is not None and value is not False:
+            raise UnsupportedError(
+                f"`{name}={value!r}` (assisted generation / DoLa) cannot be combined with beam "
+                f"search (num_beams={config.num_beams}): transformers ignores it there, genjax "
+                f"refuses. Unset {name}, or set num_beams=1 to use it."
+            )
+    for name in ("stop_strings", "max_time"):
+        if getattr(config, name) is not None:
+            raise UnsupportedError(
+                f"`{name}` is not supported with beam search (num_beams={config.num_beams}) yet: "
+                f"beams stop on EOS and length only. Unset {name}, or set num_beams=1."
+            )
+    if config.low_memory:
+        raise UnsupportedError(
+            "`low_memory=True` (sequential beam search) is not supported, as in transformers v5. "
+            "Unset low_memory."
+        )
+
+
+def init_state(
+    tokens: Array,
+    cache: KVCache,
+    attention_mask: Array,
+    key: Array,
+    *,
+    num_beams: int,
+    num_new_tokens: int,
+    scores_shape: tuple[int, int, int] | None = None,
+    logits_shape: tuple[int, int, int] | None = None,
+) -> BeamState:
+    """The state after prefill, with every prompt's row repeated ``M`` times.
+
+    Args:
+        tokens: int32[B, S]: the prompt, then ``N`` slots holding ``pad_token_id`` (they become
+            the slots after a hypothesis' end).
+        cache: the prefilled cache with ``B`` rows.
+        attention_mask: int32[B, S] over every slot (new slots 1); the first new token's
+            position id is the number of real prompt tokens.
+        key: the PRNG key (used by beam sampling only).
+        num_beams: ``M`` (static).
+        num_new_tokens: ``N`` (static).
+        scores_shape, logits_shape: ``(B*M, N, V)`` to record processed scores / raw logits.
+
+    Returns:
+        A :class:`BeamState`; beam 0 of each prompt starts at score 0 and the others at -1e9,
+        so the first step only extends one copy of the prompt (as transformers does).
+    """
+    batch, length = tokens.shape
+    rows = jnp.repeat(jnp.arange(batch), num_beams)  # int32[B*M]
+    new = jnp.repeat(tokens[:, None, length - num_new_tokens :], num_beams, axis=1)
+    running = jnp.full((batch, num_beams), EXCLUDED, jnp.float32).at[:, 0].set(0.0)
+    no_indices = jnp.full((batch, num_beams, num_new_tokens), -1, jnp.int32)
+    return BeamState(
+        tokens=tokens[rows],
+        length=jnp.asarray(length - num_new_tokens, jnp.int32),
+        positions=jnp.sum(attention_mask[rows, :-num_new_tokens], axis=-1).astype(jnp.int32),
+        cache=cache.gather_rows(rows),
+        attention_mask=attention_mask[rows],
+        running_scores=running,
+        running_indices=no_indices,
+        hyp_tokens=jnp.asarray(new, jnp.int32),
+        hyp_scores=jnp.full((batch, num_beams), EXCLUDED, jnp.float32),
+        hyp_indices=no_indices,
+        hyp_finished=jnp.zeros((batch, num_beams), bool),
+        improvable=jnp.ones((batch,), bool),
+        done=jnp.zeros((), bool),
+        key=key,
+        scores=None if scores_shape is None else jnp.zeros(scores_shape, jnp.float32),
+        raw_logits=None if logits_shape is None else jnp.zeros(logits_shape, jnp.float32),
+    )
+
+
+def _take(values: Array, index: Array) -> Array:
+    """values[b, index[b, k], ...] for values [B, J, ...] and index int32[B, K] -> [B, K, ...]."""
+    return values[jnp.arange(index.shape[0])[:, None], index]
+
+
+def _record(buffer: Array | None, values: Array, step: Array) -> Array | None:
+    """Writes float32[R, V] values at step ``step`` of a float32[R, N, V] buffer."""
+    if buffer is None:
+        return None
+    return jax.lax.dynamic_update_slice(buffer, values[:, None].astype(buffer.dtype), (0, step, 0))
+
+
+def _per_prompt(value: Array) -> Array:
+    """A scalar stays a scalar; a per-prompt float[B] becomes float[B, 1]."""
+    value = jnp.asarray(value, jnp.float32)
+    return value[:, None] if value.ndim == 1 else value
+
+
+def _top_continuations(state: BeamState, totals: Array, rules: BeamRules, step: Array):
+    """Picks K continuations per prompt from float32[B, M*V] totals.
+
+    Returns (total float32[B, K] best first, source beam int32[B, K], token int32[B, K]).
+    """
+    num_beams = state.num_beams
+    count = max(2, 1 + rules.num_eos) * num_beams
+    if rules.do_sample:
+        noise = jax.random.gumbel(jax.random.fold_in(state.key, step), totals.shape)
+        _, flat = jax.lax.top_k(totals + noise, count)
+        picked, order = jax.lax.top_k(jnp.take_along_axis(totals, flat, axis=-1), count)
+        flat = jnp.take_along_axis(flat, order, axis=-1)
+    else:
+        picked, flat = jax.lax.top_k(totals, count)
+    vocab = totals.shape[-1] // num_beams
+    return picked, (flat // vocab).astype(jnp.int32), (flat % vocab).astype(jnp.int32)
+
+
+def _add_hypotheses(state, picked, tokens, indices, hits, step, rules) -> BeamState:
+    """Merges the top-M continuations that just finished into the best finished hypotheses.
+
+    ``picked`` float32[B, K] totals, ``tokens``/``indices`` int32[B, K, N], ``hits`` bool[B, K].
+    """
+    num_beams = state.num_beams
+    just_finished = hits & (jnp.arange(hits.shape[1]) < num_beams)[None, :]
+    score = picked / (step + 1).astype(jnp.float32) ** _per_prompt(rules.length_penalty)
+    if rules.early_stopping is True:
+        full = jnp.all(state.hyp_finished, axis=-1, keepdims=True)
+        score = score + full.astype(jnp.float32) * EXCLUDED
+    score = score + (~state.improvable[:, None]).astype(jnp.float32) * EXCLUDED
+    score = score + (~just_finished).astype(jnp.float32) * EXCLUDED
+    merged = jnp.concatenate([state.hyp_scores, score], axis=1)  # [B, M + K]
+    best_scores, best = jax.lax.top_k(merged, num_beams)
+    return state.replace(
+        hyp_tokens=_take(jnp.concatenate([state.hyp_tokens, tokens], axis=1), best),
+        hyp_scores=best_scores,
+        hyp_indices=_take(jnp.concatenate([state.hyp_indices, indices], axis=1), best),
+        hyp_finished=_take(jnp.concatenate([state.hyp_finished, just_finished], axis=1), best),
+    )
+
+
+def _still_improvable(state: BeamState, step: Array, rules: BeamRules) -> Array:
+    """bool[B]: transformers' early-stop heuristic, after ``step + 1`` new tokens."""
+    penalty = _per_prompt(rules.length_penalty)
+    length = jnp.asarray(step + 1, jnp.float32)
+    if rules.early_stopping == "never":
+        length = jnp.where(penalty > 0, float(state.num_new_tokens), length)
+    best_possible = state.running_scores[:, :1] / length**penalty  # [B, 1]
+    worst = jnp.min(state.hyp_scores, axis=-1, keepdims=True)
+    worst = jnp.where(state.hyp_finished, worst, EXCLUDED)  # [B, M]
+    return state.improvable & jnp.any(best_possible > worst, axis=-1)
+
+
+def advance(state: BeamState, logits: Array, rules: BeamRules) -> BeamState:
+    """One beam step: scores the next tokens of every running beam and updates all beams.
+
+    Args:
+        state: the state before the step.
+        logits: float32[B*M, V] raw next-token logits of the running beams.
+        rules: the processors, the sampling switch, ``early_stopping``, ``length_penalty``.
+
+    Returns:
+        The state with one more token in every running beam, the finished hypotheses updated,
+        the cache rows reordered, and ``done`` set when the search is over.
+    """
+    batch, num_beams = state.running_scores.shape
+    prompt_length = state.tokens.shape[1] - state.num_new_tokens
+    step = state.length - prompt_length
+    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    context = rules.context.replace(tokens=state.tokens, length=state.length)
+    processed = rules.process(log_probs, context)  # float32[B*M, V]
+    totals = processed.reshape(batch, num_beams, -1) + state.running_scores[:, :, None]
+    picked, beam, token = _top_continuations(state, totals.reshape(batch, -1), rules, step)
+
+    source = beam + jnp.arange(batch)[:, None] * num_beams  # int32[B, K]: rows in B*M
+    tokens = state.tokens[source]  # int32[B, K, S]
+    tokens = jax.lax.dynamic_update_slice(tokens, token[:, :, None], (0, 0, state.length))
+    indices = _take(state.running_indices, beam)  # int32[B, K, N]
+    indices = jax.lax.dynamic_update_slice(indices, source[:, :, None], (0, 0, step))
+    hits = is_eos(token.reshape(-1), rules.eos_token_ids).reshape(token.shape)
+    hits = hits | (step + 1 >= state.num_new_tokens)
+
+    alive = picked + hits.astype(jnp.float32) * EXCLUDED
+    running_scores, keep = jax.lax.top_k(alive, num_beams)  # [B, M]
+    rows = _take(source, keep).reshape(-1)
+    new = state.replace(
+        tokens=_take(tokens, keep).reshape(batch * num_beams, -1),
+        length=state.length + 1,
+        cache=state.cache.gather_rows(rows),
+        running_scores=running_scores,
+        running_indices=_take(indices, keep),
+        scores=_record(state.scores, processed, step),
+        raw_logits=_record(state.raw_logits, logits, step),
+    )
+    new = _add_hypotheses(new, picked, tokens[:, :, prompt_length:], indices, hits, step, rules)
+    new = new.replace(improvable=_still_improvable(new, step, rules))
+    searching = jnp.any(new.improvable) & ~jnp.all(hits)
+    if rules.early_stopping is True:
+        searching = searching & ~jnp.all(new.hyp_finished)
+    return new.replace(done=~searching)
+
+
+def beam_search(
+    step_fn: StepFn,
+    params: PyTree,
+    state: BeamState,
+    first_logits: Array,
+    rules: BeamRules,
+) -> BeamState:
+    """Runs beam search (or beam sampling) until it is over or the buffer is full.
+
+    Args:
+        step_fn: the model's step function (see the module docstring).
+        params: the model parameters, passed to ``step_fn``.
+        state: from :func:`init_state`; ``state.cache`` holds the prompt in all ``B*M`` rows.
+        first_logits: float32[B*M, V], the prefill's logits at the last prompt slot, per beam.
+        rules: :class:`BeamRules`.
+
+    Returns:
+        The final state; read the results with :func:`best_hypotheses`.
+
+    Example:
+        ``tests/test_beam.py`` drives it with a fake step function; ``genjax.generate`` with a
+        model::
+
+            state = beam_search(model.apply, params, state, logits, rules)
+            sequences, sequences_scores, beam_indices = best_hypotheses(state, 2)
+    """
+    state = advance(state, first_logits, rules)
+    max_length = state.tokens.shape[1]
+
+    def body(state: BeamState) -> BeamState:
+        last = jax.lax.dynamic_slice_in_dim(state.tokens, state.length - 1, 1, axis=1)
+        logits, cache = step_fn(
+            params, last, state.positions[:, None], state.cache, state.attention_mask
+        )
+        state = state.replace(cache=cache, positions=state.positions + 1)
+        return advance(state, logits[:, -1], rules)
+
+    def cond(state: BeamState) -> Array:
+        return ~state.done & (state.length < max_length)
+
+    return jax.lax.while_loop(cond, body, state)
+
+
+def best_hypotheses(state: BeamState, num_return_sequences: int) -> tuple[Array, Array, Array]:
+    """The ``R`` best finished hypotheses of each prompt, best first.
+
+    Args:
+        state: the final state of :func:`beam_search`.
+        num_return_sequences: ``R <= M`` (static).
+
+    Returns:
+        ``(sequences int32[B*R, S], sequences_scores float32[B*R], beam_indices int32[B*R, N])``;
+        ``sequences`` holds the prompt then the hypothesis' new tokens, ``pad_token_id`` after its
+        end (the value of the new slots given to :func:`init_state`); ``beam_indices`` holds -1
+        after the end.
+    """
+    batch, num_beams = state.running_scores.shape
+    count = num_return_sequences
+    prompt = state.tokens.reshape(batch, num_beams, -1)[:, 0, : -state.num_new_tokens]
+    new_tokens = state.hyp_tokens[:, :count].reshape(batch * count, -1)
+    sequences = jnp.concatenate([jnp.repeat(prompt, count, axis=0), new_tokens], axis=1)
+    return (
+        sequences,
+        state.hyp_scores[:, :count].reshape(-1),
+        state.hyp_indices[:, :count].reshape(batch * count, -1),
+    )

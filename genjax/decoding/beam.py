@@ -18,7 +18,7 @@ One step, as transformers v5's ``_beam_search`` does it (all on float32):
    same totals instead (Gumbel top-k), then sorts them by total. ``K`` leaves at least ``M``
    continuations that are not EOS.
 3. A continuation "hits a stopping criterion" when its token is EOS or the buffer is full.
-   The best ``M`` that do not become the running beams; the running rows of the KV cache are
+   The best ``M`` that do not hit become the running beams; the rows of the KV cache are
    reordered to their source beams with one gather (:meth:`KVCache.gather_rows`).
 4. Among the top ``M`` continuations, those that hit are finished hypotheses with score
    ``total / new_length ** length_penalty``; they enter the ``M`` best finished hypotheses of
@@ -40,7 +40,7 @@ Index bookkeeping, one prompt, ``M = 2`` beams, ``V = 5``, no EOS so ``K = 4``. 
     source beam  = f // V = 0, 1, 0, 0     token = f % V = 1, 0, 2, 4
     new running beams = the best M that are not EOS: "a 1" (-1.4) and "b 0" (-1.7)
     cache rows gathered: [0, 1] (here unchanged; "a 1", "a 2" would give [0, 0])
-    beam_indices column of this step: b_index * M + source beam = 0, 1
+    beam_indices column of this step: prompt index * M + source beam = 0, 1
 
 ``beam_indices[r, t]`` is thus the row of ``scores[:, t]`` (``B*M`` rows) that produced token
 ``t`` of returned sequence ``r``: ``compute_transition_scores`` reads it there.
@@ -51,10 +51,11 @@ Static or traced:
     Traced: ``length_penalty`` (scalar or per prompt ``[B]``), the EOS ids, the PRNG key, the
     processor settings and all state.
 
-Differences from transformers forced by static shapes: every output holds ``N`` steps (see
+Differences from transformers: every output holds ``N`` steps, a static shape (see
 :mod:`genjax.outputs`); the slots of a returned sequence after its end hold ``pad_token_id``
 (transformers v5 writes ``pad_token_id or eos_token_id[0]``, i.e. ``eos_token_id[0]`` when the
-pad id is 0, a falsy tensor).
+pad id is 0, a falsy tensor); beam sampling draws with JAX's PRNG, so its tokens differ from
+torch's for the same seed (its processed scores match).
 
 Randomness: continuations at new-token index ``i`` are drawn with ``fold_in(key, i)``.
 
@@ -149,6 +150,10 @@ def check_supported(config) -> None:
         UnsupportedError: assisted generation or DoLa flags (transformers ignores them with a
             warning in beam search; genjax refuses rather than ignore them), ``stop_strings`` or
             ``max_time`` (no beam stopping criteria beyond EOS and length yet), ``low_memory``.
+
+    Example:
+        >>> from genjax import GenerationConfig
+        >>> check_supported(GenerationConfig(num_beams=4).with_defaults())  # passes
     """
     for name in _ASSISTED:
         value = getattr(config, name)
@@ -198,6 +203,11 @@ def init_state(
     Returns:
         A :class:`BeamState`; beam 0 of each prompt starts at score 0 and the others at -1e9,
         so the first step only extends one copy of the prompt (as transformers does).
+
+    Example:
+        >>> state = init_state(tokens, cache, mask, key, num_beams=4, num_new_tokens=8)
+        >>> state.tokens.shape  # [B*M, S] for B = 2, S = 24
+        (8, 24)
     """
     batch, length = tokens.shape
     rows = jnp.repeat(jnp.arange(batch), num_beams)  # int32[B*M]
@@ -306,6 +316,9 @@ def advance(state: BeamState, logits: Array, rules: BeamRules) -> BeamState:
     Returns:
         The state with one more token in every running beam, the finished hypotheses updated,
         the cache rows reordered, and ``done`` set when the search is over.
+
+    Example:
+        >>> state = advance(state, prefill_logits, rules)  # the first token, from the prefill
     """
     batch, num_beams = state.running_scores.shape
     prompt_length = state.tokens.shape[1] - state.num_new_tokens
@@ -399,6 +412,9 @@ def best_hypotheses(state: BeamState, num_return_sequences: int) -> tuple[Array,
         ``sequences`` holds the prompt then the hypothesis' new tokens, ``pad_token_id`` after its
         end (the value of the new slots given to :func:`init_state`); ``beam_indices`` holds -1
         after the end.
+
+    Example:
+        >>> sequences, sequences_scores, beam_indices = best_hypotheses(state, 2)
     """
     batch, num_beams = state.running_scores.shape
     count = num_return_sequences

@@ -224,15 +224,9 @@ def _generate_jit(
     stopping, (input_ids,) = start_timer(stopping, input_ids)
     batch, prompt_length = input_ids.shape
     rows = jnp.repeat(jnp.arange(batch), config.num_return_sequences)  # int32[B*R]
-
-    # Position ids as transformers v5 computes them: count real tokens; padding gets 0.
-    positions = jnp.maximum(jnp.cumsum(attention_mask, axis=-1) - 1, 0)
-    new_slots = jnp.ones((batch, max_new_tokens), jnp.int32)
-    cache_mask = jnp.concatenate([attention_mask, new_slots], axis=1)  # int32[B, S]
-    cache = model.init_cache(batch, prompt_length + max_new_tokens)
-    logits, cache = model.apply(params, input_ids, positions, cache, cache_mask)
-
-    tokens = jnp.concatenate([input_ids, new_slots * pad_token_id], axis=1)  # int32[B, S]
+    logits, cache, cache_mask, tokens = _prefill(
+        model, params, input_ids, attention_mask, max_new_tokens, pad_token_id
+    )
     recorded = (batch * config.num_return_sequences, max_new_tokens, logits.shape[-1])
     state = DecodeState(
         tokens=tokens[rows],
@@ -245,13 +239,7 @@ def _generate_jit(
         scores=jnp.zeros(recorded) if config.output_scores else None,
         raw_logits=jnp.zeros(recorded) if config.output_logits else None,
     )
-    context = LogitsContext(
-        tokens=state.tokens,
-        length=state.length,
-        offset=offset,
-        prompt_end=state.length,
-        first_valid=jnp.argmax(state.attention_mask != 0, axis=-1).astype(jnp.int32),
-    )
+    context = _prompt_context(state.tokens, state.length, state.attention_mask, offset)
     rules = DecodeRules(
         process=from_config(
             config, eos_token_ids, extra=logits_processor, allowed_tokens_fn=allowed_tokens_fn
@@ -281,17 +269,14 @@ def _generate_beams(
     """Beam search / beam sampling: prefill each prompt once, repeat its cache rows for the M
     beams, run :func:`genjax.decoding.beam.beam_search`, return the R best hypotheses."""
     pad_token_id, eos_token_ids = _special_ids(config)
-    batch, prompt_length = input_ids.shape
+    batch = input_ids.shape[0]
     num_beams = config.num_beams
-    positions = jnp.maximum(jnp.cumsum(attention_mask, axis=-1) - 1, 0)
-    new_slots = jnp.ones((batch, max_new_tokens), jnp.int32)
-    cache_mask = jnp.concatenate([attention_mask, new_slots], axis=1)  # int32[B, S]
-    cache = model.init_cache(batch, prompt_length + max_new_tokens)
-    logits, cache = model.apply(params, input_ids, positions, cache, cache_mask)
-
+    logits, cache, cache_mask, tokens = _prefill(
+        model, params, input_ids, attention_mask, max_new_tokens, pad_token_id
+    )
     recorded = (batch * num_beams, max_new_tokens, logits.shape[-1])
     state = beam.init_state(
-        jnp.concatenate([input_ids, new_slots * pad_token_id], axis=1),
+        tokens,
         cache,
         cache_mask,
         key,
@@ -300,13 +285,7 @@ def _generate_beams(
         scores_shape=recorded if config.output_scores else None,
         logits_shape=recorded if config.output_logits else None,
     )
-    context = LogitsContext(
-        tokens=state.tokens,
-        length=state.length,
-        offset=offset,
-        prompt_end=state.length,
-        first_valid=jnp.argmax(state.attention_mask != 0, axis=-1).astype(jnp.int32),
-    )
+    context = _prompt_context(state.tokens, state.length, state.attention_mask, offset)
     rules = beam.BeamRules(
         process=from_config(
             config, eos_token_ids, extra=logits_processor, allowed_tokens_fn=allowed_tokens_fn
@@ -342,6 +321,36 @@ def _stop_string_table(config: GenerationConfig, tokenizer):
             f"transformers tokenizer or a tokenizers.Tokenizer), or unset stop_strings."
         )
     return stop_string_table(tokenizer, config.stop_strings)
+
+
+def _prefill(model, params, input_ids, attention_mask, max_new_tokens: int, pad_token_id):
+    """Runs the prompt through the model into a cache sized for all ``S = P + N`` slots.
+
+    Returns:
+        ``(logits float32[B, P, V], cache, cache_mask int32[B, S], tokens int32[B, S])``:
+        ``cache_mask`` marks real prompt tokens and every new slot; ``tokens`` is the prompt
+        followed by ``pad_token_id`` in the new slots.
+    """
+    batch, prompt_length = input_ids.shape
+    # Position ids as transformers v5 computes them: count real tokens; padding gets 0.
+    positions = jnp.maximum(jnp.cumsum(attention_mask, axis=-1) - 1, 0)
+    new_slots = jnp.ones((batch, max_new_tokens), jnp.int32)
+    cache_mask = jnp.concatenate([attention_mask, new_slots], axis=1)
+    cache = model.init_cache(batch, prompt_length + max_new_tokens)
+    logits, cache = model.apply(params, input_ids, positions, cache, cache_mask)
+    tokens = jnp.concatenate([input_ids, new_slots * pad_token_id], axis=1)
+    return logits, cache, cache_mask, tokens
+
+
+def _prompt_context(tokens, length, attention_mask, offset) -> LogitsContext:
+    """The processors' view of the prompt, before the first new token."""
+    return LogitsContext(
+        tokens=tokens,
+        length=length,
+        offset=offset,
+        prompt_end=length,
+        first_valid=jnp.argmax(attention_mask != 0, axis=-1).astype(jnp.int32),
+    )
 
 
 def _special_ids(config: GenerationConfig) -> tuple[Array, Array | None]:

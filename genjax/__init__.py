@@ -9,7 +9,7 @@ Example:
 The axis letters used in shapes throughout are defined in :mod:`genjax.typing`.
 """
 
-from genjax import models, processors, sharding, tokenizer
+from genjax import checkpoints, models, processors, sharding, streaming, tokenizer
 from genjax.config import GenerationConfig, GenerationMode
 from genjax.generate import generate
 from genjax.outputs import GenerateOutput, compute_transition_scores
@@ -20,10 +20,12 @@ __all__ = [
     "GenerateOutput",
     "GenerationConfig",
     "GenerationMode",
+    "checkpoints",
     "compute_transition_scores",
     "generate",
     "models",
     "processors",
     "sharding",
+    "streaming",
     "tokenizer",
 ]

@@ -96,6 +96,34 @@ class KVCache:
         """Returns the cache with batch rows reordered or repeated by ``rows`` (int32[B'])."""
         return self.replace(keys=self.keys[:, rows], values=self.values[:, rows])
 
+    def repeat_rows(self, count: int) -> KVCache:
+        """Returns the cache with each row repeated ``count`` (static) times in place: row ``b``
+        becomes rows ``b * count .. b * count + count - 1``. A broadcast and reshape, so rows
+        sharded over devices stay where they are (unlike :meth:`gather_rows`)."""
+        if count == 1:
+            return self
+        return self.replace(
+            keys=jnp.repeat(self.keys, count, axis=1), values=jnp.repeat(self.values, count, axis=1)
+        )
+
+    def gather_beams(self, beams: Array) -> KVCache:
+        """Reorders the rows of each prompt: row ``b * M + m`` takes row ``b * M + beams[b, m]``.
+
+        Args:
+            beams: int32[B, M]: for each prompt ``b``, the source beam of each new beam.
+
+        The gather runs per prompt (``B`` is a batch dimension of it), so with rows sharded by
+        prompt every device gathers its own rows and nothing moves between devices.
+        """
+        batch, num_beams = beams.shape
+
+        def take(x):  # [L, B*M, S, K, H]
+            x = x.reshape(x.shape[0], batch, num_beams, *x.shape[2:])
+            x = jax.vmap(lambda xb, ib: xb[:, ib], in_axes=(1, 0), out_axes=1)(x, beams)
+            return x.reshape(x.shape[0], batch * num_beams, *x.shape[3:])
+
+        return self.replace(keys=take(self.keys), values=take(self.values))
+
 
 def attention_bias(
     attention_mask: Array,

@@ -21,3 +21,7 @@ class UnsupportedError(NotImplementedError):
 
 class CheckpointError(ValueError):
     """A model checkpoint is missing, malformed, or of an unsupported kind."""
+
+
+class ShardingError(ValueError):
+    """A size does not divide over the mesh axis a sharding rule puts it on."""

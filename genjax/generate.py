@@ -4,11 +4,14 @@ Static or traced:
     Static (a change compiles a new program): the model, the prompt bucket length, the number of
     new tokens ``N``, ``num_return_sequences``, ``num_beams``, ``early_stopping``, which
     processors are enabled, the output flags, the user's extra processors and stopping criteria,
-    whether ``max_time`` is set, and the number of stop strings and the shapes of their tables.
+    whether ``max_time`` is set, the number of stop strings and the shapes of their tables,
+    whether a ``streamer`` is given, and the ``mesh`` and sharding ``rules`` (or the mesh set by
+    ``jax.set_mesh``; see :mod:`genjax.sharding`).
     Traced (a change reuses the compiled program): the parameters, the token ids and mask, the
     PRNG key, every sampling value (``temperature``, ``top_k``, ``top_p``, ``min_p``,
     ``repetition_penalty``), ``length_penalty``, the pad and EOS ids, the ``max_time`` value,
-    the stop-string tables' contents, and the prompt length within its bucket.
+    the stop-string tables' contents, the prompt length within its bucket, and which streamer
+    receives the tokens (a new streamer object reuses the program).
 
 Prompt buckets: called with concrete arrays, ``generate`` left-pads the prompt to the next bucket
 length (a power of two, at least 16) with masked slots, so nearby prompt lengths share one
@@ -23,6 +26,7 @@ Differences from transformers forced by static shapes: outputs always hold ``N``
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Sequence
 
 import jax
@@ -30,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from genjax.config import GenerationConfig
-from genjax.decoding import beam
+from genjax.decoding import assisted, beam
 from genjax.decoding.sampling import (
     DecodeRules,
     DecodeState,
@@ -41,6 +45,7 @@ from genjax.decoding.sampling import (
 from genjax.errors import InputError, UnsupportedError
 from genjax.outputs import GenerateOutput
 from genjax.processors import LogitsContext, Processor, from_config, validate_config
+from genjax.sharding import Layout, context_layout, layout_for
 from genjax.stopping import (
     StopCriterion,
     as_criteria,
@@ -48,10 +53,11 @@ from genjax.stopping import (
     stop_string_table,
     stopping_rules,
 )
+from genjax.streaming import check_streamer, stream_to, token_hook
 from genjax.typing import Array, PyTree
 
 MIN_BUCKET = 16
-_SUPPORTED_MODES = ("greedy_search", "sample", "beam_search", "beam_sample")
+_SUPPORTED_MODES = ("greedy_search", "sample", "beam_search", "beam_sample", "assisted_generation")
 
 
 def bucket_length(prompt_length: int) -> int:
@@ -76,13 +82,25 @@ def generate(
     allowed_tokens_fn: Callable[[Array, Array], Array] | None = None,
     stopping_criteria: Sequence[StopCriterion] = (),
     tokenizer=None,
+    streamer=None,
+    mesh: jax.sharding.Mesh | None = None,
+    rules=None,
+    assistant_model=None,
+    assistant_params: PyTree = None,
     **config_overrides,
 ) -> GenerateOutput:
-    """Generates tokens after ``input_ids``: greedy, sampling, beam search or beam sampling.
+    """Generates tokens after ``input_ids``: greedy, sampling, beam search or beam sampling,
+    optionally assisted by a draft model or by prompt lookup.
 
-    The strategy follows ``config.generation_mode``. Beam search (``num_beams > 1``; see
-    :mod:`genjax.decoding.beam`) also returns ``sequences_scores`` float32[B*R] and
-    ``beam_indices`` int32[B*R, N], and its ``scores``/``logits`` have ``B*M`` rows.
+    The strategy follows ``config.get_generation_mode(assistant_model)``. Beam search
+    (``num_beams > 1``; see :mod:`genjax.decoding.beam`) also returns ``sequences_scores``
+    float32[B*R] and ``beam_indices`` int32[B*R, N], and its ``scores``/``logits`` have ``B*M``
+    rows. Assisted generation (an ``assistant_model``, or ``prompt_lookup_num_tokens`` set; see
+    :mod:`genjax.decoding.assisted`) runs speculative decoding for the whole batch in one loop:
+    greedy output equals plain greedy decoding, sampled output follows the same distribution,
+    and ``num_accepted_tokens`` int32[B] counts the accepted candidates per row. Its KV caches
+    hold up to ``min(B, G + 1)`` times more slots than plain decoding's (``G`` =
+    ``num_assistant_tokens``); no beams, streamer or mesh.
 
     Args:
         model: a model following the protocol of :mod:`genjax.models` (hashable; static).
@@ -108,6 +126,27 @@ def generate(
         tokenizer: the model's tokenizer (a transformers tokenizer, a ``tokenizers.Tokenizer``,
             or an object with ``get_vocab()``), required by ``config.stop_strings``. Its tables
             are built once per vocabulary and stop strings, then traced.
+        streamer: a :mod:`genjax.streaming` streamer (``TextStreamer``,
+            ``TextIteratorStreamer``, or any object with ``put(ids)`` and ``end()``), as in
+            transformers: ``put`` gets the prompt int32[1, P] first, then each new token
+            int32[1] as the compiled loop produces it (an ordered host callback, so in order),
+            and ``end()`` is called once the result is ready. Batch size 1 with
+            ``num_return_sequences=1``, no beam search, and a call with concrete arrays (not
+            inside your own ``jax.jit``). Which streamer is traced: a new one reuses the
+            compiled program; None compiles no callback.
+        mesh: a ``jax.sharding.Mesh`` to run the whole call on (static; see
+            :mod:`genjax.sharding`): params not already on it are placed with
+            ``shard_params``, ``input_ids``/``attention_mask`` get their rows on ``data``, the
+            loop carry (token buffer, per-row state, KV cache with ``K`` on ``model``) keeps its
+            shardings step to step, and the outputs come back with their rows on ``data``. None
+            uses the mesh set by ``jax.set_mesh`` if any (constraints only), else one device.
+        rules: logical-axis rules for ``mesh`` (static); None means
+            ``genjax.sharding.DEFAULT_RULES``.
+        assistant_model: a draft model with the target's vocabulary (static), for speculative
+            decoding: it proposes up to ``config.num_assistant_tokens`` tokens per round
+            (schedule ``num_assistant_tokens_schedule``, stopping early below
+            ``assistant_confidence_threshold``), the target checks them in one pass.
+        assistant_params: the draft's parameters (traced); required with ``assistant_model``.
         **config_overrides: generation config fields overriding ``config`` for this call.
 
     Returns:
@@ -119,6 +158,7 @@ def generate(
         TypeError: a stopping criterion that is not a hashable callable.
         GenerationConfigError: an invalid config.
         UnsupportedError: a generation mode or option genjax does not support yet.
+        ShardingError: with a mesh, a batch or head count that does not divide over its axis.
 
     Example:
         >>> cfg = GenerationConfig(max_new_tokens=8, do_sample=True, temperature=0.7)
@@ -128,9 +168,13 @@ def generate(
     """
     config = _effective_config(config, config_overrides)
     resolved = config.with_defaults()
-    _check_mode(resolved)
+    _check_mode(resolved, assistant_model)
     validate_config(resolved, model.vocab_size)
     input_ids, attention_mask, key = _check_inputs(model, input_ids, attention_mask, key, resolved)
+    layout = _layout(model, mesh, rules, input_ids.shape[0])
+    if assisted.is_assisted(resolved, assistant_model):
+        assisted.check_call(resolved, model, assistant_model, assistant_params, len(input_ids))
+        _check_assisted_extras(streamer, layout)
     prompt_length = input_ids.shape[1]
     max_new_tokens = _num_new_tokens(config, resolved, prompt_length, model)
     if resolved.min_new_tokens is not None:  # transformers: min_new_tokens overrides min_length
@@ -142,6 +186,11 @@ def generate(
             "length only. Remove stopping_criteria, or set num_beams=1."
         )
     stop_strings = _stop_string_table(resolved, tokenizer)
+    if streamer is not None:
+        traced = (params, input_ids, attention_mask, key)
+        traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(traced))
+        check_streamer(streamer, input_ids, resolved, traced)
+    prompt_ids = input_ids  # as given, for the streamer
 
     pad_token_id, eos_token_ids = _special_ids(resolved)
     if attention_mask is None:
@@ -152,22 +201,34 @@ def generate(
     if not isinstance(input_ids, jax.core.Tracer):
         offset = bucket_length(prompt_length) - prompt_length
         input_ids, attention_mask = _pad_left(input_ids, attention_mask, pad_token_id, offset)
-    out = _generate_jit(
-        model,
-        params,
-        input_ids,
-        attention_mask,
-        resolved,
-        key if key is not None else jax.random.key(0),
-        jnp.asarray(offset, jnp.int32),
-        stop_strings,
-        max_new_tokens=max_new_tokens,
-        logits_processor=tuple(logits_processor),
-        allowed_tokens_fn=allowed_tokens_fn,
-        stopping_criteria=stopping_criteria,
-    )
+    if mesh is not None:  # concrete arrays only; inside a user's jit the constraints place them
+        params = layout.place_params(params)
+        input_ids, attention_mask = layout.place_rows(input_ids, attention_mask)
+    with stream_to(streamer, prompt_ids) as stream_id:  # puts the prompt; None: no streamer
+        out = _generate_jit(
+            model,
+            params,
+            input_ids,
+            attention_mask,
+            resolved,
+            key if key is not None else jax.random.key(0),
+            jnp.asarray(offset, jnp.int32),
+            stop_strings,
+            stream_id=stream_id,
+            layout=layout,
+            max_new_tokens=max_new_tokens,
+            logits_processor=tuple(logits_processor),
+            allowed_tokens_fn=allowed_tokens_fn,
+            stopping_criteria=stopping_criteria,
+            assistant=assistant_model,
+            assistant_params=assistant_params,
+        )
+        if stream_id is not None:
+            out = jax.block_until_ready(out)  # every token has reached the streamer
     if offset:
         out = out.replace(sequences=out.sequences[:, offset:])
+    if streamer is not None:
+        streamer.end()
     return out
 
 
@@ -179,6 +240,8 @@ def generate(
         "logits_processor",
         "allowed_tokens_fn",
         "stopping_criteria",
+        "layout",
+        "assistant",
     ),
 )
 def _generate_jit(
@@ -191,14 +254,39 @@ def _generate_jit(
     offset,
     stop_strings=None,
     *,
+    stream_id=None,
+    layout: Layout | None = None,
     max_new_tokens,
     logits_processor,
     allowed_tokens_fn=None,
     stopping_criteria=(),
+    assistant=None,
+    assistant_params=None,
 ) -> GenerateOutput:
     """The compiled body of ``generate``: prefill, repeat rows for ``num_return_sequences``,
     decode. ``offset`` (traced) counts the bucket padding slots at the start of each row;
-    ``stop_strings`` is a :class:`~genjax.stopping.StopStringTable` or None."""
+    ``stop_strings`` is a :class:`~genjax.stopping.StopStringTable` or None; ``stream_id``
+    (int32[], traced) names the registered streamer, or is None for no streaming; ``layout``
+    (static) shards inputs, loop carry and outputs, or is None."""
+    if layout is not None:
+        input_ids, attention_mask = layout.constrain((input_ids, attention_mask))
+    if assisted.is_assisted(config, assistant):
+        return _generate_assisted(
+            model,
+            params,
+            input_ids,
+            attention_mask,
+            config,
+            key,
+            offset,
+            stop_strings,
+            assistant=assistant,
+            assistant_params=assistant_params,
+            max_new_tokens=max_new_tokens,
+            logits_processor=logits_processor,
+            allowed_tokens_fn=allowed_tokens_fn,
+            stopping_criteria=stopping_criteria,
+        )
     if config.num_beams > 1:
         return _generate_beams(
             model,
@@ -211,6 +299,7 @@ def _generate_jit(
             max_new_tokens=max_new_tokens,
             logits_processor=logits_processor,
             allowed_tokens_fn=allowed_tokens_fn,
+            layout=layout,
         )
     pad_token_id, eos_token_ids = _special_ids(config)
     stopping = stopping_rules(
@@ -223,18 +312,22 @@ def _generate_jit(
     # max_time counts from here, before the prefill, as transformers' MaxTimeCriteria does.
     stopping, (input_ids,) = start_timer(stopping, input_ids)
     batch, prompt_length = input_ids.shape
-    rows = jnp.repeat(jnp.arange(batch), config.num_return_sequences)  # int32[B*R]
+    copies = config.num_return_sequences
+
+    def rows(x):  # row b -> rows b*R .. b*R+R-1, by a reshape: sharded rows stay in place
+        return jnp.repeat(x, copies, axis=0)
+
     logits, cache, cache_mask, tokens = _prefill(
         model, params, input_ids, attention_mask, max_new_tokens, pad_token_id
     )
-    recorded = (batch * config.num_return_sequences, max_new_tokens, logits.shape[-1])
+    recorded = (batch * copies, max_new_tokens, logits.shape[-1])
     state = DecodeState(
-        tokens=tokens[rows],
+        tokens=rows(tokens),
         length=jnp.asarray(prompt_length, jnp.int32),
-        positions=jnp.sum(attention_mask, axis=-1)[rows].astype(jnp.int32),
-        cache=cache.gather_rows(rows),
-        attention_mask=cache_mask[rows],
-        finished=jnp.zeros(rows.shape, bool),
+        positions=rows(jnp.sum(attention_mask, axis=-1)).astype(jnp.int32),
+        cache=cache.repeat_rows(copies),
+        attention_mask=rows(cache_mask),
+        finished=jnp.zeros((batch * copies,), bool),
         key=key,
         scores=jnp.zeros(recorded) if config.output_scores else None,
         raw_logits=jnp.zeros(recorded) if config.output_logits else None,
@@ -248,9 +341,12 @@ def _generate_jit(
         context=context,
         pad_token_id=pad_token_id,
         stopping=stopping,
+        on_token=None if stream_id is None else token_hook(stream_id),
+        constrain=None if layout is None else layout.constrain,
     )
-    state = decode(model.apply, params, state, logits[rows, -1], rules)
-    return GenerateOutput(sequences=state.tokens, scores=state.scores, logits=state.raw_logits)
+    state = decode(model.apply, params, state, rows(logits[:, -1]), rules)
+    out = GenerateOutput(sequences=state.tokens, scores=state.scores, logits=state.raw_logits)
+    return out if layout is None else layout.constrain(out)
 
 
 def _generate_beams(
@@ -265,6 +361,7 @@ def _generate_beams(
     max_new_tokens,
     logits_processor,
     allowed_tokens_fn=None,
+    layout: Layout | None = None,
 ) -> GenerateOutput:
     """Beam search / beam sampling: prefill each prompt once, repeat its cache rows for the M
     beams, run :func:`genjax.decoding.beam.beam_search`, return the R best hypotheses."""
@@ -295,19 +392,127 @@ def _generate_beams(
         context=context,
         length_penalty=config.length_penalty,
         eos_token_ids=eos_token_ids,
+        constrain=None if layout is None else layout.constrain,
     )
     first_logits = jnp.repeat(logits[:, -1], num_beams, axis=0)
     state = beam.beam_search(model.apply, params, state, first_logits, rules)
     sequences, sequences_scores, beam_indices = beam.best_hypotheses(
         state, config.num_return_sequences
     )
-    return GenerateOutput(
+    out = GenerateOutput(
         sequences=sequences,
         scores=state.scores,
         logits=state.raw_logits,
         sequences_scores=sequences_scores,
         beam_indices=beam_indices,
     )
+    return out if layout is None else layout.constrain(out)
+
+
+def _generate_assisted(
+    model,
+    params,
+    input_ids,
+    attention_mask,
+    config,
+    key,
+    offset,
+    stop_strings,
+    *,
+    assistant,
+    assistant_params,
+    max_new_tokens,
+    logits_processor,
+    allowed_tokens_fn=None,
+    stopping_criteria=(),
+) -> GenerateOutput:
+    """Assisted generation (:mod:`genjax.decoding.assisted`): prefill the target and the draft
+    (None for prompt lookup) into caches sized for the rolled-back slots, then draft, verify
+    and commit in one loop."""
+    pad_token_id, eos_token_ids = _special_ids(config)
+    stopping = stopping_rules(
+        eos_token_ids,
+        criteria=stopping_criteria,
+        stop_strings=stop_strings,
+        max_time=config.max_time,
+        first_slot=offset,
+    )
+    stopping, (input_ids,) = start_timer(stopping, input_ids)
+    batch, prompt_length = input_ids.shape
+    limits = [getattr(m, "max_position_embeddings", None) for m in (model, assistant)]
+    limits = [limit for limit in limits if limit is not None]
+    rules = assisted.make_rules(
+        config,
+        eos_token_ids=eos_token_ids,
+        pad_token_id=pad_token_id,
+        context=_prompt_context(input_ids, prompt_length, attention_mask, offset),
+        stopping=stopping,
+        num_new_tokens=max_new_tokens,
+        with_draft=assistant is not None,
+        extra=logits_processor,
+        allowed_tokens_fn=allowed_tokens_fn,
+        max_position=min(limits) if limits else None,
+    )
+    sizes = assisted.cache_lengths(prompt_length, max_new_tokens, batch, rules.num_candidates)
+    logits, cache, cache_mask, _ = _prefill(
+        model, params, input_ids, attention_mask, sizes[0] - prompt_length, pad_token_id
+    )
+    draft_cache = draft_mask = None
+    if assistant is not None:
+        _, draft_cache, draft_mask, _ = _prefill(
+            assistant, assistant_params, input_ids, attention_mask, sizes[1] - prompt_length, 0
+        )
+    state = assisted.init_state(
+        input_ids,
+        cache,
+        cache_mask,
+        draft_cache,
+        draft_mask,
+        key,
+        rules,
+        vocab_size=logits.shape[-1],
+        record_scores=bool(config.output_scores),
+        record_logits=bool(config.output_logits),
+    )
+    draft_step = None if assistant is None else assistant.apply
+    state = assisted.decode(
+        model.apply, params, draft_step, assistant_params, state, logits[:, -1], rules
+    )
+    sequences, scores, raw_logits = assisted.finish(state, rules)
+    return GenerateOutput(
+        sequences=sequences,
+        scores=scores,
+        logits=raw_logits,
+        num_accepted_tokens=state.num_accepted,
+    )
+
+
+def _check_assisted_extras(streamer, layout) -> None:
+    """Assisted generation does not stream or shard yet: say so before anything is traced."""
+    if streamer is not None:
+        raise UnsupportedError(
+            "streamer= is not supported with assisted generation (assistant_model= or "
+            "prompt_lookup_num_tokens) yet. Drop the streamer, or the assistant."
+        )
+    if layout is not None:
+        raise UnsupportedError(
+            "assisted generation (assistant_model= or prompt_lookup_num_tokens) does not run on "
+            "a mesh yet. Call generate without mesh= and outside `jax.set_mesh`."
+        )
+
+
+def _layout(model, mesh, rules, batch: int) -> Layout | None:
+    """The sharding layout of a call: from ``mesh``, else from the mesh set by
+    ``jax.set_mesh``, else None (one device); checked against the model and batch."""
+    if mesh is not None:
+        return layout_for(model, mesh, rules, batch)
+    layout = context_layout(model, rules, batch)
+    if layout is None and rules is not None:
+        raise InputError(
+            "generate() got sharding rules= but no mesh: pass mesh=genjax.sharding.make_mesh("
+            "...) too, or call it under `with jax.set_mesh(mesh):`."
+        )
+    return layout
 
 
 def _stop_string_table(config: GenerationConfig, tokenizer):
@@ -327,7 +532,8 @@ def _prefill(model, params, input_ids, attention_mask, max_new_tokens: int, pad_
     """Runs the prompt through the model into a cache sized for all ``S = P + N`` slots.
 
     Returns:
-        ``(logits float32[B, P, V], cache, cache_mask int32[B, S], tokens int32[B, S])``:
+        ``(logits float32[B, 1 or P, V], cache, cache_mask int32[B, S], tokens int32[B, S])``
+        (one row of logits when the model takes ``logits_to_keep``; callers use the last):
         ``cache_mask`` marks real prompt tokens and every new slot; ``tokens`` is the prompt
         followed by ``pad_token_id`` in the new slots.
     """
@@ -337,9 +543,22 @@ def _prefill(model, params, input_ids, attention_mask, max_new_tokens: int, pad_
     new_slots = jnp.ones((batch, max_new_tokens), jnp.int32)
     cache_mask = jnp.concatenate([attention_mask, new_slots], axis=1)
     cache = model.init_cache(batch, prompt_length + max_new_tokens)
-    logits, cache = model.apply(params, input_ids, positions, cache, cache_mask)
+    if _accepts_logits_to_keep(model):  # the last position's logits only: [B, 1, V]
+        logits, cache = model.apply(
+            params, input_ids, positions, cache, cache_mask, logits_to_keep=1
+        )
+    else:
+        logits, cache = model.apply(params, input_ids, positions, cache, cache_mask)
     tokens = jnp.concatenate([input_ids, new_slots * pad_token_id], axis=1)
     return logits, cache, cache_mask, tokens
+
+
+def _accepts_logits_to_keep(model) -> bool:
+    """Whether ``model.apply`` takes the protocol's optional ``logits_to_keep`` keyword."""
+    try:
+        return "logits_to_keep" in inspect.signature(model.apply).parameters
+    except (TypeError, ValueError):  # no introspectable signature
+        return False
 
 
 def _prompt_context(tokens, length, attention_mask, offset) -> LogitsContext:
@@ -404,10 +623,12 @@ def _effective_config(config: GenerationConfig | None, overrides: dict) -> Gener
     return config
 
 
-def _check_mode(config: GenerationConfig) -> None:
+def _check_mode(config: GenerationConfig, assistant_model=None) -> None:
+    if assisted.is_assisted(config, assistant_model):
+        assisted.check_config(config, assistant_model)
     if config.num_beams > 1:
         beam.check_supported(config)
-    mode = str(config.generation_mode.value)
+    mode = str(config.get_generation_mode(assistant_model).value)
     if mode not in _SUPPORTED_MODES:
         raise UnsupportedError(
             f"generation mode {mode!r} is not supported by genjax yet; supported: "

@@ -34,6 +34,9 @@ class GenerateOutput:
     logits: Array | None = None  # float32[B*R, N, V] raw logits (beams: [B*M, N, V])
     sequences_scores: Array | None = None  # float32[B*R]: beam search only
     beam_indices: Array | None = None  # int32[B*R, N]: beam search only; rows of `scores`
+    # int32[B]: assisted generation only; candidate tokens accepted and committed per row
+    # (divide by the new tokens for the acceptance rate).
+    num_accepted_tokens: Array | None = None
 
 
 def compute_transition_scores(

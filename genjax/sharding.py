@@ -1,4 +1,4 @@
-"""Device meshes and one table of logical-axis rules for sharding the built-in models.
+"""Device meshes, one table of logical-axis rules, and the shardings of a whole generate call.
 
 Every parameter dimension has a logical axis name; a rule maps each name to a mesh axis (or to
 None, replicated). The defaults are Megatron-style tensor parallelism on ``model`` and data
@@ -15,15 +15,47 @@ parallelism on ``data``:
 
 Because each sharded weight is split along the axis its matmul contracts or produces, XLA's
 partitioner computes attention heads and MLP columns locally and inserts one reduction after the
-row-parallel projections.
+row-parallel projections; no weight matrix is ever gathered whole (``tests/test_sharding.py``
+checks the compiled program for it). A rule naming an axis the mesh lacks replicates that
+logical axis, so a ``("data",)`` mesh gives pure data parallelism.
 
-Static or traced: the mesh and the rules are static (they are part of the compiled program's
-shardings); the arrays are traced.
+The state of a generate call follows the same rules (:class:`Layout`): every ``[B, ...]`` array
+of the loop carry (token buffer, positions, mask, finished flags, recorded scores, beam scores
+and hypotheses) has its rows on ``batch``; the KV cache ``[L, B, S, K, H]`` has ``B`` on
+``batch`` and ``K`` on ``kv_heads``; scalars (the slot counter, the PRNG key) are replicated.
+
+Three ways to run sharded, all giving the single-device tokens:
+
+1. ``genjax.generate(model, params, ids, config, mesh=mesh)``: params not yet on ``mesh`` are
+   placed with :func:`shard_params`, ``input_ids``/``attention_mask`` with their rows on
+   ``data``; the compiled program constrains its inputs, the while-loop carry after every step,
+   and its outputs (which come back with their rows on ``data``).
+2. Your own ``jax.jit`` under ``with jax.set_mesh(mesh):``: ``generate`` reads the mesh in
+   effect and constrains the loop carry the same way; your ``in_shardings`` (or the shardings of
+   the arrays you pass) place params and inputs.
+3. :func:`pmap_generate`: ``jax.pmap`` data parallelism for users of the older API.
+
+Uneven sizes: a batch that does not divide over ``data``, or query heads that do not divide over
+``model``, raise :class:`~genjax.errors.ShardingError` naming the sizes and the fix. Key/value
+heads that do not divide over ``model`` (``K < model`` in GQA, e.g. 2 KV heads on 8 devices) fall
+back explicitly: the k/v projections and the KV cache are replicated on ``model`` (each device
+holds all ``K`` heads; query heads stay split), which :func:`layout_for` records in its rules.
+(:func:`shard_params` alone applies the rules as given: it only checks that column counts divide.)
+
+Known limits: GPT-2's fused ``c_attn`` ``[D, 3D]`` is split on its ``3D`` output columns, which do
+not align with heads, so XLA moves the q/k/v activations (never the weight) between devices once
+per layer. XLA does not split ``lax.top_k`` over rows, so beam search's choice of continuations
+and the ``top_k``/``top_p`` processors' partial sort gather their ``[rows, V]`` (beam search:
+``[B, M*V]``) scores over ``data`` once per step. Multi-host meshes are not covered yet.
+
+Static or traced: the mesh, the rules and the :class:`Layout` are static (part of the compiled
+program's shardings: a new mesh compiles a new program); the arrays are traced.
 
 Example:
     >>> mesh = genjax.sharding.make_mesh((2, 4))
-    >>> params = genjax.sharding.shard_params(params, mesh)
-    >>> out = jax.jit(functools.partial(genjax.generate, model))(params, ids, config)
+    >>> out = genjax.generate(model, params, ids, config, mesh=mesh)
+    >>> out.sequences.sharding.spec
+    PartitionSpec('data',)
 
 References:
     Shoeybi et al. 2019, "Megatron-LM: Training Multi-Billion Parameter Language Models Using
@@ -32,14 +64,19 @@ References:
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-from genjax.typing import PyTree
+from genjax.cache import KVCache
+from genjax.errors import ShardingError
+from genjax.typing import Array, PyTree
 
 Rules = tuple[tuple[str, str | None], ...]
 
@@ -52,6 +89,9 @@ DEFAULT_RULES: Rules = (
     ("vocab", None),
     ("positions", None),
 )
+
+CACHE_AXES: tuple[str | None, ...] = (None, "batch", None, "kv_heads", None)
+"""Logical axes of the KV cache's keys and values, float[L, B, S, K, H]."""
 
 # Parameter path (joined with "/") -> logical axes of the array, first match wins.
 _PARAM_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
@@ -136,22 +176,45 @@ def logical_axes(params: PyTree) -> dict[str, tuple[str | None, ...]]:
     return {_param_name(p): _axes_of(_param_name(p), np.ndim(x)) for p, x in leaves}
 
 
+def _as_rules(rules: Rules | Mapping[str, str | None] | None) -> Rules:
+    """Rules as a hashable tuple of (logical axis, mesh axis) pairs; None means the defaults."""
+    if rules is None:
+        return DEFAULT_RULES
+    pairs = tuple(rules.items()) if isinstance(rules, Mapping) else tuple(rules)
+    if not all(isinstance(p, tuple) and len(p) == 2 for p in pairs):
+        raise TypeError(
+            f"rules must be a dict or a sequence of (logical axis, mesh axis or None) pairs, "
+            f"like genjax.sharding.DEFAULT_RULES; got {rules!r}."
+        )
+    return pairs
+
+
+def _mesh_axis(name: str | None, mesh: Mesh | AbstractMesh, rules: Rules) -> str | None:
+    """The mesh axis a logical axis maps to; None when unmapped, absent from the mesh, or manual
+    (inside ``shard_map`` or ``pmap`` over that axis, where arrays are already per device)."""
+    axis = dict(rules).get(name) if name is not None else None
+    usable = axis in mesh.shape and axis not in getattr(mesh, "manual_axes", ())
+    return axis if usable else None
+
+
 def partition_spec(
-    axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh, rules: Rules = DEFAULT_RULES
+    axes: Sequence[str | None],
+    shape: Sequence[int],
+    mesh: Mesh | AbstractMesh,
+    rules: Rules = DEFAULT_RULES,
 ) -> PartitionSpec:
     """Maps logical axes to a PartitionSpec, checking each sharded size divides evenly.
 
     Raises:
-        ValueError: a dimension does not divide by its mesh axis; the message names both.
+        ShardingError: a dimension does not divide by its mesh axis; the message names both.
     """
-    table = dict(rules)
     spec = []
     for name, size in zip(axes, shape, strict=True):
-        mesh_axis = table.get(name) if name is not None else None
+        mesh_axis = _mesh_axis(name, mesh, rules)
         if mesh_axis is not None:
             ways = mesh.shape[mesh_axis]
             if size % ways:
-                raise ValueError(
+                raise ShardingError(
                     f"logical axis {name!r} of size {size} does not divide over mesh axis "
                     f"{mesh_axis!r} of size {ways}. Use a mesh whose {mesh_axis!r} axis divides "
                     f"{size}, or map {name!r} to None in the rules to replicate it."
@@ -176,9 +239,254 @@ def shard_params(params: PyTree, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Py
     Example:
         >>> params = shard_params(params, make_mesh((2, 4)))
     """
-    return jax.device_put(params, param_shardings(params, mesh, rules))
+    return jax.device_put(params, param_shardings(params, mesh, _as_rules(rules)))
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 2, rules: Rules = DEFAULT_RULES) -> NamedSharding:
     """The sharding of a ``[B, ...]`` input (ids, mask): rows on the batch axis."""
-    return NamedSharding(mesh, PartitionSpec(dict(rules)["batch"], *([None] * (ndim - 1))))
+    return NamedSharding(
+        mesh, PartitionSpec(_mesh_axis("batch", mesh, rules), *[None] * (ndim - 1))
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where the arrays of one generate call live on a mesh; static and hashable.
+
+    Built by :func:`layout_for`, which checks the model against the mesh. ``generate`` passes it
+    to the decoding loops as their ``constrain`` hook, so the while-loop carry keeps its
+    shardings from one step to the next.
+
+    Attributes:
+        mesh: a concrete ``Mesh``, or the ``AbstractMesh`` in effect inside a user's
+            ``jax.jit`` under ``jax.set_mesh`` (then only constraints are applied, nothing is
+            placed).
+        rules: the logical-axis rules in effect, after the fallbacks of :func:`layout_for`.
+
+    Example:
+        >>> layout = layout_for(model, make_mesh((2, 4)))
+        >>> layout.cache_spec
+        PartitionSpec(None, 'data', None, 'model', None)
+    """
+
+    mesh: Mesh | AbstractMesh
+    rules: Rules = DEFAULT_RULES
+
+    def spec(self, *axes: str | None) -> PartitionSpec:
+        """The PartitionSpec of an array with these logical axes (no divisibility check)."""
+        return PartitionSpec(*(_mesh_axis(name, self.mesh, self.rules) for name in axes))
+
+    def sharding(self, *axes: str | None) -> NamedSharding:
+        """The NamedSharding of an array with these logical axes."""
+        return NamedSharding(self.mesh, self.spec(*axes))
+
+    def ways(self, name: str) -> int:
+        """How many devices split the logical axis ``name`` (1 when replicated)."""
+        axis = _mesh_axis(name, self.mesh, self.rules)
+        return 1 if axis is None else int(self.mesh.shape[axis])
+
+    @property
+    def cache_spec(self) -> PartitionSpec:
+        """The spec of the cache's keys and values, float[L, B, S, K, H]."""
+        return self.spec(*CACHE_AXES)
+
+    def constrain(self, tree: PyTree) -> PyTree:
+        """Constrains a state or output pytree: rows on ``batch``, caches by :data:`CACHE_AXES`.
+
+        Every array leaf of rank >= 1 has its leading axis on ``batch`` and its other axes
+        replicated; scalars (counters, the PRNG key) are replicated; a :class:`KVCache` follows
+        :data:`CACHE_AXES`. Works inside ``jax.jit`` (``with_sharding_constraint``).
+
+        Args:
+            tree: e.g. a :class:`~genjax.decoding.sampling.DecodeState`, a
+                :class:`~genjax.decoding.beam.BeamState` or a :class:`~genjax.GenerateOutput`.
+        """
+        rows, replicated = self.sharding("batch"), self.sharding()
+
+        def one(x):
+            if isinstance(x, KVCache):
+                cache = self.sharding(*CACHE_AXES)
+                return x.replace(
+                    keys=jax.lax.with_sharding_constraint(x.keys, cache),
+                    values=jax.lax.with_sharding_constraint(x.values, cache),
+                    index=jax.lax.with_sharding_constraint(x.index, replicated),
+                )
+            return jax.lax.with_sharding_constraint(x, rows if np.ndim(x) else replicated)
+
+        return jax.tree_util.tree_map(one, tree, is_leaf=lambda x: isinstance(x, KVCache))
+
+    def place_params(self, params: PyTree) -> PyTree:
+        """Returns ``params`` unchanged when every leaf already lives on this mesh (any split),
+        else :func:`shard_params` by the rules. Tracers are returned unchanged."""
+        leaves = jax.tree_util.tree_leaves(params)
+        if any(isinstance(x, jax.core.Tracer) for x in leaves) or all(
+            isinstance(getattr(x, "sharding", None), NamedSharding) and x.sharding.mesh == self.mesh
+            for x in leaves
+        ):
+            return params
+        return shard_params(params, self.mesh, self.rules)
+
+    def place_rows(self, *arrays: Array) -> tuple[Array, ...]:
+        """Puts concrete ``[B, ...]`` arrays on the mesh with their rows on ``batch``."""
+        return tuple(
+            x
+            if x is None or isinstance(x, jax.core.Tracer)
+            else jax.device_put(x, self.sharding("batch"))
+            for x in arrays
+        )
+
+
+def layout_for(
+    model,
+    mesh: Mesh | AbstractMesh,
+    rules: Rules | Mapping[str, str | None] | None = None,
+    batch: int | None = None,
+) -> Layout:
+    """Checks a model (and batch) against a mesh and returns the :class:`Layout` to run it with.
+
+    Args:
+        model: a model; its ``config.num_heads`` (``N``) and ``num_kv_heads`` (``K``) are
+            checked when it has them (the built-in models do).
+        mesh: the mesh (static).
+        rules: logical-axis rules (a dict or pairs; static); None means :data:`DEFAULT_RULES`.
+        batch: the number of prompt rows ``B`` to check against the ``batch`` axis, if known.
+
+    Returns:
+        The layout. When ``K`` does not divide over the ``kv_heads`` axis (GQA with fewer KV
+        heads than devices), its rules map ``kv_heads`` to None: k/v projections and the cache
+        are replicated on that axis while query heads stay split.
+
+    Raises:
+        ShardingError: ``N`` or ``B`` does not divide over its mesh axis, naming both sizes and
+            the fix.
+
+    Example:
+        >>> layout = layout_for(model, make_mesh((2, 4)), batch=8)
+    """
+    rules = _as_rules(rules)
+    layout = Layout(mesh, rules)
+    heads = getattr(getattr(model, "config", None), "num_heads", None)
+    kv_heads = getattr(model, "num_kv_heads", None)
+    for name, size, what in (("batch", batch, "rows"), ("heads", heads, "attention heads")):
+        ways = layout.ways(name)
+        if size is not None and size % ways:
+            axis = _mesh_axis(name, mesh, rules)
+            fits = [d for d in range(1, size + 1) if size % d == 0]
+            fix = (
+                f"pad the batch to a multiple of {ways} rows (and drop the extra outputs)"
+                if name == "batch"
+                else f"use a mesh whose {axis!r} axis is one of {fits}"
+            )
+            raise ShardingError(
+                f"{size} {what} do not divide over mesh axis {axis!r} of size {ways} (logical "
+                f"axis {name!r}). Either {fix}, or pass rules mapping {name!r} to None to "
+                f"replicate it."
+            )
+    if kv_heads is not None and kv_heads % layout.ways("kv_heads"):
+        table = dict(rules)
+        table["kv_heads"] = None
+        layout = Layout(mesh, tuple(table.items()))
+    return layout
+
+
+def context_layout(
+    model,
+    rules: Rules | Mapping[str, str | None] | None = None,
+    batch: int | None = None,
+) -> Layout | None:
+    """The layout of the mesh set by ``jax.set_mesh`` (checked as :func:`layout_for`), or None.
+
+    None as well when no rule maps to an axis of that mesh that is not manual: inside
+    ``shard_map`` or ``pmap`` every array is already one device's block, so nothing is
+    constrained.
+
+    Example:
+        >>> with jax.set_mesh(make_mesh((2, 4))):
+        ...     context_layout(model).mesh.shape
+        {'data': 2, 'model': 4}
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    rules = _as_rules(rules)
+    if mesh.empty or all(_mesh_axis(name, mesh, rules) is None for name, _ in rules):
+        return None
+    return layout_for(model, mesh, rules, batch)
+
+
+def pmap_generate(
+    model,
+    params: PyTree,
+    input_ids: Array,
+    config=None,
+    *,
+    attention_mask: Array | None = None,
+    key: Array | None = None,
+    devices: Sequence[jax.Device] | None = None,
+):
+    """Data-parallel ``generate`` with ``jax.pmap``, for users of the older API.
+
+    The batch is split into one block of rows per device and the parameters are replicated on
+    every device; each device runs ``generate`` on its rows, and the outputs are joined back in
+    row order. Prefer ``genjax.generate(..., mesh=...)``: it also splits the model, and its
+    sampled tokens equal a single device's.
+
+    Differences from a single-device ``generate``: greedy and beam search give the same tokens
+    (scores to float32 rounding); sampling folds each device's index into ``key`` (so identical
+    prompts on two devices draw different tokens), so its draws differ from a single-device
+    call. Prompts are not padded to a bucket length (``generate`` sees traced ids inside
+    ``pmap``), so each prompt length compiles its own program.
+
+    Static or traced: the model, the devices and the config's static structure are static (one
+    compiled program per combination and prompt shape); params, ids, mask, the config's values
+    and the key are traced.
+
+    Args:
+        model: a model.
+        params: the parameters, replicated on every device.
+        input_ids: int[B, P]; ``B`` must divide by the number of devices.
+        config: a :class:`~genjax.GenerationConfig`, or None for the defaults.
+        attention_mask: int[B, P], or None to infer it as ``generate`` does.
+        key: a PRNG key (``jax.random.key(seed)``), required when sampling.
+        devices: the devices; defaults to ``jax.local_devices()``.
+
+    Returns:
+        A :class:`~genjax.GenerateOutput` with ``B*R`` rows in the order of ``input_ids``.
+
+    Raises:
+        ShardingError: ``B`` does not divide by the number of devices.
+
+    Example:
+        >>> out = genjax.sharding.pmap_generate(model, params, ids, config)
+        >>> out.sequences.shape  # [B*R, P+N]
+        (8, 12)
+    """
+    devices = tuple(jax.local_devices() if devices is None else devices)
+    count = len(devices)
+    input_ids = jnp.asarray(input_ids)
+    batch = input_ids.shape[0]
+    if batch % count:
+        raise ShardingError(
+            f"pmap_generate splits the {batch} rows of input_ids over {count} devices, but "
+            f"{count} does not divide {batch}. Pad the batch to a multiple of {count} rows (and "
+            f"drop the extra outputs), or pass devices= with a count that divides {batch}."
+        )
+
+    def split(x):
+        return None if x is None else jnp.reshape(x, (count, batch // count, *np.shape(x)[1:]))
+
+    keys = None
+    if key is not None:
+        keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(count))
+    run = _pmapped(model, devices)
+    out = run(params, split(input_ids), split(attention_mask), config, keys)
+    return jax.tree_util.tree_map(lambda x: x.reshape(-1, *x.shape[2:]), out)
+
+
+@functools.lru_cache(maxsize=32)
+def _pmapped(model, devices: tuple[jax.Device, ...]):
+    """One ``jax.pmap`` of ``generate`` per model and device tuple (so calls reuse programs)."""
+    from genjax.generate import generate  # genjax.generate imports this module
+
+    def run(params, input_ids, attention_mask, config, key):
+        return generate(model, params, input_ids, config, attention_mask=attention_mask, key=key)
+
+    return jax.pmap(run, in_axes=(None, 0, 0, None, 0), devices=devices)

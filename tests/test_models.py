@@ -524,6 +524,13 @@ def test_cached_decoding_equals_full_forward(tmp_path, case):
     for prefill in (5,):
         steps = _stepwise(model, params, tokens, mask, prefill)
         np.testing.assert_allclose(steps[real], full[real], atol=1e-5, rtol=1e-5)
+    positions = _hf_positions(mask)
+    last, last_cache = model.apply(
+        params, tokens, positions, model.init_cache(3, 12), mask, logits_to_keep=1
+    )
+    assert last.shape == (3, 1, model.vocab_size)
+    np.testing.assert_allclose(last[:, 0], full[:, -1], atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(last_cache.keys, cache.keys)  # the cache is the same
 
 
 @pytest.mark.parametrize("model_type", ["llama", "gpt2"])
@@ -583,6 +590,8 @@ def test_apply_validates_shapes(tmp_path):
         model.apply(params, tokens, tokens, cache, jnp.ones((2, 3), jnp.int32))
     with pytest.raises(InputError, match="positions"):
         model.apply(params, tokens, tokens[:, :1], cache, jnp.ones((2, 8), jnp.int32))
+    with pytest.raises(InputError, match="logits_to_keep"):
+        model.apply(params, tokens, tokens, cache, jnp.ones((2, 8), jnp.int32), logits_to_keep=-1)
 
 
 def test_init_params_matches_the_loaded_tree(tmp_path):

@@ -19,7 +19,7 @@ One step, as transformers v5's ``_beam_search`` does it (all on float32):
    continuations that are not EOS.
 3. A continuation "hits a stopping criterion" when its token is EOS or the buffer is full.
    The best ``M`` that do not hit become the running beams; the rows of the KV cache are
-   reordered to their source beams with one gather (:meth:`KVCache.gather_rows`).
+   reordered to their source beams with one gather per prompt (:meth:`KVCache.gather_beams`).
 4. Among the top ``M`` continuations, those that hit are finished hypotheses with score
    ``total / new_length ** length_penalty``; they enter the ``M`` best finished hypotheses of
    their prompt unless the prompt is already full (``early_stopping=True``) or could not improve.
@@ -130,6 +130,11 @@ class BeamRules:
     context: LogitsContext  # prompt bookkeeping over B*M rows; tokens and length change per step
     length_penalty: Array  # float32[] or [B]: hypothesis score = total / length**length_penalty
     eos_token_ids: Array | None  # int32[E], or None when only the length ends a hypothesis
+    # Applied to the loop carry before the loop and after every step, e.g.
+    # genjax.sharding.Layout.constrain, so a sharded carry keeps its shardings; None: nothing.
+    constrain: Callable[[BeamState], BeamState] | None = struct.field(
+        pytree_node=False, default=None
+    )
 
     @property
     def num_eos(self) -> int:
@@ -210,16 +215,17 @@ def init_state(
         (8, 24)
     """
     batch, length = tokens.shape
-    rows = jnp.repeat(jnp.arange(batch), num_beams)  # int32[B*M]
     new = jnp.repeat(tokens[:, None, length - num_new_tokens :], num_beams, axis=1)
     running = jnp.full((batch, num_beams), EXCLUDED, jnp.float32).at[:, 0].set(0.0)
     no_indices = jnp.full((batch, num_beams, num_new_tokens), -1, jnp.int32)
     return BeamState(
-        tokens=tokens[rows],
+        tokens=jnp.repeat(tokens, num_beams, axis=0),  # a reshape: sharded rows stay local
         length=jnp.asarray(length - num_new_tokens, jnp.int32),
-        positions=jnp.sum(attention_mask[rows, :-num_new_tokens], axis=-1).astype(jnp.int32),
-        cache=cache.gather_rows(rows),
-        attention_mask=attention_mask[rows],
+        positions=jnp.repeat(
+            jnp.sum(attention_mask[:, :-num_new_tokens], axis=-1), num_beams, axis=0
+        ).astype(jnp.int32),
+        cache=cache.repeat_rows(num_beams),
+        attention_mask=jnp.repeat(attention_mask, num_beams, axis=0),
         running_scores=running,
         running_indices=no_indices,
         hyp_tokens=jnp.asarray(new, jnp.int32),
@@ -330,7 +336,7 @@ def advance(state: BeamState, logits: Array, rules: BeamRules) -> BeamState:
     picked, beam, token = _top_continuations(state, totals.reshape(batch, -1), rules, step)
 
     source = beam + jnp.arange(batch)[:, None] * num_beams  # int32[B, K]: rows in B*M
-    tokens = state.tokens[source]  # int32[B, K, S]
+    tokens = _take(state.tokens.reshape(batch, num_beams, -1), beam)  # int32[B, K, S]
     tokens = jax.lax.dynamic_update_slice(tokens, token[:, :, None], (0, 0, state.length))
     indices = _take(state.running_indices, beam)  # int32[B, K, N]
     indices = jax.lax.dynamic_update_slice(indices, source[:, :, None], (0, 0, step))
@@ -339,11 +345,10 @@ def advance(state: BeamState, logits: Array, rules: BeamRules) -> BeamState:
 
     alive = picked + hits.astype(jnp.float32) * EXCLUDED
     running_scores, keep = jax.lax.top_k(alive, num_beams)  # [B, M]
-    rows = _take(source, keep).reshape(-1)
     new = state.replace(
         tokens=_take(tokens, keep).reshape(batch * num_beams, -1),
         length=state.length + 1,
-        cache=state.cache.gather_rows(rows),
+        cache=state.cache.gather_beams(_take(beam, keep)),
         running_scores=running_scores,
         running_indices=_take(indices, keep),
         scores=_record(state.scores, processed, step),
@@ -383,7 +388,8 @@ def beam_search(
             state = beam_search(model.apply, params, state, logits, rules)
             sequences, sequences_scores, beam_indices = best_hypotheses(state, 2)
     """
-    state = advance(state, first_logits, rules)
+    constrain = rules.constrain or (lambda state: state)
+    state = constrain(advance(state, first_logits, rules))
     max_length = state.tokens.shape[1]
 
     def body(state: BeamState) -> BeamState:
@@ -392,7 +398,7 @@ def beam_search(
             params, last, state.positions[:, None], state.cache, state.attention_mask
         )
         state = state.replace(cache=cache, positions=state.positions + 1)
-        return advance(state, logits[:, -1], rules)
+        return constrain(advance(state, logits[:, -1], rules))
 
     def cond(state: BeamState) -> Array:
         return ~state.done & (state.length < max_length)

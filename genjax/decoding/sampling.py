@@ -21,7 +21,8 @@ without EOS ids a row finished by another rule keeps receiving real tokens until
 Static or traced:
     Static: the buffer length ``S`` (so the number of new tokens), the processors in the chain,
     whether tokens are sampled, which outputs are recorded, which stopping rules are present
-    (custom criteria, stop-string table shapes, the ``max_time`` clock).
+    (custom criteria, stop-string table shapes, the ``max_time`` clock), the ``on_token`` hook
+    (streaming; see :mod:`genjax.streaming`).
     Traced: the PRNG key, the processor settings, the pad and EOS ids, the stop-string tables,
     ``max_time``, and all state.
 
@@ -44,6 +45,7 @@ from genjax.typing import Array, PyTree
 
 StepFn = Callable[[PyTree, Array, Array, KVCache, Array], tuple[Array, KVCache]]
 TokenChooser = Callable[[Array, Array], Array]
+TokenHook = Callable[[Array, Array], None]  # (tokens int32[B], active bool[B]) -> None
 
 
 @struct.dataclass
@@ -70,6 +72,14 @@ class DecodeRules:
     context: LogitsContext  # prompt bookkeeping; tokens and length are replaced each step
     pad_token_id: Array  # int32[]: written into rows that have finished (when EOS ids are set)
     stopping: StoppingRules  # EOS ids, custom criteria, stop strings, max_time
+    # Called with each new token and the rows still running when it was chosen (e.g. an ordered
+    # host callback that streams it); None compiles no call at all.
+    on_token: TokenHook | None = struct.field(pytree_node=False, default=None)
+    # Applied to the loop carry before the loop and after every step, e.g.
+    # genjax.sharding.Layout.constrain, so a sharded carry keeps its shardings; None: nothing.
+    constrain: Callable[[DecodeState], DecodeState] | None = struct.field(
+        pytree_node=False, default=None
+    )
 
     @property
     def eos_token_ids(self) -> Array | None:
@@ -113,6 +123,8 @@ def choose_next(state: DecodeState, logits: Array, rules: DecodeRules) -> Decode
     tokens = rules.choose(scores, jax.random.fold_in(state.key, step))
     if rules.eos_token_ids is not None:  # transformers pads finished rows only when EOS is set
         tokens = jnp.where(state.finished, jnp.asarray(rules.pad_token_id, jnp.int32), tokens)
+    if rules.on_token is not None:
+        rules.on_token(tokens, ~state.finished)
     buffer = jax.lax.dynamic_update_slice(state.tokens, tokens[:, None], (0, state.length))
     length = state.length + 1
     return state.replace(
@@ -155,7 +167,8 @@ def decode(
     if rules.stopping.max_time is not None and rules.stopping.start_time is None:
         stopping, (first_logits,) = start_timer(rules.stopping, first_logits)
         rules = rules.replace(stopping=stopping)
-    state = choose_next(state, first_logits, rules)
+    constrain = rules.constrain or (lambda state: state)
+    state = constrain(choose_next(state, first_logits, rules))
 
     def body(state: DecodeState) -> DecodeState:
         last = jax.lax.dynamic_slice_in_dim(state.tokens, state.length - 1, 1, axis=1)
@@ -163,7 +176,7 @@ def decode(
             params, last, state.positions[:, None], state.cache, state.attention_mask
         )
         state = state.replace(cache=cache, positions=state.positions + 1)
-        return choose_next(state, logits[:, -1], rules)
+        return constrain(choose_next(state, logits[:, -1], rules))
 
     def cond(state: DecodeState) -> Array:
         return should_continue(state.length, max_length, state.finished)

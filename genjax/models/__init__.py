@@ -25,6 +25,10 @@ Any object with these members plugs into ``genjax.generate``; nothing else about
   - Each layer writes its keys and values with ``cache.update_layer(layer, k, v)`` and attends
     over the returned ``[B, S, K, H]`` block; after all layers the cache is ``advance(T)``-ed.
   - Returns float32[B, T, V] logits (computed in the model dtype, then cast) and the new cache.
+  - Optional: a keyword ``logits_to_keep: int`` (static, default 0 = all positions); ``k > 0``
+    returns only the last ``k`` positions' logits, float32[B, k, V], as transformers'
+    ``logits_to_keep``. ``generate`` passes ``logits_to_keep=1`` to the prefill when ``apply``
+    accepts it, so a long prompt does not pay for ``P`` rows of the vocabulary projection.
 
   A full forward pass is ``apply`` on a fresh ``init_cache(B, T)`` (index 0). Prefill then
   decode is ``apply`` with ``T = P`` then ``T = 1`` repeatedly on one cache of length ``S``.
@@ -58,7 +62,13 @@ import jax.numpy as jnp
 from genjax.cache import KVCache
 from genjax.models.gpt2 import GPT2Config, GPT2Model
 from genjax.models.llama import LlamaConfig, LlamaModel
-from genjax.models.loading import ARCHITECTURES, from_config, from_pretrained, load_params
+from genjax.models.loading import (
+    ARCHITECTURES,
+    from_config,
+    from_pretrained,
+    load_params,
+    save_params,
+)
 from genjax.models.rope import SUPPORTED_ROPE_TYPES, RopeConfig
 from genjax.typing import Array, PyTree
 
@@ -105,4 +115,5 @@ __all__ = [
     "from_config",
     "from_pretrained",
     "load_params",
+    "save_params",
 ]

@@ -95,6 +95,7 @@ class ModelBase:
         positions: Array,
         cache: KVCache,
         attention_mask: Array,
+        logits_to_keep: int = 0,
     ) -> tuple[Array, KVCache]:
         """Runs ``T`` tokens written at ``cache.index``; pure, jittable with the model static.
 
@@ -105,16 +106,25 @@ class ModelBase:
             cache: the cache; the tokens go to slots ``index .. index + T - 1``.
             attention_mask: int or bool[B, S] over all cache slots, nonzero where a slot holds a
                 real token (slots at and after ``index + T`` may hold anything).
+            logits_to_keep: static; 0 computes the logits of all ``T`` positions, ``k > 0`` only
+                of the last ``k`` (as transformers' ``logits_to_keep``: a prefill needs one).
 
         Returns:
-            ``(logits, cache)``: float32[B, T, V] and the cache with ``index`` advanced by ``T``.
+            ``(logits, cache)``: float32[B, T or k, V] and the cache with ``index`` advanced by
+            ``T``.
 
         Example:
             >>> cache = model.init_cache(1, 4)  # doctest: +SKIP
             >>> logits, cache = model.apply(params, ids, pos, cache, mask)  # doctest: +SKIP
         """
         _check_inputs(tokens, positions, cache, attention_mask)
-        return self._module().apply({"params": params}, tokens, positions, cache, attention_mask)
+        if not isinstance(logits_to_keep, int) or logits_to_keep < 0:
+            raise InputError(
+                f"logits_to_keep must be an int >= 0 (0: every position), got {logits_to_keep!r}."
+            )
+        return self._module().apply(
+            {"params": params}, tokens, positions, cache, attention_mask, logits_to_keep
+        )
 
     def param_shapes(self) -> PyTree:
         """Returns the parameter tree as ``jax.ShapeDtypeStruct`` leaves (nothing allocated)."""

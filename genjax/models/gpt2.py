@@ -229,7 +229,7 @@ class _GPT2LM(nn.Module):
     config: GPT2Config
 
     @nn.compact
-    def __call__(self, tokens, positions, cache, attention_mask):
+    def __call__(self, tokens, positions, cache, attention_mask, logits_to_keep=0):
         c, dtype = self.config, jnp.dtype(self.config.dtype)
         length = tokens.shape[1]
         wte = Embed(c.vocab_size, c.hidden_size, dtype, name="wte")
@@ -237,6 +237,8 @@ class _GPT2LM(nn.Module):
         x = wte(tokens) + wpe(positions)
         bias = attention_bias(attention_mask, cache.index, length, jnp.float32)
         x, cache = _Blocks(c, name="h")(x, bias, cache)
+        if logits_to_keep:  # only the last positions' logits (prefill needs one)
+            x = x[:, -logits_to_keep:]
         x = LayerNorm(c.layer_norm_eps, dtype, name="ln_f")(x)
         if c.tie_word_embeddings:
             logits = wte.attend(x)

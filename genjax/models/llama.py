@@ -331,7 +331,7 @@ class _LlamaLM(nn.Module):
     config: LlamaConfig
 
     @nn.compact
-    def __call__(self, tokens, positions, cache, attention_mask):
+    def __call__(self, tokens, positions, cache, attention_mask, logits_to_keep=0):
         c, dtype = self.config, jnp.dtype(self.config.dtype)
         length = tokens.shape[1]
         embed = Embed(c.vocab_size, c.hidden_size, dtype, name="embed_tokens")
@@ -342,6 +342,8 @@ class _LlamaLM(nn.Module):
             for window in set(c.sliding_windows)
         }
         x, cache = _Layers(c, name="layers")(x, cos, sin, biases, cache)
+        if logits_to_keep:  # only the last positions' logits (prefill needs one)
+            x = x[:, -logits_to_keep:]
         x = RMSNorm(c.rms_norm_eps, dtype, name="norm")(x)
         if c.tie_word_embeddings:
             logits = embed.attend(x)

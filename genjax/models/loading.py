@@ -71,6 +71,8 @@ def from_pretrained(
     ``model.safetensors`` or a sharded ``model.safetensors.index.json``. Every parameter the
     architecture expects must be present with the right shape; buffers (``rotary_emb.inv_freq``,
     GPT-2's ``attn.bias``/``attn.masked_bias``) and a tied ``lm_head.weight`` are skipped.
+    A local folder written by :mod:`genjax.checkpoints` (``config.json`` beside an orbax
+    ``params/``) is read with ``genjax.checkpoints.restore`` instead.
 
     Args:
         name_or_path: a folder, or a Hub id like ``"HuggingFaceTB/SmolLM2-135M"``.
@@ -100,8 +102,32 @@ def from_pretrained(
     """
     dtype = _canonical_dtype(dtype)
     folder = _resolve(name_or_path, revision, local_files_only, cache_dir, token)
+    from genjax import checkpoints  # lazy: checkpoints builds on this module
+
+    if checkpoints.is_checkpoint(folder):  # an orbax folder written by genjax.checkpoints
+        return checkpoints.restore(folder, dtype=dtype, ignore_config_keys=ignore_config_keys)
     model = from_config(os.path.join(folder, "config.json"), dtype, ignore_config_keys)
     return model, load_params(model, folder)
+
+
+def resolve(
+    name_or_path: str | os.PathLike,
+    revision: str | None = None,
+    local_files_only: bool = False,
+    cache_dir: str | os.PathLike | None = None,
+    token: str | bool | None = None,
+) -> str:
+    """The local folder of a checkpoint: ``name_or_path`` itself, or the Hub snapshot of
+    ``HUB_PATTERNS`` (config, weights, generation config, tokenizer) for a hub id.
+
+    Raises:
+        CheckpointError: a path that is not a folder, or a failed download.
+
+    Example:
+        >>> resolve("HuggingFaceTB/SmolLM2-135M")  # doctest: +SKIP
+        '/home/me/.cache/huggingface/hub/models--HuggingFaceTB--SmolLM2-135M/snapshots/...'
+    """
+    return _resolve(name_or_path, revision, local_files_only, cache_dir, token)
 
 
 def from_config(
@@ -186,6 +212,48 @@ def load_params(model: Any, folder: str | os.PathLike) -> PyTree:
                 array = array.T
             _insert(params, path, jnp.asarray(array.astype(model.dtype, copy=False)))
     return params
+
+
+def save_params(model: Any, params: PyTree, folder: str | os.PathLike, dtype: Any = None) -> str:
+    """Writes ``params`` as ``folder/model.safetensors`` with HF tensor names (``load_params``'s
+    inverse), atomically: a temporary file in ``folder`` renamed into place.
+
+    Args:
+        model: a built-in model (it names its tensors through ``hf_tensor_name``).
+        params: its parameter tree.
+        folder: an existing folder; ``config.json`` is the caller's to write.
+        dtype: the stored dtype (e.g. ``"bfloat16"``); None keeps each array's dtype.
+
+    Returns:
+        The path written.
+
+    Example:
+        >>> save_params(model, params, "out", dtype="bfloat16")  # doctest: +SKIP
+        'out/model.safetensors'
+    """
+    from safetensors.numpy import save_file
+
+    folder = os.fspath(folder)
+    if not os.path.isdir(folder):
+        raise CheckpointError(f"folder must be an existing directory, got {folder!r}.")
+    stored = None if dtype is None else _canonical_dtype(dtype)
+    tensors = {}
+    for path, leaf in _flatten(params):
+        name, transpose = model.hf_tensor_name(path)
+        array = np.asarray(jax.device_get(leaf))
+        array = array.T if transpose else array
+        if stored is not None:
+            array = array.astype(stored)
+        tensors[_hf_name(name, model.hf_prefix)] = np.ascontiguousarray(array)
+    target = os.path.join(folder, _SINGLE)
+    partial = target + ".partial"
+    try:
+        save_file(tensors, partial, metadata={"format": "pt"})
+        os.replace(partial, target)
+    finally:
+        if os.path.exists(partial):
+            os.remove(partial)
+    return target
 
 
 def _canonical_dtype(dtype: Any) -> np.dtype:

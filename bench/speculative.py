@@ -1,0 +1,149 @@
+"""What assisted generation buys: plain greedy vs speculative greedy vs prompt lookup.
+
+On the bundled pair (``genjax.bundled.path("genjax-tiny")`` as target, ``"genjax-tiny-draft"``
+as draft), or with ``--random`` on random Llamas written by ``genjax.testing`` (a target of
+``--layers`` layers and a 1-layer draft sharing its embeddings and first layer, so they agree
+often), this times greedy generation of ``--new-tokens`` tokens at batch 1 and 8:
+
+* ``plain``: ordinary greedy decoding of the target;
+* ``draft``: speculative greedy decoding with the draft (``--candidates`` per round);
+* ``lookup``: prompt-lookup decoding (``prompt_lookup_num_tokens=--candidates``), on an
+  input-grounded task: continuing a file whose text repeats (a Python source file with a
+  repeated block, cut mid-way through the second copy).
+
+No EOS stops a row, so every variant makes the same number of tokens (and greedy outputs are
+checked to be equal). Every variant is compiled first, then the variants run interleaved
+``--runs`` times (at least 3) so a shared machine's drift cancels; the table gives the median
+tokens/s (new tokens of all rows over the whole call, prefill included), the ratio to ``plain``
+and the acceptance rate (accepted candidates / new tokens after the first).
+
+Run:  python bench/speculative.py [--random] [--runs 5] [--new-tokens 128] [--candidates 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import jax
+import numpy as np
+
+import genjax
+import genjax.testing
+
+
+def _models(args):
+    """(target, target params, draft, draft params, tokenizer or None)."""
+    if not args.random:
+        from genjax import bundled
+
+        target_path, draft_path = bundled.path("genjax-tiny"), bundled.path("genjax-tiny-draft")
+        model, params = genjax.models.from_pretrained(target_path)
+        draft, draft_params = genjax.models.from_pretrained(draft_path)
+        return model, params, draft, draft_params, genjax.tokenizer.from_pretrained(target_path)
+    folder = tempfile.mkdtemp()
+    sizes = dict(hidden_size=args.width, intermediate_size=2 * args.width, vocab_size=1024)
+    sizes.update(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+    genjax.testing.write_random_checkpoint(
+        f"{folder}/t", "llama", num_hidden_layers=args.layers, **sizes
+    )
+    model, params = genjax.models.from_pretrained(f"{folder}/t")
+    genjax.testing.write_random_checkpoint(f"{folder}/d", "llama", num_hidden_layers=1, **sizes)
+    draft, draft_params = genjax.models.from_pretrained(f"{folder}/d")
+    shared = {k: v for k, v in params.items() if k != "layers"}
+    draft_params = {**draft_params, **shared, "layers": {"0": params["layers"]["0"]}}
+    return model, params, draft, draft_params, None
+
+
+def _prompts(tokenizer, batch: int, vocab: int, repeated: bool):
+    """Left-padded prompts: Python source (or random ids); ``repeated`` doubles a block and cuts
+    the copy short, so the continuation is in the prompt."""
+    path = os.path.join(os.path.dirname(json.__file__), "decoder.py")
+    text = open(path, encoding="utf-8").read()
+    rng = np.random.default_rng(0)
+    texts = []
+    for b in range(batch):
+        start = 200 + 300 * b
+        block = text[start : start + 600]
+        texts.append(block + "\n" + block[:300] if repeated else block)
+    if tokenizer is not None:
+        enc = tokenizer(texts)
+        return np.asarray(enc["input_ids"]), np.asarray(enc["attention_mask"])
+    ids = rng.integers(3, vocab, (batch, 96))
+    if repeated:
+        ids = np.concatenate([ids, ids[:, :48]], 1)
+    return ids.astype(np.int32), np.ones_like(ids, np.int32)
+
+
+def _time(fn):
+    start = time.perf_counter()
+    out = jax.block_until_ready(fn())
+    return time.perf_counter() - start, out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--random", action="store_true", help="random models, not the bundled")
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--candidates", type=int, default=4)
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--width", type=int, default=256)
+    args = parser.parse_args()
+    model, params, draft, draft_params, tok = _models(args)
+    config = genjax.GenerationConfig(
+        max_new_tokens=args.new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+        num_assistant_tokens=args.candidates,
+        assistant_confidence_threshold=0.0,
+    )
+    print(f"device: {jax.devices()[0].device_kind}; {args.new_tokens} new tokens, greedy")
+    print(f"{'batch':>5} {'task':>9} {'variant':>7} {'tok/s':>9} {'vs plain':>8} {'accept':>7}")
+    for batch in [int(b) for b in args.batches.split(",")]:
+        for task in ("plain", "repeating"):
+            ids, mask = _prompts(tok, batch, model.vocab_size, task == "repeating")
+            _measure(args, (model, params, draft, draft_params), config, ids, mask, task)
+
+
+def _measure(args, models, config, ids, mask, task: str) -> None:
+    """Compiles, checks and times the variants on one batch of prompts; prints their rows."""
+    model, params, draft, draft_params = models
+    batch = ids.shape[0]
+
+    def run(**kw):
+        return lambda: genjax.generate(model, params, ids, config, attention_mask=mask, **kw)
+
+    variants = {
+        "plain": run(),
+        "draft": run(assistant_model=draft, assistant_params=draft_params),
+    }
+    if task == "repeating":
+        variants["lookup"] = run(prompt_lookup_num_tokens=args.candidates)
+    outs = {name: _time(fn)[1] for name, fn in variants.items()}  # compiles
+    for name, out in outs.items():
+        same = np.array_equal(np.asarray(out.sequences), np.asarray(outs["plain"].sequences))
+        assert same, f"{name} differs from plain greedy"
+    times = {name: [] for name in variants}
+    for _ in range(max(args.runs, 3)):
+        for name, fn in variants.items():
+            times[name].append(_time(fn)[0])
+    base = statistics.median(times["plain"])
+    for name in variants:
+        rate = batch * args.new_tokens / statistics.median(times[name])
+        accepted = outs[name].num_accepted_tokens
+        accept = (
+            "" if accepted is None else f"{float(np.mean(accepted)) / (args.new_tokens - 1):.2f}"
+        )
+        speedup = base / statistics.median(times[name])
+        print(f"{batch:>5} {task:>9} {name:>7} {rate:>9.1f} {speedup:>7.2f}x {accept:>7}")
+
+
+if __name__ == "__main__":
+    main()

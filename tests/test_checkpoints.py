@@ -1,0 +1,148 @@
+"""Orbax checkpoints: exact round trips, sharded restore, atomic writes, clear errors."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+import genjax
+from genjax import checkpoints
+from genjax.errors import CheckpointError
+from genjax.testing import write_random_checkpoint
+
+
+def assert_trees_equal(a, b):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        assert x.dtype == y.dtype
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hf")
+    write_random_checkpoint(path, "llama", seed=3)
+    (path / "generation_config.json").write_text(
+        json.dumps({"max_new_tokens": 4, "eos_token_id": 2})
+    )
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def converted(hf_folder, tmp_path_factory):
+    return checkpoints.convert(hf_folder, tmp_path_factory.mktemp("ox") / "ckpt")
+
+
+def test_convert_restores_identical_params_and_tokens(hf_folder, converted):
+    model, params = genjax.models.from_pretrained(hf_folder)
+    restored_model, restored = checkpoints.restore(converted)
+    assert restored_model == model
+    assert_trees_equal(restored, params)
+    files = sorted(os.listdir(converted))
+    assert files == ["config.json", "generation_config.json", "params", "tokenizer_config.json"]
+    assert not [f for f in os.listdir(os.path.dirname(converted)) if f.startswith(".")]
+
+    config = genjax.GenerationConfig.from_pretrained(converted)
+    assert config == genjax.GenerationConfig.from_pretrained(hf_folder)
+    ids = np.array([[5, 6, 7, 8]], np.int32)
+    expected = genjax.generate(model, params, ids, config).sequences
+    np.testing.assert_array_equal(genjax.generate(model, restored, ids, config).sequences, expected)
+    # from_pretrained reads the orbax folder transparently.
+    model_again, params_again = genjax.models.from_pretrained(converted)
+    assert model_again == model
+    assert_trees_equal(params_again, params)
+
+
+def test_restore_into_shards_and_dtype(hf_folder, converted):
+    _, params = genjax.models.from_pretrained(hf_folder)
+    mesh = genjax.sharding.make_mesh((2, 4))
+    model, sharded = checkpoints.restore(converted, mesh=mesh, dtype="bfloat16")
+    assert model.dtype == np.dtype("bfloat16")
+    expected = genjax.sharding.param_shardings(sharded, mesh)
+    for leaf, sharding in zip(jax.tree.leaves(sharded), jax.tree.leaves(expected), strict=True):
+        assert leaf.sharding == sharding and leaf.dtype == np.dtype("bfloat16")
+    kernel = sharded["layers"]["0"]["mlp"]["up_proj"]["kernel"]
+    assert kernel.addressable_shards[0].data.shape == (32, 16)  # F=64 split 4 ways
+    cast = jax.tree.map(lambda x: np.asarray(x).astype("bfloat16"), params)
+    assert_trees_equal(jax.tree.map(np.asarray, sharded), cast)
+
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[3])
+    _, placed = checkpoints.restore(converted, shardings=one)
+    assert all(leaf.sharding == one for leaf in jax.tree.leaves(placed))
+    assert_trees_equal(placed, params)
+
+
+def test_save_refuses_to_overwrite_and_replaces_with_overwrite(hf_folder, tmp_path):
+    model, params = genjax.models.from_pretrained(hf_folder)
+    target = tmp_path / "ckpt"
+    target.mkdir()  # an empty folder may be written into
+    checkpoints.save(target, params, model_config=hf_folder)
+    assert sorted(os.listdir(target)) == ["config.json", "params"]
+    with pytest.raises(CheckpointError, match="already exists and is not empty"):
+        checkpoints.save(target, params, model_config=hf_folder)
+    doubled = jax.tree.map(lambda x: 2 * x, params)
+    checkpoints.save(target, doubled, model_config=hf_folder, overwrite=True)
+    assert_trees_equal(checkpoints.restore(target)[1], doubled)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # no temporary or old folder left
+
+
+def test_failed_save_leaves_nothing_partial(hf_folder, tmp_path, monkeypatch):
+    model, params = genjax.models.from_pretrained(hf_folder)
+    target = tmp_path / "ckpt"
+
+    def fail(path, params):
+        os.makedirs(path)
+        open(os.path.join(path, "half-written"), "w").close()
+        raise OSError("disk full")
+
+    monkeypatch.setattr(checkpoints, "_save_params", fail)
+    with pytest.raises(OSError, match="disk full"):
+        checkpoints.save(target, params, model_config=hf_folder)
+    assert os.listdir(tmp_path) == []
+    monkeypatch.undo()
+
+    checkpoints.save(target, params, model_config=hf_folder)
+    monkeypatch.setattr(checkpoints, "_save_params", fail)
+    doubled = jax.tree.map(lambda x: 2 * x, params)
+    with pytest.raises(OSError, match="disk full"):
+        checkpoints.save(target, doubled, model_config=hf_folder, overwrite=True)
+    monkeypatch.undo()
+    assert os.listdir(tmp_path) == ["ckpt"]
+    assert_trees_equal(checkpoints.restore(target)[1], params)  # the old checkpoint is intact
+
+
+def test_save_checks_params_against_config_before_writing(hf_folder, tmp_path):
+    _, params = genjax.models.from_pretrained(hf_folder)
+    del params["layers"]["1"]
+    with pytest.raises(CheckpointError, match=r"missing arrays \['layers/1/"):
+        checkpoints.save(tmp_path / "ckpt", params, model_config=hf_folder)
+    assert os.listdir(tmp_path) == []
+
+
+def test_restore_errors_name_the_path_and_what_is_missing(hf_folder, converted, tmp_path):
+    with pytest.raises(CheckpointError, match="no checkpoint folder at"):
+        checkpoints.restore(tmp_path / "absent")
+    with pytest.raises(CheckpointError, match=r"has no config.json and no params/.*safetensors"):
+        checkpoints.restore(_copy_safetensors(hf_folder, tmp_path))
+    broken = tmp_path / "broken"
+    os.makedirs(broken / "params")
+    (broken / "config.json").write_text((hf_folder / "config.json").read_text())
+    with pytest.raises(CheckpointError, match="not a complete orbax checkpoint"):
+        checkpoints.restore(broken)
+    other = tmp_path / "other"
+    os.makedirs(other)
+    os.symlink(os.path.join(converted, "params"), other / "params")
+    config = json.loads((hf_folder / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
+    with pytest.raises(CheckpointError, match=str(other) + r".*missing arrays \['layers/2/"):
+        checkpoints.restore(other)
+
+
+def _copy_safetensors(source, tmp_path):
+    folder = tmp_path / "hf_only"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes((source / "model.safetensors").read_bytes())
+    return folder

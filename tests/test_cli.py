@@ -1,0 +1,268 @@
+"""The ``genjax`` command, run in-process on a tiny random model with a tiny BPE tokenizer."""
+
+import io
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+import genjax
+from genjax import cli
+from genjax import tokenizer as T
+from genjax.testing import write_random_checkpoint
+
+TEMPLATE = (  # short, so that a chat prompt shares the 16-token bucket (and program) of others
+    "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}{{ eos_token }}{% endfor %}"
+    "{% if add_generation_prompt %}a:{% endif %}"
+)
+CORPUS = ["def fibonacci(n):\n    return n", "hello world, hello tokens"] * 20
+GENERATION = {"max_new_tokens": 6, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+
+
+def _write_tokenizer(path, chat_template=TEMPLATE) -> int:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    backend.train_from_iterator(CORPUS, trainer)
+    backend.save(str(path / "tokenizer.json"))
+    config = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}
+    if chat_template is not None:
+        config["chat_template"] = chat_template
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return backend.get_vocab_size()
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("model")
+    vocab = _write_tokenizer(path)
+    write_random_checkpoint(path, "llama", vocab_size=vocab, num_hidden_layers=1, seed=0)
+    (path / "generation_config.json").write_text(json.dumps(GENERATION))
+    return path
+
+
+@pytest.fixture(scope="module")
+def loaded(folder):
+    model, params = genjax.models.from_pretrained(folder)
+    return model, params, T.from_pretrained(folder)
+
+
+def _expected(loaded, prompts, config, key=0, chat=False):
+    """(new ids, text) per prompt, from genjax.generate on one batch."""
+    model, params, tok = loaded
+    if chat:
+        rows = [
+            tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+            for p in prompts
+        ]
+        batch = tok.pad(rows)
+    else:
+        batch = tok(prompts)
+    out = genjax.generate(
+        model,
+        params,
+        batch["input_ids"],
+        config,
+        attention_mask=batch["attention_mask"],
+        key=jax.random.key(key),
+        tokenizer=tok.backend if config.stop_strings else None,
+    )
+    results = []
+    for row in np.asarray(out.sequences)[:, batch["input_ids"].shape[1] :].tolist():
+        if 2 in row:
+            row = row[: row.index(2) + 1]
+        while row and row[-1] == 0:
+            row.pop()
+        results.append((row, tok.decode(row, skip_special_tokens=True)))
+    return results
+
+
+def _run(capsys, *argv):
+    code = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+class _Terminal(io.StringIO):
+    """A stderr that says it is a terminal, so the progress bar is drawn."""
+
+    def isatty(self):
+        return True
+
+
+def _json_lines(text):
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def test_one_prompt_streams_the_text_generate_gives(folder, loaded, capsys):
+    config = genjax.GenerationConfig.from_pretrained(folder)
+    [(ids, text)] = _expected(loaded, ["def fib"], config)
+    code, out, err = _run(capsys, "generate", "def fib", "--model", folder)
+    assert (code, err) == (0, "")
+    assert out == text + "\n" and len(ids) == 6
+
+    # --stop: a stop string taken from that text ends the row where generate ends it.
+    # (Random weights write odd bytes: take the first whole character after the first token.)
+    tok = loaded[2]
+    end = next(k for k in range(2, 6) if tok.decode(ids[:k])[-1] not in "\ufffd ")
+    stop = tok.decode(ids[:end])[-1]
+    [(stop_ids, stop_text)] = _expected(loaded, ["def fib"], config.replace(stop_strings=stop))
+    assert stop_ids == ids[:end]
+    code, out, _ = _run(capsys, "generate", "def fib", "--model", folder, "--stop", stop, "--json")
+    [record] = _json_lines(out)
+    assert record == {
+        "prompt": "def fib",
+        "completion": stop_text,
+        "token_ids": stop_ids,
+        "num_new_tokens": end,
+    }
+
+
+def test_many_prompts_batch_with_flags_and_print_json(
+    folder, loaded, capsys, tmp_path, monkeypatch
+):
+    prompts = ["def fib", "hello", "world"]
+    flags = ["--do-sample", "--temperature", "0.8", "--top-k", "20", "--seed", "3"]
+    code, out, err = _run(
+        capsys, "generate", *prompts, "--model", folder, "--json", "--batch-size", 2, *flags
+    )
+    assert (code, err) == (0, "")
+    config = genjax.GenerationConfig.from_pretrained(folder).replace(
+        do_sample=True, temperature=0.8, top_k=20
+    )
+    # Batches of 2; the last is filled up with a copy of its prompt.
+    expected = _expected(loaded, prompts[:2], config, key=3)
+    expected += _expected(loaded, [prompts[2], prompts[2]], config, key=3)[:1]
+    records = _json_lines(out)
+    assert [r["prompt"] for r in records] == prompts
+    assert [(r["token_ids"], r["completion"]) for r in records] == expected
+    assert [r["num_new_tokens"] for r in records] == [len(ids) for ids, _ in expected]
+
+    # The same prompts from --input (blank lines skipped), as text, with a progress bar.
+    (tmp_path / "prompts.txt").write_text("def fib\n\nhello\nworld\n")
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    argv = ["generate", "--model", folder, "--input", tmp_path / "prompts.txt", "--batch-size", 2]
+    code, out, _ = _run(capsys, *argv, *flags)
+    assert code == 0
+    blocks = [f"==> {p} <==\n{text}\n" for p, (_, text) in zip(prompts, expected, strict=True)]
+    assert out == "\n".join(blocks)
+    assert "] 2/3 prompts" in terminal.getvalue() and "] 3/3 prompts" in terminal.getvalue()
+
+
+def test_progress_bar_draws_on_a_terminal_only():
+    terminal = _Terminal()
+    progress = cli._Progress(4, terminal)
+    progress.update(2)
+    progress.close()
+    assert "[" + "#" * 15 + "." * 15 + "] 2/4 prompts" in terminal.getvalue()
+    assert terminal.getvalue().endswith("\n")
+    silent = io.StringIO()
+    cli._Progress(4, silent).update(4)
+    assert silent.getvalue() == ""
+
+
+def test_chat_sends_each_prompt_through_the_chat_template(folder, loaded, capsys, tmp_path):
+    config = genjax.GenerationConfig.from_pretrained(folder)
+    [(ids, text)] = _expected(loaded, ["hi"], config, chat=True)
+    assert (
+        loaded[2].decode(
+            loaded[2].apply_chat_template(
+                [{"role": "user", "content": "hi"}], add_generation_prompt=True
+            )
+        )
+        == "u:hi</s>a:"
+    )
+    code, out, _ = _run(capsys, "generate", "hi", "--model", folder, "--chat", "--json")
+    assert code == 0
+    assert _json_lines(out) == [
+        {"prompt": "hi", "completion": text, "token_ids": ids, "num_new_tokens": len(ids)}
+    ]
+
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    vocab = _write_tokenizer(plain, chat_template=None)
+    write_random_checkpoint(plain, "llama", vocab_size=vocab, num_hidden_layers=1)
+    code, out, err = _run(capsys, "generate", "hi", "--model", plain, "--chat")
+    assert (code, out) == (2, "")
+    assert err.startswith("genjax: error: --chat needs a chat template")
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--temperature", "-1"], "GenerationConfig.temperature=-1.0 is invalid"),
+        (["--top-k", "many"], "argument --top-k: invalid int value: 'many'"),
+        (["--do-sample", "--greedy"], "argument --greedy: not allowed with argument --do-sample"),
+        (["--batch-size", "0"], "argument --batch-size: must be at least 1"),
+        (["--input", "absent.txt"], "--input file 'absent.txt' does not exist"),
+        (["--model", "./absent"], "no checkpoint folder at './absent'"),
+        (["--num-beams", "2", "--do-sample", "--top-k", "-3"], "top_k"),
+    ],
+)
+def test_errors_are_one_line_with_exit_code_2(folder, capsys, argv, message):
+    model = [] if "--model" in argv else ["--model", folder]
+    code, out, err = _run(capsys, "generate", "hi", *model, *argv)
+    assert (code, out) == (2, "")
+    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_config_show_prints_the_file_with_flag_overrides(folder, capsys):
+    # --stop "\n\n" as typed in a shell: backslashes, unescaped by the command.
+    flags = ["--max-new-tokens", 9, "--do-sample", "--top-p", 0.5, "--stop", r"\n\n"]
+    code, out, _ = _run(capsys, "config", "show", folder, *flags)
+    assert code == 0
+    shown = json.loads(out)
+    assert shown.pop("transformers_version")
+    overrides = {"max_new_tokens": 9, "do_sample": True, "top_p": 0.5}
+    assert shown == {**GENERATION, **overrides, "stop_strings": ["\n\n"]}
+    expected = genjax.GenerationConfig(**{**GENERATION, **overrides}, stop_strings=("\n\n",))
+    assert out == expected.to_json_string()
+
+
+def test_config_validate_prints_ok_or_the_problems(folder, capsys, tmp_path):
+    assert _run(capsys, "config", "validate", folder) == (0, "ok\n", "")
+    code, out, err = _run(capsys, "config", "validate", folder, "--temperature", 0.5)
+    assert code == 1 and "temperature" in out and "do_sample" in out and err == ""
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "generation_config.json").write_text(json.dumps({"top_p": 2.0}))
+    code, out, _ = _run(capsys, "config", "validate", bad)
+    assert code == 1 and "top_p" in out
+    code, _, err = _run(capsys, "config", "validate", tmp_path / "absent")
+    assert code == 2 and err.startswith("genjax: error: no checkpoint folder")
+
+
+def test_convert_then_generate_from_the_orbax_folder(folder, loaded, capsys, tmp_path):
+    out_dir = tmp_path / "orbax"
+    code, out, _ = _run(capsys, "convert", folder, out_dir)
+    assert code == 0 and out == f"wrote {out_dir}\n"
+    assert genjax.checkpoints.is_checkpoint(out_dir)
+    _, params = genjax.checkpoints.restore(out_dir)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(loaded[1]), strict=True):
+        np.testing.assert_array_equal(a, b)
+    argv = ["generate", "def fib", "--json"]
+    assert _run(capsys, *argv, "--model", out_dir) == _run(capsys, *argv, "--model", folder)
+    code, _, err = _run(capsys, "convert", folder, out_dir)
+    assert code == 2 and "already exists and is not empty" in err
+    assert _run(capsys, "convert", folder, out_dir, "--overwrite")[0] == 0
+
+
+def test_console_script_runs():
+    script = os.path.join(os.path.dirname(sys.executable), "genjax")
+    if not os.path.exists(script):
+        pytest.skip("the genjax console script is not installed in this environment")
+    done = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0
+    assert "generate" in done.stdout and "convert" in done.stdout

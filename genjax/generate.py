@@ -180,11 +180,6 @@ def generate(
     if resolved.min_new_tokens is not None:  # transformers: min_new_tokens overrides min_length
         resolved = resolved.replace(min_length=0)
     stopping_criteria = as_criteria(stopping_criteria)
-    if stopping_criteria and resolved.num_beams > 1:
-        raise UnsupportedError(
-            "stopping_criteria are not supported with beam search yet: beams stop on EOS and "
-            "length only. Remove stopping_criteria, or set num_beams=1."
-        )
     stop_strings = _stop_string_table(resolved, tokenizer)
     if streamer is not None:
         traced = (params, input_ids, attention_mask, key)
@@ -296,9 +291,11 @@ def _generate_jit(
             config,
             key,
             offset,
+            stop_strings,
             max_new_tokens=max_new_tokens,
             logits_processor=logits_processor,
             allowed_tokens_fn=allowed_tokens_fn,
+            stopping_criteria=stopping_criteria,
             layout=layout,
         )
     pad_token_id, eos_token_ids = _special_ids(config)
@@ -357,15 +354,26 @@ def _generate_beams(
     config,
     key,
     offset,
+    stop_strings=None,
     *,
     max_new_tokens,
     logits_processor,
     allowed_tokens_fn=None,
+    stopping_criteria=(),
     layout: Layout | None = None,
 ) -> GenerateOutput:
     """Beam search / beam sampling: prefill each prompt once, repeat its cache rows for the M
     beams, run :func:`genjax.decoding.beam.beam_search`, return the R best hypotheses."""
     pad_token_id, eos_token_ids = _special_ids(config)
+    stopping = stopping_rules(
+        eos_token_ids,
+        criteria=stopping_criteria,
+        stop_strings=stop_strings,
+        max_time=config.max_time,
+        first_slot=offset,
+    )
+    # max_time counts from here, before the prefill, as in the sampling path.
+    stopping, (input_ids,) = start_timer(stopping, input_ids)
     batch = input_ids.shape[0]
     num_beams = config.num_beams
     logits, cache, cache_mask, tokens = _prefill(
@@ -392,6 +400,7 @@ def _generate_beams(
         context=context,
         length_penalty=config.length_penalty,
         eos_token_ids=eos_token_ids,
+        stopping=stopping,
         constrain=None if layout is None else layout.constrain,
     )
     first_logits = jnp.repeat(logits[:, -1], num_beams, axis=0)

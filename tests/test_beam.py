@@ -335,8 +335,6 @@ def test_more_return_sequences_than_beams_is_rejected_by_the_config():
     [
         (dict(prompt_lookup_num_tokens=3), "prompt_lookup_num_tokens"),
         (dict(assistant_early_exit=1), "assistant_early_exit"),
-        (dict(stop_strings="x"), "stop_strings"),
-        (dict(max_time=1.0), "max_time"),
         (dict(low_memory=True), "low_memory"),
     ],
 )

@@ -292,6 +292,49 @@ def test_max_time_stops_after_the_first_token_and_its_value_compiles_nothing():
     np.testing.assert_array_equal(out.sequences[:, prompt + 1 :], 0)
 
 
+def _beams(stopping_criteria=(), **config):
+    model, params, records = _llama()
+    config = GenerationConfig(max_new_tokens=8, pad_token_id=0, num_beams=3, **config)
+    return genjax.generate(
+        model,
+        params,
+        records["greedy/input_ids"],
+        config,
+        attention_mask=records["greedy/attention_mask"],
+        tokenizer=_tokenizer(),
+        stopping_criteria=stopping_criteria,
+    )
+
+
+BEAM_STOP_TOKEN = 56  # repeated in row 1 of the beam search below without it
+
+
+def _stops_at_56(tokens, length):
+    return tokens[:, length - 1] == BEAM_STOP_TOKEN
+
+
+def test_beam_search_criterion_acts_like_an_extra_eos():
+    """A criterion that fires on token X ends a beam exactly as an EOS id X does."""
+    plain = _beams(eos_token_id=126)
+    with_criterion = _beams([_stops_at_56], eos_token_id=126)
+    with_eos = _beams(eos_token_id=[126, BEAM_STOP_TOKEN])
+    prompt = _llama()[2]["greedy/input_ids"].shape[1]
+    assert (np.asarray(plain.sequences[:, prompt:]) == BEAM_STOP_TOKEN).any()
+    assert not np.array_equal(plain.sequences, with_eos.sequences)  # the stop changes beams
+    for name in ("sequences", "sequences_scores", "beam_indices"):
+        np.testing.assert_array_equal(getattr(with_criterion, name), getattr(with_eos, name))
+
+
+def test_beam_search_max_time_ends_after_the_first_token():
+    _, _, records = _llama()
+    prompt = records["greedy/input_ids"].shape[1]
+    out = _beams(eos_token_id=126, max_time=1e-9)
+    first = records["greedy/sequences"][:, prompt]  # the best beam's first token is greedy's
+    np.testing.assert_array_equal(out.sequences[:, prompt], first)
+    np.testing.assert_array_equal(out.sequences[:, prompt + 1 :], 0)
+    np.testing.assert_array_equal(out.beam_indices[:, 1:], -1)
+
+
 @pytest.mark.parametrize(
     "kwargs, error, words",
     [
@@ -430,3 +473,44 @@ def test_generate_with_stops_matches_live_transformers():
     ours = np.asarray(_generate(max_time=1e6).sequences)
     np.testing.assert_array_equal(ours[:, : theirs.shape[1]], theirs)
     np.testing.assert_array_equal(ours[:, theirs.shape[1] :], 0)
+
+
+@pytest.mark.parity
+def test_beam_search_with_stops_matches_live_transformers():
+    import torch
+    from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
+
+    class StopsAt25(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return input_ids[:, -1] == STOP_TOKEN
+
+    _, _, records = _llama()
+    hf = AutoModelForCausalLM.from_pretrained(FIXTURES / "llama").eval()
+    with torch.inference_mode():
+        theirs = hf.generate(
+            torch.from_numpy(records["greedy/input_ids"]).long(),
+            attention_mask=torch.from_numpy(records["greedy/attention_mask"]).long(),
+            do_sample=False,
+            num_beams=3,
+            max_new_tokens=8,
+            pad_token_id=0,
+            eos_token_id=126,
+            stop_strings=list(STOP_STRINGS),
+            tokenizer=_hf_tokenizer(_tokenizer()),
+            stopping_criteria=StoppingCriteriaList([StopsAt25()]),
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+    ours = _beams([_stops_at_25], eos_token_id=126, stop_strings=list(STOP_STRINGS))
+    indices = theirs.beam_indices.numpy()
+    ended = indices < 0
+    prompt = records["greedy/input_ids"].shape[1]
+    expected = theirs.sequences.numpy()
+    length = expected.shape[1] - prompt
+    new = np.asarray(ours.sequences[:, prompt : prompt + length])
+    np.testing.assert_array_equal(ours.sequences[:, :prompt], expected[:, :prompt])
+    np.testing.assert_array_equal(
+        np.where(ended, -1, new), np.where(ended, -1, expected[:, prompt:])
+    )
+    np.testing.assert_array_equal(ours.beam_indices[:, :length], indices)
+    np.testing.assert_allclose(ours.sequences_scores, theirs.sequences_scores.numpy(), atol=1e-4)

@@ -17,7 +17,9 @@ One step, as transformers v5's ``_beam_search`` does it (all on float32):
    prompt (``E`` EOS ids); beam sampling draws ``K`` without replacement from ``softmax`` of the
    same totals instead (Gumbel top-k), then sorts them by total. ``K`` leaves at least ``M``
    continuations that are not EOS.
-3. A continuation "hits a stopping criterion" when its token is EOS or the buffer is full.
+3. A continuation "hits a stopping criterion" when the buffer is full or a stopping rule of
+   :mod:`genjax.stopping` says so for its sequence (EOS, a custom criterion, a stop string,
+   ``max_time``), checked on all ``K`` candidate sequences as transformers v5 does.
    The best ``M`` that do not hit become the running beams; the rows of the KV cache are
    reordered to their source beams with one gather per prompt (:meth:`KVCache.gather_beams`).
 4. Among the top ``M`` continuations, those that hit are finished hypotheses with score
@@ -79,7 +81,7 @@ from flax import struct
 from genjax.cache import KVCache
 from genjax.errors import UnsupportedError
 from genjax.processors import LogitsContext, Processor
-from genjax.stopping import is_eos
+from genjax.stopping import StoppingRules, finished_rows, is_eos
 from genjax.typing import Array, PyTree
 
 StepFn = Callable[[PyTree, Array, Array, KVCache, Array], tuple[Array, KVCache]]
@@ -130,6 +132,8 @@ class BeamRules:
     context: LogitsContext  # prompt bookkeeping over B*M rows; tokens and length change per step
     length_penalty: Array  # float32[] or [B]: hypothesis score = total / length**length_penalty
     eos_token_ids: Array | None  # int32[E], or None when only the length ends a hypothesis
+    # EOS, custom criteria, stop strings and max_time (genjax.stopping); None: EOS and length.
+    stopping: StoppingRules | None = None
     # Applied to the loop carry before the loop and after every step, e.g.
     # genjax.sharding.Layout.constrain, so a sharded carry keeps its shardings; None: nothing.
     constrain: Callable[[BeamState], BeamState] | None = struct.field(
@@ -153,8 +157,7 @@ def check_supported(config) -> None:
 
     Raises:
         UnsupportedError: assisted generation or DoLa flags (transformers ignores them with a
-            warning in beam search; genjax refuses rather than ignore them), ``stop_strings`` or
-            ``max_time`` (no beam stopping criteria beyond EOS and length yet), ``low_memory``.
+            warning in beam search; genjax refuses rather than ignore them), ``low_memory``.
 
     Example:
         >>> from genjax import GenerationConfig
@@ -167,12 +170,6 @@ def check_supported(config) -> None:
                 f"`{name}={value!r}` (assisted generation / DoLa) cannot be combined with beam "
                 f"search (num_beams={config.num_beams}): transformers ignores it there, genjax "
                 f"refuses. Unset {name}, or set num_beams=1 to use it."
-            )
-    for name in ("stop_strings", "max_time"):
-        if getattr(config, name) is not None:
-            raise UnsupportedError(
-                f"`{name}` is not supported with beam search (num_beams={config.num_beams}) yet: "
-                f"beams stop on EOS and length only. Unset {name}, or set num_beams=1."
             )
     if config.low_memory:
         raise UnsupportedError(
@@ -340,7 +337,13 @@ def advance(state: BeamState, logits: Array, rules: BeamRules) -> BeamState:
     tokens = jax.lax.dynamic_update_slice(tokens, token[:, :, None], (0, 0, state.length))
     indices = _take(state.running_indices, beam)  # int32[B, K, N]
     indices = jax.lax.dynamic_update_slice(indices, source[:, :, None], (0, 0, step))
-    hits = is_eos(token.reshape(-1), rules.eos_token_ids).reshape(token.shape)
+    if rules.stopping is None:
+        hits = is_eos(token.reshape(-1), rules.eos_token_ids).reshape(token.shape)
+    else:  # every rule, on each of the K candidate sequences (transformers v5 does the same)
+        candidates = tokens.reshape(-1, tokens.shape[-1])
+        not_yet = jnp.zeros(candidates.shape[0], bool)
+        hits = finished_rows(rules.stopping, not_yet, candidates, state.length + 1, step)
+        hits = hits.reshape(token.shape)
     hits = hits | (step + 1 >= state.num_new_tokens)
 
     alive = picked + hits.astype(jnp.float32) * EXCLUDED

@@ -258,6 +258,9 @@ def write_folder(out: Path, model, params, config: dict, tokenizer_json: str, eo
             eos_token_id=eos,
             pad_token_id=eos,
         ).save_pretrained(staging)
+        staging.chmod(0o755)  # mkdtemp makes it private; a package folder should be readable
+        for file in staging.iterdir():
+            file.chmod(0o644)
         if out.exists():
             shutil.rmtree(out)
         os.replace(staging, out)

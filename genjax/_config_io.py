@@ -198,6 +198,7 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
             writer.write(text)
             writer.flush()
             os.fsync(writer.fileno())
+        os.chmod(tmp_path, 0o644)  # mkstemp makes the file private; a config is shared
         os.replace(tmp_path, path)
     except BaseException:
         if os.path.exists(tmp_path):

@@ -18,11 +18,12 @@ import pytest
 import genjax
 import genjax.testing
 from genjax import GenerationConfig
+from genjax._stop_strings import _byte_alphabet
 from genjax.cache import KVCache
 from genjax.decoding.sampling import DecodeRules, DecodeState, decode, greedy_chooser
 from genjax.errors import InputError, UnsupportedError
 from genjax.processors import LogitsContext, identity
-from genjax.stopping import _byte_alphabet, stopping_rules
+from genjax.stopping import stopping_rules
 from genjax.streaming import (
     BaseStreamer,
     TextIteratorStreamer,

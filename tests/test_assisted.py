@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -333,9 +332,8 @@ def test_speculative_sampling_draws_from_the_target_distribution(small_pair):
     assert 0 < float(np.mean(out.num_accepted_tokens)) < 2  # candidates both kept and rejected
 
 
-@pytest.mark.skipif(not os.environ.get("GENJAX_CHECK_BROKEN"), reason="manual power check")
 def test_chi_square_catches_a_broken_acceptance_rule(small_pair, monkeypatch):
-    """Run with GENJAX_CHECK_BROKEN=1: accepting every candidate must fail the test above."""
+    """The test above has power: accepting every candidate must fail it."""
 
     def broken(rules, scores, draft, key):
         width = rules.num_candidates
@@ -400,15 +398,11 @@ def test_num_assistant_tokens_below_one_is_rejected():
 
 
 def _bundled():
-    try:
-        from genjax import bundled
+    from genjax import bundled
 
-        return bundled.path("genjax-tiny"), bundled.path("genjax-tiny-draft")
-    except Exception:
-        return None
+    return bundled.path("genjax-tiny"), bundled.path("genjax-tiny-draft")
 
 
-@pytest.mark.skipif(_bundled() is None, reason="the bundled model pair is not trained yet")
 def test_bundled_pair_greedy_equals_plain_greedy():
     target_path, draft_path = _bundled()
     model, params = genjax.models.from_pretrained(target_path)
@@ -417,7 +411,12 @@ def test_bundled_pair_greedy_equals_plain_greedy():
     batch = tok(["def fibonacci(n):\n", "import os\nimport sys\n\nclass "])
     ids, mask = batch["input_ids"], batch["attention_mask"]
     config = GenerationConfig.from_pretrained(target_path).replace(
-        max_new_tokens=24, do_sample=False, num_assistant_tokens=4
+        max_new_tokens=24,
+        do_sample=False,
+        temperature=None,
+        top_k=None,
+        top_p=None,
+        num_assistant_tokens=4,
     )
     plain = genjax.generate(model, params, ids, config, attention_mask=mask)
     out = genjax.generate(

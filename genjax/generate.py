@@ -299,15 +299,9 @@ def _generate_jit(
             layout=layout,
         )
     pad_token_id, eos_token_ids = _special_ids(config)
-    stopping = stopping_rules(
-        eos_token_ids,
-        criteria=stopping_criteria,
-        stop_strings=stop_strings,
-        max_time=config.max_time,
-        first_slot=offset,
+    stopping, input_ids = _start_stopping(
+        config, eos_token_ids, stopping_criteria, stop_strings, offset, input_ids
     )
-    # max_time counts from here, before the prefill, as transformers' MaxTimeCriteria does.
-    stopping, (input_ids,) = start_timer(stopping, input_ids)
     batch, prompt_length = input_ids.shape
     copies = config.num_return_sequences
 
@@ -365,15 +359,9 @@ def _generate_beams(
     """Beam search / beam sampling: prefill each prompt once, repeat its cache rows for the M
     beams, run :func:`genjax.decoding.beam.beam_search`, return the R best hypotheses."""
     pad_token_id, eos_token_ids = _special_ids(config)
-    stopping = stopping_rules(
-        eos_token_ids,
-        criteria=stopping_criteria,
-        stop_strings=stop_strings,
-        max_time=config.max_time,
-        first_slot=offset,
+    stopping, input_ids = _start_stopping(
+        config, eos_token_ids, stopping_criteria, stop_strings, offset, input_ids
     )
-    # max_time counts from here, before the prefill, as in the sampling path.
-    stopping, (input_ids,) = start_timer(stopping, input_ids)
     batch = input_ids.shape[0]
     num_beams = config.num_beams
     logits, cache, cache_mask, tokens = _prefill(
@@ -439,14 +427,9 @@ def _generate_assisted(
     (None for prompt lookup) into caches sized for the rolled-back slots, then draft, verify
     and commit in one loop."""
     pad_token_id, eos_token_ids = _special_ids(config)
-    stopping = stopping_rules(
-        eos_token_ids,
-        criteria=stopping_criteria,
-        stop_strings=stop_strings,
-        max_time=config.max_time,
-        first_slot=offset,
+    stopping, input_ids = _start_stopping(
+        config, eos_token_ids, stopping_criteria, stop_strings, offset, input_ids
     )
-    stopping, (input_ids,) = start_timer(stopping, input_ids)
     batch, prompt_length = input_ids.shape
     limits = [getattr(m, "max_position_embeddings", None) for m in (model, assistant)]
     limits = [limit for limit in limits if limit is not None]
@@ -535,6 +518,23 @@ def _stop_string_table(config: GenerationConfig, tokenizer):
             f"transformers tokenizer or a tokenizers.Tokenizer), or unset stop_strings."
         )
     return stop_string_table(tokenizer, config.stop_strings)
+
+
+def _start_stopping(config, eos_token_ids, criteria, stop_strings, offset, input_ids):
+    """The call's :class:`~genjax.stopping.StoppingRules`, with the ``max_time`` clock started.
+
+    Call it first in the compiled program and use the returned ``input_ids``: ``max_time``
+    counts from here, before the prefill, as transformers' ``MaxTimeCriteria`` does.
+    """
+    stopping = stopping_rules(
+        eos_token_ids,
+        criteria=criteria,
+        stop_strings=stop_strings,
+        max_time=config.max_time,
+        first_slot=offset,
+    )
+    stopping, (input_ids,) = start_timer(stopping, input_ids)
+    return stopping, input_ids
 
 
 def _prefill(model, params, input_ids, attention_mask, max_new_tokens: int, pad_token_id):

@@ -153,6 +153,33 @@ def write_random_checkpoint(
     return config
 
 
+TINY_CORPUS = ("def fibonacci(n):\n    return n", "hello world, hello tokens") * 20
+"""The text :func:`tiny_bpe_tokenizer` learns from by default."""
+
+
+def tiny_bpe_tokenizer(corpus=TINY_CORPUS, vocab_size: int = 300):
+    """Returns a byte-level BPE ``tokenizers.Tokenizer`` trained on ``corpus``, with the special
+    tokens ``<pad>``, ``<s>``, ``</s>`` at ids 0, 1, 2 (no post-processor: add one if needed).
+
+    Example:
+        >>> tiny_bpe_tokenizer().token_to_id("</s>")
+        2
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(list(corpus), trainer)
+    return backend
+
+
 def _random(rng: np.random.Generator, name: str, shape: tuple[int, ...]) -> np.ndarray:
     leaf = name.rsplit(".", 1)[-1]
     is_norm = "norm" in name or name.split(".")[-2].startswith("ln_")

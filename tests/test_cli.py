@@ -13,7 +13,7 @@ import pytest
 import genjax
 from genjax import cli
 from genjax import tokenizer as T
-from genjax.testing import write_random_checkpoint
+from genjax.testing import tiny_bpe_tokenizer, write_random_checkpoint
 
 TEMPLATE = (  # short, so that a chat prompt shares the 16-token bucket (and program) of others
     "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}{{ eos_token }}{% endfor %}"
@@ -24,17 +24,7 @@ GENERATION = {"max_new_tokens": 6, "bos_token_id": 1, "eos_token_id": 2, "pad_to
 
 
 def _write_tokenizer(path, chat_template=TEMPLATE) -> int:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    backend = Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<pad>", "<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    backend.train_from_iterator(CORPUS, trainer)
+    backend = tiny_bpe_tokenizer(CORPUS)
     backend.save(str(path / "tokenizer.json"))
     config = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}
     if chat_template is not None:

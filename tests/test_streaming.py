@@ -43,17 +43,7 @@ BYTE_TOKEN = {byte: char for char, byte in _byte_alphabet().items()}  # byte -> 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     """(model, params, tokenizer, prompt ids int32[1, P])."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    backend = Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<pad>", "<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    backend.train_from_iterator(CORPUS, trainer)
+    backend = genjax.testing.tiny_bpe_tokenizer(CORPUS)
     path = tmp_path_factory.mktemp("streaming")
     backend.save(str(path / "tokenizer.json"))
     special = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}

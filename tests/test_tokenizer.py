@@ -7,6 +7,7 @@ import pytest
 
 from genjax import tokenizer as T
 from genjax.errors import CheckpointError, InputError
+from genjax.testing import tiny_bpe_tokenizer
 
 TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
@@ -17,17 +18,9 @@ CORPUS = ["def fibonacci(n):\n    return n", "hello world, hello tokens"] * 20
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import processors
 
-    backend = Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<pad>", "<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    backend.train_from_iterator(CORPUS, trainer)
+    backend = tiny_bpe_tokenizer(CORPUS)
     backend.post_processor = processors.TemplateProcessing(
         single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)]
     )

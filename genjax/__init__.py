@@ -9,7 +9,7 @@ Example:
 The axis letters used in shapes throughout are defined in :mod:`genjax.typing`.
 """
 
-from genjax import checkpoints, models, processors, sharding, streaming, tokenizer
+from genjax import bundled, checkpoints, models, processors, sharding, streaming, tokenizer
 from genjax.config import GenerationConfig, GenerationMode
 from genjax.generate import generate
 from genjax.outputs import GenerateOutput, compute_transition_scores
@@ -20,6 +20,7 @@ __all__ = [
     "GenerateOutput",
     "GenerationConfig",
     "GenerationMode",
+    "bundled",
     "checkpoints",
     "compute_transition_scores",
     "generate",

@@ -280,6 +280,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--save-every", type=int, default=200)
     parser.add_argument("--holdout-every", type=int, default=40)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--max-files", type=int, help="use only the first N training files (a quick trial run)"
+    )
     args = parser.parse_args(argv)
     size = SIZES[args.size]
     steps = args.steps or size["steps"]
@@ -291,6 +294,9 @@ def main(argv: list[str] | None = None) -> None:
 
     t0 = time.perf_counter()
     train_files, valid_files = stdlib_files(args.holdout_every)
+    if args.max_files:
+        train_files = train_files[: args.max_files]
+        valid_files = valid_files[: max(1, args.max_files // args.holdout_every)]
     train_texts, valid_texts = read_texts(train_files), read_texts(valid_files)
     tokenizer_file = (
         Path(args.tokenizer) / "tokenizer.json" if args.tokenizer else workdir / "tokenizer.json"

@@ -52,23 +52,13 @@ class _Count(BaseStreamer):
 
 def _tokenizer(folder: str, vocab_size: int):
     """A byte-level BPE with exactly ``vocab_size`` ids, trained on genjax's own source."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     package = os.path.dirname(genjax.__file__)
     corpus = [
         open(os.path.join(package, name), encoding="utf-8").read()
         for name in sorted(os.listdir(package))
         if name.endswith(".py")
     ]
-    backend = Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=["<pad>", "<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    backend.train_from_iterator(corpus, trainer)
+    backend = genjax.testing.tiny_bpe_tokenizer(corpus, vocab_size)
     backend.save(os.path.join(folder, "tokenizer.json"))
     special = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}
     with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:

@@ -84,6 +84,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from genjax.cache import KVCache
+from genjax.config import TRACED_FIELDS
 from genjax.errors import InputError, UnsupportedError
 from genjax.processors import LogitsContext, from_config
 from genjax.stopping import StoppingRules, finished_rows, is_eos, time_is_up
@@ -94,23 +95,17 @@ StepFn = Callable[[PyTree, Array, Array, KVCache, Array], tuple[Array, KVCache]]
 SCHEDULES = ("constant", "heuristic", "heuristic_transient")
 
 # Config fields that may hold one value per row ([B]); sliced row by row for the processors.
-_PER_ROW_FIELDS = frozenset(
-    {
-        "temperature",
-        "top_k",
-        "top_p",
-        "min_p",
-        "top_h",
-        "typical_p",
-        "epsilon_cutoff",
-        "eta_cutoff",
-        "repetition_penalty",
-        "encoder_repetition_penalty",
-        "length_penalty",
-        "guidance_scale",
-        "decoder_start_token_id",
-    }
-)
+# The traced fields, less the token ids (an EOS list int32[E] is not per row, even when E == B)
+# and the fields used outside the processors.
+_PER_ROW_FIELDS = frozenset(TRACED_FIELDS) - {
+    "pad_token_id",
+    "bos_token_id",
+    "eos_token_id",
+    "forced_bos_token_id",
+    "forced_eos_token_id",
+    "assistant_confidence_threshold",
+    "max_time",
+}
 
 
 @struct.dataclass

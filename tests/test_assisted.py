@@ -113,13 +113,13 @@ def test_prompt_lookup_candidates_follow_transformers():
     tokens = jnp.asarray([row + [0] * 8], jnp.int32)
     rules = _lookup_rules(first_valid=2, eos=None)
     state = _lookup_state(tokens, len(row))
-    candidates, count = assisted._lookup(state, rules, jnp.asarray([4]))
+    candidates, count = assisted.lookup_candidates(state, rules, jnp.asarray([4]))
     assert candidates[0, : int(count[0])].tolist() == [9, 1, 2, 3]
-    candidates, count = assisted._lookup(state, _lookup_rules(2, eos=1), jnp.asarray([4]))
+    candidates, count = assisted.lookup_candidates(state, _lookup_rules(2, eos=1), jnp.asarray([4]))
     assert candidates[0, : int(count[0])].tolist() == [9]
     # No earlier occurrence of "3" or "2 3" in a row without repeats: no candidates.
     state = _lookup_state(jnp.asarray([[0, 0, 1, 2, 3] + [0] * 8], jnp.int32), 5)
-    assert int(assisted._lookup(state, rules, jnp.asarray([4]))[1][0]) == 0
+    assert int(assisted.lookup_candidates(state, rules, jnp.asarray([4]))[1][0]) == 0
 
 
 def _lookup_rules(first_valid, eos):

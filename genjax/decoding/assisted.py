@@ -66,6 +66,10 @@ Randomness: the first token draws with ``fold_in(key, 0)`` and iteration ``i`` w
 the acceptance test and the correction), so the same key gives the same tokens; the tokens differ
 from plain sampling with the same key, while their distribution is the same.
 
+Modules: this one runs the loop (commit, verify, decode, finish); ``_assist_state`` holds the
+call's rules and state and the row-wise helpers, ``_candidates`` the prompt-lookup and draft
+candidate generators, ``_assist_checks`` the checks made before tracing.
+
 References:
     Leviathan, Kalman, Matias 2023, "Fast Inference from Transformers via Speculative Decoding",
     arXiv:2211.17192. Chen et al. 2023, "Accelerating Large Language Model Decoding with
@@ -77,263 +81,43 @@ References:
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import jax
 import jax.numpy as jnp
-from flax import struct
 
-from genjax.cache import KVCache
-from genjax.config import TRACED_FIELDS
-from genjax.errors import InputError, UnsupportedError
-from genjax.processors import LogitsContext, from_config
-from genjax.stopping import StoppingRules, finished_rows, is_eos, time_is_up
+from genjax.decoding._assist_checks import check_call, check_config, is_assisted
+from genjax.decoding._assist_state import (
+    AssistRules,
+    AssistState,
+    cache_lengths,
+    choose,
+    clamp_positions,
+    init_state,
+    leading,
+    make_rules,
+    process_block,
+    process_rows,
+    running_rows,
+    stop_flags,
+    token_at,
+    write_block,
+)
+from genjax.decoding._candidates import DraftCarry, StepFn, draft_candidates, lookup_candidates
+from genjax.stopping import time_is_up
 from genjax.typing import Array, PyTree
 
-StepFn = Callable[[PyTree, Array, Array, KVCache, Array], tuple[Array, KVCache]]
-
-SCHEDULES = ("constant", "heuristic", "heuristic_transient")
-
-# Config fields that may hold one value per row ([B]); sliced row by row for the processors.
-# The traced fields, less the token ids (an EOS list int32[E] is not per row, even when E == B)
-# and the fields used outside the processors.
-_PER_ROW_FIELDS = frozenset(TRACED_FIELDS) - {
-    "pad_token_id",
-    "bos_token_id",
-    "eos_token_id",
-    "forced_bos_token_id",
-    "forced_eos_token_id",
-    "assistant_confidence_threshold",
-    "max_time",
-}
-
-
-@struct.dataclass
-class AssistRules:
-    """How candidates are made, scored and committed: fixed for a whole call."""
-
-    config: PyTree  # the resolved GenerationConfig (its traced fields are leaves)
-    eos_token_ids: Array | None  # int32[E], or None
-    pad_token_id: Array  # int32[]
-    context: LogitsContext  # prompt bookkeeping: offset, prompt_end, first_valid int32[B]
-    stopping: StoppingRules  # EOS ids, criteria, stop strings, max_time
-    threshold: Array  # float32[]: assistant_confidence_threshold; 0 never stops the draft
-    num_new_tokens: int = struct.field(pytree_node=False)  # N
-    num_candidates: int = struct.field(pytree_node=False)  # G: candidates per iteration, at most
-    schedule: str = struct.field(pytree_node=False)  # "constant", "heuristic", ...
-    lookup_ngram: int | None = struct.field(pytree_node=False)  # prompt lookup; None: a draft
-    do_sample: bool = struct.field(pytree_node=False)
-    extra: tuple = struct.field(pytree_node=False, default=())  # the user's processors
-    allowed_tokens_fn: Callable | None = struct.field(pytree_node=False, default=None)
-    max_position: int | None = struct.field(pytree_node=False, default=None)  # position clamp
-
-    @property
-    def prompt_length(self) -> Array:
-        """int32[]: the prompt bucket length ``P`` (where new tokens start)."""
-        return self.context.prompt_end
-
-
-@struct.dataclass
-class AssistState:
-    """Everything the assisted loop carries from one iteration to the next."""
-
-    tokens: Array  # int32[B, S + T]: per row padding, prompt, committed tokens, then pad
-    lengths: Array  # int32[B]: filled slots per row; the newest token is not in either cache
-    positions: Array  # int32[B]: position id of the newest token
-    cache: KVCache  # target keys/values [L, B, C, K, H]; index = next slot to write
-    cache_mask: Array  # int32[B, C]: 0 on padding and holes
-    draft_cache: KVCache | None  # draft keys/values [L', B, D, K', H'], or None (prompt lookup)
-    draft_mask: Array | None  # int32[B, D]
-    draft_behind: Array  # bool[B]: the token before the newest is missing from the draft cache
-    finished: Array  # bool[B]: rows a stopping rule has finished
-    stop_lengths: Array  # int32[B]: the length at which a row finished (S when it has not)
-    num_candidates: Array  # int32[B]: this row's candidates per iteration (heuristic schedule)
-    num_accepted: Array  # int32[B]: committed candidate tokens so far
-    iteration: Array  # int32[]
-    key: Array  # key[]
-    scores: Array | None  # float32[B, N + T, V] processed scores, when recorded
-    raw_logits: Array | None  # float32[B, N + T, V] raw logits, when recorded
-
-
-def cache_lengths(prompt_length: int, num_new_tokens: int, batch: int, num_candidates: int):
-    """The (target, draft) cache lengths a call needs; see the module docstring.
-
-    Example:
-        >>> cache_lengths(16, 32, batch=1, num_candidates=4)
-        (52, 83)
-    """
-    block = num_candidates + 1
-    rows = min(batch, block)
-    loops = max(num_new_tokens - 1, 0)
-    target = prompt_length + rows * loops + block
-    return target, target + loops
-
-
-def init_state(
-    prompt: Array,
-    cache: KVCache,
-    cache_mask: Array,
-    draft_cache: KVCache | None,
-    draft_mask: Array | None,
-    key: Array,
-    rules: AssistRules,
-    *,
-    vocab_size: int,
-    record_scores: bool,
-    record_logits: bool,
-) -> AssistState:
-    """The state after both prefills, before the first token.
-
-    Args:
-        prompt: int32[B, P], the (bucket-padded) prompts.
-        cache, cache_mask: the target's prefilled cache (index ``P``) and its mask int32[B, C].
-        draft_cache, draft_mask: the draft's, or None for prompt lookup.
-        key: the PRNG key of the call.
-        rules: the call's :class:`AssistRules`.
-        vocab_size: ``V``, for the recorded scores.
-        record_scores, record_logits: whether to keep processed scores / raw logits.
-    """
-    batch, prompt_length = prompt.shape
-    block = rules.num_candidates + 1
-    size = prompt_length + rules.num_new_tokens
-    pad = jnp.full((batch, rules.num_new_tokens + block), rules.pad_token_id, jnp.int32)
-    recorded = (batch, rules.num_new_tokens + block, vocab_size)
-    return AssistState(
-        tokens=jnp.concatenate([prompt.astype(jnp.int32), pad], axis=1),
-        lengths=jnp.full((batch,), prompt_length, jnp.int32),
-        positions=jnp.sum(cache_mask[:, :prompt_length], axis=-1).astype(jnp.int32) - 1,
-        cache=cache,
-        cache_mask=cache_mask,
-        draft_cache=draft_cache,
-        draft_mask=draft_mask,
-        draft_behind=jnp.zeros((batch,), bool),
-        finished=jnp.zeros((batch,), bool),
-        stop_lengths=jnp.full((batch,), size, jnp.int32),
-        num_candidates=jnp.full((batch,), rules.num_candidates, jnp.int32),
-        num_accepted=jnp.zeros((batch,), jnp.int32),
-        iteration=jnp.zeros((), jnp.int32),
-        key=key,
-        scores=jnp.zeros(recorded) if record_scores else None,
-        raw_logits=jnp.zeros(recorded) if record_logits else None,
-    )
-
-
-# ----------------------------------------------------------------------------- row-wise rules
-
-
-def _split_config(config: PyTree, batch: int) -> tuple[list, list, PyTree]:
-    """(leaves, vmap axes, treedef) of the config: axis 0 on per-row values of shape [B]."""
-    with_paths, treedef = jax.tree_util.tree_flatten_with_path(config)
-    leaves, axes = [], []
-    for path, leaf in with_paths:
-        name = getattr(path[-1], "name", None) if path else None
-        per_row = name in _PER_ROW_FIELDS and jnp.ndim(leaf) == 1 and jnp.shape(leaf)[0] == batch
-        leaves.append(leaf)
-        axes.append(0 if per_row else None)
-    return leaves, axes, treedef
-
-
-def _view(row: Array, length: Array, pad: Array, size: int) -> Array:
-    """The first ``size`` slots of one row as plain decoding shows them: pad from ``length``."""
-    row = row[:size]
-    return jnp.where(jnp.arange(size) < length, row, pad)
-
-
-def _process(rules: AssistRules, logits: Array, tokens: Array, lengths: Array) -> Array:
-    """Processed scores float32[B, V] of the token at slot ``lengths`` (int32[B]) of each row,
-    with the row's own config values and length, as plain decoding would process them."""
-    batch = logits.shape[0]
-    size = tokens.shape[1] - rules.num_candidates - 1  # S = P + N, the buffer plain decoding has
-    context = rules.context
-
-    leaves, axes, treedef = _split_config(rules.config, batch)
-
-    def one(leaves, scores, row, length, first_valid):
-        config = jax.tree_util.tree_unflatten(treedef, leaves)
-        process = from_config(
-            config, rules.eos_token_ids, rules.extra, allowed_tokens_fn=rules.allowed_tokens_fn
-        )
-        view = _view(row, length, rules.pad_token_id, size)
-        ctx = context.replace(tokens=view[None], length=length, first_valid=first_valid[None])
-        return process(scores[None].astype(jnp.float32), ctx)[0]
-
-    in_axes = (axes, 0, 0, 0, 0)
-    return jax.vmap(one, in_axes=in_axes)(leaves, logits, tokens, lengths, context.first_valid)
-
-
-def _process_block(rules: AssistRules, logits: Array, tokens: Array, lengths: Array) -> Array:
-    """float32[B, T, V]: :func:`_process` for the ``T`` positions ``lengths[:, None] + t``."""
-    starts = lengths[:, None] + jnp.arange(logits.shape[1])[None, :]
-    return jax.vmap(
-        lambda scores, length: _process(rules, scores, tokens, length), in_axes=1, out_axes=1
-    )(logits, starts)
-
-
-def _stops(rules: AssistRules, tokens: Array, lengths: Array) -> Array:
-    """bool[B, T]: whether a stopping rule finishes row ``b`` once ``lengths[b, t]`` slots are
-    filled (the newest token at ``lengths[b, t] - 1``). ``max_time`` is checked separately."""
-    stopping = rules.stopping.replace(max_time=None, start_time=None)
-    size = tokens.shape[1] - rules.num_candidates - 1
-
-    def one(row, length):
-        view = _view(row, length, rules.pad_token_id, size)[None]
-        step = length - rules.prompt_length - 1
-        return finished_rows(stopping, jnp.zeros((1,), bool), view, length, step)[0]
-
-    per_row = jax.vmap(one, in_axes=(None, 0))  # over T
-    return jax.vmap(per_row, in_axes=(0, 0))(tokens, lengths)
-
-
-# ----------------------------------------------------------------------------- small helpers
-
-
-def _leading(flags: Array) -> Array:
-    """int32[B]: the number of leading True values of bool[B, G]."""
-    return jnp.sum(jnp.cumprod(flags.astype(jnp.int32), axis=1), axis=1)
-
-
-def _write(tokens: Array, start: Array, block: Array, count: Array) -> Array:
-    """Writes ``block[b, :count[b]]`` (int32[B, G]) at slots ``start[b]..`` of each row."""
-    offset = jnp.arange(tokens.shape[1])[None, :] - start[:, None]
-    inside = (offset >= 0) & (offset < count[:, None])
-    picked = jnp.take_along_axis(block, jnp.clip(offset, 0, block.shape[1] - 1), axis=1)
-    return jnp.where(inside, picked, tokens)
-
-
-def _at(tokens: Array, slots: Array) -> Array:
-    """int32[B]: ``tokens[b, slots[b]]``."""
-    return jnp.take_along_axis(tokens, slots[:, None], axis=1)[:, 0]
-
-
-def _positions(rules: AssistRules, positions: Array) -> Array:
-    """Position ids, clamped into the model's table (only never-committed slots reach it)."""
-    positions = jnp.maximum(positions, 0)
-    if rules.max_position is not None:
-        positions = jnp.minimum(positions, rules.max_position - 1)
-    return positions
-
-
-def _choose(rules: AssistRules, scores: Array, key: Array) -> Array:
-    """int32[...]: argmax, or a sample from ``softmax(scores)`` when sampling."""
-    if rules.do_sample:
-        return jax.random.categorical(key, scores, axis=-1).astype(jnp.int32)
-    return jnp.argmax(scores, axis=-1).astype(jnp.int32)
-
-
-def _running(state: AssistState, rules: AssistRules) -> Array:
-    """bool[B]: rows that still take tokens.
-
-    With EOS ids, a finished row stops (and holds pad). Without them, as in plain decoding, every
-    row keeps taking real tokens until all have finished, and then up to the longest finished
-    length, where all rows are cut at the end.
-    """
-    size = state.tokens.shape[1] - rules.num_candidates - 1
-    room = state.lengths < size
-    if rules.eos_token_ids is not None:
-        return room & ~state.finished
-    everyone = jnp.all(state.finished)
-    return room & (~everyone | (state.lengths < jnp.max(state.stop_lengths)))
-
+__all__ = [
+    "AssistRules",
+    "AssistState",
+    "cache_lengths",
+    "check_call",
+    "check_config",
+    "decode",
+    "finish",
+    "first_token",
+    "init_state",
+    "is_assisted",
+    "make_rules",
+]
 
 # ----------------------------------------------------------------------------- committing
 
@@ -362,11 +146,11 @@ def commit(
     """
     size = state.tokens.shape[1] - rules.num_candidates - 1
     width = block.shape[1]
-    running = _running(state, rules)
+    running = running_rows(state, rules)
     count = jnp.where(running, jnp.minimum(count, size - state.lengths), 0)
-    tokens = _write(state.tokens, state.lengths, block, count)
+    tokens = write_block(state.tokens, state.lengths, block, count)
     ends = state.lengths[:, None] + 1 + jnp.arange(width)[None, :]  # int32[B, T]
-    stops = _stops(rules, tokens, ends) & (jnp.arange(width)[None, :] < count[:, None])
+    stops = stop_flags(rules, tokens, ends) & (jnp.arange(width)[None, :] < count[:, None])
     stopped = jnp.any(stops, axis=1)
     count = jnp.where(stopped, jnp.argmax(stops, axis=1) + 1, count)
     # Slots after the committed tokens go back to pad (they may hold candidates).
@@ -401,150 +185,20 @@ def _record(buffer: Array | None, values: Array, step: Array) -> Array | None:
 
 def first_token(state: AssistState, logits: Array, rules: AssistRules) -> AssistState:
     """Chooses and commits the first new token from the prefill's last logits float32[B, V]."""
-    scores = _process(rules, logits, state.tokens, state.lengths)
+    scores = process_rows(rules, logits, state.tokens, state.lengths)
     key = jax.random.fold_in(state.key, 0)
-    token = _choose(rules, scores, key)
+    token = choose(rules, scores, key)
     state, _ = commit(
         state, rules, token[:, None], jnp.ones_like(token), scores[:, None], logits[:, None]
     )
     return state
 
 
-# ----------------------------------------------------------------------------- candidates
-
-
-def _lookup(state: AssistState, rules: AssistRules, limit: Array) -> tuple[Array, Array]:
-    """Prompt-lookup candidates: (int32[B, G] tokens, int32[B] how many, at most ``limit``).
-
-    For n from ``max_matching_ngram_size`` down to 1, the row's last n tokens are searched for
-    in the row (left padding excluded); the earliest occurrence followed by at least one token
-    gives up to ``G`` candidates, ending before the row's end and before any EOS token.
-    """
-    width = rules.num_candidates
-    first_valid = rules.context.first_valid
-
-    def one(row, length, first):
-        slots = jnp.arange(row.shape[0])
-        found = jnp.zeros((), bool)
-        start = jnp.zeros((), jnp.int32)
-        for size in range(rules.lookup_ngram, 0, -1):
-            match = (slots >= first) & (slots + size < length) & (size <= length - first - 1)
-            for k in range(size):
-                target = row[jnp.maximum(length - size + k, 0)]
-                match = match & (row[jnp.minimum(slots + k, row.shape[0] - 1)] == target)
-            here = jnp.any(match)
-            start = jnp.where(found | ~here, start, jnp.argmax(match) + size)
-            found = found | here
-        picked = row[jnp.minimum(start + jnp.arange(width), row.shape[0] - 1)]
-        count = jnp.minimum(width, length - start)
-        if rules.eos_token_ids is not None:
-            eos = is_eos(picked, rules.eos_token_ids)
-            count = jnp.minimum(count, jnp.where(jnp.any(eos), jnp.argmax(eos), width))
-        return picked, jnp.where(found, count, 0)
-
-    picked, count = jax.vmap(one)(state.tokens, state.lengths, first_valid)
-    return picked, jnp.minimum(count, limit)
-
-
-@struct.dataclass
-class _Draft:
-    """The draft loop's carry."""
-
-    steps: Array  # int32[]: candidates drawn so far (k)
-    logits: Array  # float32[B, V]: the draft's logits for the next candidate
-    cache: KVCache
-    tokens: Array  # int32[B, S + T]: the buffer with the candidates so far written in
-    candidates: Array  # int32[B, G]
-    count: Array  # int32[B]: candidates proposed per row
-    active: Array  # bool[B]: rows still proposing
-    probs: Array | None  # float32[B, G, V]: the draft's distribution q of each candidate
-
-
-def _draft(
-    state: AssistState,
-    rules: AssistRules,
-    limit: Array,
-    key: Array,
-    draft: StepFn,
-    params: PyTree,
-) -> tuple[_Draft, Array]:
-    """Runs the draft for up to ``G`` tokens; returns the final carry and the draft mask.
-
-    The draft first reads ``[x, newest]`` (``x``: the token before the newest, a hole unless the
-    draft had not seen it), then one token per step; a row stops proposing after ``limit[b]``
-    candidates, after an EOS, or when the candidate's probability under the draft's processed
-    distribution falls below ``assistant_confidence_threshold`` (that candidate is kept, as in
-    transformers' ``ConfidenceCriteria``). The loop ends when no row is proposing.
-    """
-    batch = state.lengths.shape[0]
-    width = rules.num_candidates
-    index = state.draft_cache.index
-    opened = jnp.concatenate(
-        [state.draft_behind[:, None], jnp.ones((batch, width), bool)], axis=1
-    ).astype(jnp.int32)
-    mask = jax.lax.dynamic_update_slice(state.draft_mask, opened, (0, index))
-    pair = jnp.stack(
-        [
-            _at(state.tokens, jnp.maximum(state.lengths - 2, 0)),
-            _at(state.tokens, state.lengths - 1),
-        ],
-        axis=1,
-    )
-    where = _positions(rules, state.positions[:, None] + jnp.arange(-1, 1)[None, :])
-    logits, cache = draft(params, pair, where, state.draft_cache, mask)
-    vocab = logits.shape[-1]
-    carry = _Draft(
-        steps=jnp.zeros((), jnp.int32),
-        logits=logits[:, -1],
-        cache=cache,
-        tokens=state.tokens,
-        candidates=jnp.zeros((batch, width), jnp.int32),
-        count=jnp.zeros((batch,), jnp.int32),
-        active=limit >= 1,
-        probs=jnp.zeros((batch, width, vocab)) if rules.do_sample else None,
-    )
-
-    def propose(carry: _Draft) -> _Draft:
-        step = carry.steps
-        slot = state.lengths + step
-        scores = _process(rules, carry.logits, carry.tokens, slot)
-        token = _choose(rules, scores, jax.random.fold_in(key, step))
-        probs = jax.nn.softmax(scores, axis=-1)
-        confidence = jnp.take_along_axis(probs, token[:, None], axis=1)[:, 0]
-        one = jnp.ones_like(token)
-        keep = (
-            carry.active
-            & (confidence >= rules.threshold)
-            & (step + 1 < limit)
-            & ~is_eos(token, rules.eos_token_ids)
-        )
-        return carry.replace(
-            steps=step + 1,
-            tokens=_write(carry.tokens, slot, token[:, None], one),
-            candidates=carry.candidates.at[:, step].set(token),
-            count=carry.count + carry.active.astype(jnp.int32),
-            active=keep,
-            probs=None if carry.probs is None else carry.probs.at[:, step].set(probs),
-        )
-
-    def body(carry: _Draft) -> _Draft:
-        last = carry.candidates[:, carry.steps - 1]
-        where = _positions(rules, state.positions + carry.steps)
-        logits, cache = draft(params, last[:, None], where[:, None], carry.cache, mask)
-        return propose(carry.replace(logits=logits[:, -1], cache=cache))
-
-    def cond(carry: _Draft) -> Array:
-        return (carry.steps < width) & jnp.any(carry.active)
-
-    carry = jax.lax.while_loop(cond, body, propose(carry))
-    return carry, mask
-
-
 # ----------------------------------------------------------------------------- verification
 
 
 def _speculative(
-    rules: AssistRules, scores: Array, draft: _Draft, key: Array
+    rules: AssistRules, scores: Array, draft: DraftCarry, key: Array
 ) -> tuple[Array, Array]:
     """The speculative sampling rule: (accepted int32[B], next token int32[B]).
 
@@ -562,7 +216,7 @@ def _speculative(
     accept_key, next_key = jax.random.split(key)
     u = jax.random.uniform(accept_key, (batch, width))
     proposed = jnp.arange(width)[None, :] < draft.count[:, None]
-    accepted = _leading(proposed & (u * q_x <= p_x))
+    accepted = leading(proposed & (u * q_x <= p_x))
     p_a = p[rows, accepted]
     q_a = draft.probs[rows, jnp.minimum(accepted, width - 1)]
     residual = jnp.maximum(p_a - q_a, 0.0)
@@ -577,11 +231,11 @@ def _matching(
 ) -> tuple[Array, Array]:
     """Greedy (or prompt-lookup sampling) acceptance: candidates are accepted while they equal
     the target's choice at their position; returns (accepted int32[B], next token int32[B])."""
-    chosen = _choose(rules, scores, key)  # int32[B, T]
+    chosen = choose(rules, scores, key)  # int32[B, T]
     width = candidates.shape[1]
     proposed = jnp.arange(width)[None, :] < count[:, None]
-    accepted = _leading(proposed & (candidates == chosen[:, :width]))
-    return accepted, _at(chosen, accepted)
+    accepted = leading(proposed & (candidates == chosen[:, :width]))
+    return accepted, token_at(chosen, accepted)
 
 
 def _iteration(
@@ -599,14 +253,14 @@ def _iteration(
     size = state.tokens.shape[1] - block
     key = jax.random.fold_in(state.key, state.iteration + 1)
     draft_key, verify_key = jax.random.split(key)
-    running = _running(state, rules)
+    running = running_rows(state, rules)
     limit = jnp.where(running, jnp.minimum(state.num_candidates, size - state.lengths - 1), 0)
     if draft is None:
-        candidates, count = _lookup(state, rules, limit)
-        tokens = _write(state.tokens, state.lengths, candidates, count)
+        candidates, count = lookup_candidates(state, rules, limit)
+        tokens = write_block(state.tokens, state.lengths, candidates, count)
         proposal = None
     else:
-        proposal, draft_mask = _draft(state, rules, limit, draft_key, draft, draft_params)
+        proposal, draft_mask = draft_candidates(state, rules, limit, draft_key, draft, draft_params)
         candidates, count, tokens = proposal.candidates, proposal.count, proposal.tokens
 
     # Verify: the newest token and all candidates in one pass of T = G + 1 tokens.
@@ -614,10 +268,10 @@ def _iteration(
     mask = jax.lax.dynamic_update_slice(
         state.cache_mask, jnp.ones((batch, block), jnp.int32), (0, index)
     )
-    feed = jnp.concatenate([_at(tokens, state.lengths - 1)[:, None], candidates], axis=1)
-    where = _positions(rules, state.positions[:, None] + jnp.arange(block)[None, :])
+    feed = jnp.concatenate([token_at(tokens, state.lengths - 1)[:, None], candidates], axis=1)
+    where = clamp_positions(rules, state.positions[:, None] + jnp.arange(block)[None, :])
     logits, cache = target(params, feed, where, state.cache, mask)
-    scores = _process_block(rules, logits, tokens, state.lengths)
+    scores = process_block(rules, logits, tokens, state.lengths)
     if proposal is not None and rules.do_sample:
         accepted, token = _speculative(rules, scores, proposal, verify_key)
     else:
@@ -652,7 +306,7 @@ def _iteration(
 def _roll_back_draft(
     state: AssistState,
     rules: AssistRules,
-    proposal: _Draft,
+    proposal: DraftCarry,
     mask: Array,
     taken: Array,
     running: Array,
@@ -707,7 +361,7 @@ def decode(
         room = state.cache.index + block <= state.cache.length
         if state.draft_cache is not None:
             room = room & (state.draft_cache.index + block <= state.draft_cache.length)
-        return jnp.any(_running(state, rules)) & room
+        return jnp.any(running_rows(state, rules)) & room
 
     def body(state: AssistState) -> AssistState:
         return _iteration(state, rules, target, params, draft, draft_params)
@@ -734,130 +388,3 @@ def finish(state: AssistState, rules: AssistRules) -> tuple[Array, Array | None,
         return jnp.where(steps < done, buffer[:, : rules.num_new_tokens], 0.0)
 
     return sequences, cut(state.scores), cut(state.raw_logits)
-
-
-# ----------------------------------------------------------------------------- setup and checks
-
-
-def is_assisted(config, assistant_model=None) -> bool:
-    """Whether a call runs assisted generation: an assistant model, or prompt lookup."""
-    return assistant_model is not None or config.prompt_lookup_num_tokens is not None
-
-
-def check_config(config, assistant_model=None) -> None:
-    """Raises UnsupportedError for config options assisted generation cannot run with.
-
-    Args:
-        config: the resolved :class:`~genjax.GenerationConfig` of an assisted call.
-        assistant_model: the draft model, or None for prompt lookup.
-
-    Raises:
-        UnsupportedError: beam search (as transformers), ``num_return_sequences > 1`` (as
-            transformers), ``assistant_early_exit`` or ``use_mtp``.
-        InputError: both a draft and ``prompt_lookup_num_tokens``.
-
-    Example:
-        >>> check_config(GenerationConfig(prompt_lookup_num_tokens=4).with_defaults())
-    """
-    what = "prompt lookup" if assistant_model is None else "assisted generation"
-    if config.num_beams > 1:
-        raise UnsupportedError(
-            f"{what} cannot be combined with beam search (num_beams={config.num_beams}), as in "
-            f"transformers. Set num_beams=1, or drop the assistant / prompt_lookup_num_tokens."
-        )
-    if config.num_return_sequences > 1:
-        raise UnsupportedError(
-            f"{what} returns one sequence per prompt, as in transformers; got "
-            f"num_return_sequences={config.num_return_sequences}. Repeat the prompts instead."
-        )
-    for name in ("assistant_early_exit", "use_mtp"):
-        if getattr(config, name):
-            raise UnsupportedError(
-                f"generation option `{name}={getattr(config, name)!r}` is not supported by "
-                f"genjax yet. Pass a draft model as assistant_model= instead."
-            )
-    if assistant_model is not None and config.prompt_lookup_num_tokens is not None:
-        raise InputError(
-            f"got both assistant_model= and prompt_lookup_num_tokens="
-            f"{config.prompt_lookup_num_tokens}; candidates come from one source. Drop one."
-        )
-
-
-def check_call(config, model, assistant_model, assistant_params, batch: int) -> None:
-    """Raises a clear error for an assisted call genjax cannot run, before anything is traced:
-    :func:`check_config`, then the checks that need the models.
-
-    Args:
-        config: the resolved :class:`~genjax.GenerationConfig`.
-        model: the target model; assistant_model, assistant_params: the draft and its params
-            (None for prompt lookup).
-        batch: ``B``.
-
-    Raises:
-        UnsupportedError: see :func:`check_config`; a sliding-window target with ``B > 1``.
-        InputError: a draft without params, or whose vocabulary differs from the target's.
-
-    Example:
-        >>> check_call(config, model, draft, draft_params, batch=4)
-    """
-    check_config(config, assistant_model)
-    if assistant_model is None:
-        return
-    if assistant_params is None:
-        raise InputError("assistant_model= needs its parameters: pass assistant_params= too.")
-    if assistant_model.vocab_size != model.vocab_size:
-        raise InputError(
-            f"the assistant's vocabulary has {assistant_model.vocab_size} tokens but the "
-            f"target's has {model.vocab_size}; speculative decoding needs the same tokenizer "
-            f"and vocabulary (universal assisted generation is not supported). Use a draft "
-            f"trained with the target's tokenizer."
-        )
-    windows = getattr(getattr(model, "config", None), "sliding_windows", ()) or ()
-    if batch > 1 and any(w is not None for w in windows):
-        raise UnsupportedError(
-            f"assisted generation with a sliding-window target ({sorted(set(windows) - {None})}) "
-            f"needs batch size 1: with more rows the cache holds holes, which a window counted "
-            f"in cache slots would see. Run one prompt at a time."
-        )
-
-
-def make_rules(
-    config,
-    *,
-    eos_token_ids: Array | None,
-    pad_token_id: Array,
-    context: LogitsContext,
-    stopping: StoppingRules,
-    num_new_tokens: int,
-    with_draft: bool,
-    extra: tuple = (),
-    allowed_tokens_fn: Callable | None = None,
-    max_position: int | None = None,
-) -> AssistRules:
-    """The :class:`AssistRules` of a call, from its resolved config.
-
-    ``G`` is ``num_assistant_tokens`` with a draft and ``prompt_lookup_num_tokens`` without;
-    the n-gram size is ``max_matching_ngram_size`` (2 when unset, as in transformers).
-
-    Example:
-        >>> rules = make_rules(config, eos_token_ids=eos, pad_token_id=pad, context=ctx,
-        ...                    stopping=stopping, num_new_tokens=32, with_draft=True)
-    """
-    width = config.num_assistant_tokens if with_draft else config.prompt_lookup_num_tokens
-    threshold = config.assistant_confidence_threshold if with_draft else None
-    return AssistRules(
-        config=config,
-        eos_token_ids=eos_token_ids,
-        pad_token_id=pad_token_id,
-        context=context,
-        stopping=stopping,
-        threshold=jnp.asarray(0.0 if threshold is None else threshold, jnp.float32),
-        num_new_tokens=num_new_tokens,
-        num_candidates=int(width),
-        schedule=config.num_assistant_tokens_schedule or "constant",
-        lookup_ngram=None if with_draft else int(config.max_matching_ngram_size or 2),
-        do_sample=bool(config.do_sample),
-        extra=tuple(extra),
-        allowed_tokens_fn=allowed_tokens_fn,
-        max_position=max_position,
-    )

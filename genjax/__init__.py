@@ -9,10 +9,22 @@ Example:
 The axis letters used in shapes throughout are defined in :mod:`genjax.typing`.
 """
 
-from genjax import bundled, checkpoints, models, processors, sharding, streaming, tokenizer
+from genjax import (
+    buckets,
+    bundled,
+    checkpoints,
+    models,
+    processors,
+    quantize,
+    sharding,
+    streaming,
+    tokenizer,
+)
 from genjax.config import GenerationConfig, GenerationMode
 from genjax.generate import generate
 from genjax.outputs import GenerateOutput, compute_transition_scores
+from genjax.quantize import quantize_params
+from genjax.warmup import WarmupEntry, disable_compile_cache, enable_compile_cache, warmup
 
 __version__ = "0.1.0"
 
@@ -20,13 +32,20 @@ __all__ = [
     "GenerateOutput",
     "GenerationConfig",
     "GenerationMode",
+    "WarmupEntry",
+    "buckets",
     "bundled",
     "checkpoints",
     "compute_transition_scores",
+    "disable_compile_cache",
+    "enable_compile_cache",
     "generate",
     "models",
     "processors",
+    "quantize",
+    "quantize_params",
     "sharding",
     "streaming",
     "tokenizer",
+    "warmup",
 ]

@@ -100,10 +100,8 @@ class KVCache:
         """Returns the cache with each row repeated ``count`` (static) times in place: row ``b``
         becomes rows ``b * count .. b * count + count - 1``. A broadcast and reshape, so rows
         sharded over devices stay where they are (unlike :meth:`gather_rows`)."""
-        if count == 1:
-            return self
         return self.replace(
-            keys=jnp.repeat(self.keys, count, axis=1), values=jnp.repeat(self.values, count, axis=1)
+            keys=repeat_rows(self.keys, count), values=repeat_rows(self.values, count)
         )
 
     def gather_beams(self, beams: Array) -> KVCache:
@@ -115,14 +113,30 @@ class KVCache:
         The gather runs per prompt (``B`` is a batch dimension of it), so with rows sharded by
         prompt every device gathers its own rows and nothing moves between devices.
         """
-        batch, num_beams = beams.shape
+        return self.replace(
+            keys=gather_beams(self.keys, beams), values=gather_beams(self.values, beams)
+        )
 
-        def take(x):  # [L, B*M, S, K, H]
-            x = x.reshape(x.shape[0], batch, num_beams, *x.shape[2:])
-            x = jax.vmap(lambda xb, ib: xb[:, ib], in_axes=(1, 0), out_axes=1)(x, beams)
-            return x.reshape(x.shape[0], batch * num_beams, *x.shape[3:])
 
-        return self.replace(keys=take(self.keys), values=take(self.values))
+def repeat_rows(x: Array, count: int) -> Array:
+    """Repeats each row of a per-layer cache array ``[L, B, ...]`` ``count`` (static) times in
+    place: ``[L, B * count, ...]``, row ``b`` becoming rows ``b * count .. b * count + count - 1``.
+    """
+    return x if count == 1 else jnp.repeat(x, count, axis=1)
+
+
+def gather_beams(x: Array, beams: Array) -> Array:
+    """Reorders the rows of a per-layer cache array ``[L, B*M, ...]`` within each prompt.
+
+    Args:
+        x: any array whose axes 0 and 1 are layers and rows ``B*M`` (keys ``[L, B*M, S, K, H]``,
+            or a quantized cache's scales ``[L, B*M, S, K]``).
+        beams: int32[B, M]: row ``b * M + m`` takes row ``b * M + beams[b, m]``.
+    """
+    batch, num_beams = beams.shape
+    x = x.reshape(x.shape[0], batch, num_beams, *x.shape[2:])  # [L, B, M, ...]
+    x = jax.vmap(lambda xb, ib: xb[:, ib], in_axes=(1, 0), out_axes=1)(x, beams)
+    return x.reshape(x.shape[0], batch * num_beams, *x.shape[3:])
 
 
 def attention_bias(

@@ -25,3 +25,7 @@ class CheckpointError(ValueError):
 
 class ShardingError(ValueError):
     """A size does not divide over the mesh axis a sharding rule puts it on."""
+
+
+class CacheMemoryError(InputError):
+    """The KV cache a ``generate`` call would allocate does not fit in its devices' memory."""

@@ -1,8 +1,9 @@
 """The entry point: validate inputs, prefill, run the decoding loop, assemble the output.
 
 Static or traced:
-    Static (a change compiles a new program): the model, the prompt bucket length, the number of
-    new tokens ``N``, ``num_return_sequences``, ``num_beams``, ``early_stopping``, which
+    Static (a change compiles a new program): the model, the batch size, the prompt bucket
+    length and the number of new tokens ``N`` (without ``max_cache_len``), ``max_cache_len``
+    and the bucket policy, ``num_return_sequences``, ``num_beams``, ``early_stopping``, which
     processors are enabled, the output flags, the user's extra processors and stopping criteria,
     whether ``max_time`` is set, the number of stop strings and the shapes of their tables,
     whether a ``streamer`` is given, and the ``mesh`` and sharding ``rules`` (or the mesh set by
@@ -10,14 +11,22 @@ Static or traced:
     Traced (a change reuses the compiled program): the parameters, the token ids and mask, the
     PRNG key, every sampling value (``temperature``, ``top_k``, ``top_p``, ``min_p``,
     ``repetition_penalty``), ``length_penalty``, the pad and EOS ids, the ``max_time`` value,
-    the stop-string tables' contents, the prompt length within its bucket, and which streamer
-    receives the tokens (a new streamer object reuses the program).
+    the stop-string tables' contents, the prompt length within its bucket (with
+    ``max_cache_len``: any prompt length and ``N``), and which streamer receives the tokens (a
+    new streamer object reuses the program).
 
 Prompt buckets: called with concrete arrays, ``generate`` left-pads the prompt to the next bucket
-length (a power of two, at least 16) with masked slots, so nearby prompt lengths share one
-program; the padding is removed from ``sequences`` before it is returned, and transformers'
-length rules (``min_length``, repetition penalty) ignore it. Inside a user's ``jax.jit`` the
-prompt shape is already fixed and no padding is added.
+length (by default a power of two, at least 16; ``prompt_buckets=`` picks another policy, see
+:mod:`genjax.buckets`) with masked slots, so nearby prompt lengths share one program; the padding
+is removed from ``sequences`` before it is returned, and transformers' length rules
+(``min_length``, repetition penalty) ignore it. Inside a user's ``jax.jit`` the prompt shape is
+already fixed and no padding is added.
+
+One program for many calls: with ``max_cache_len`` (a config field) the cache and token buffer
+are preallocated once, and the prompt length, its bucket and ``max_new_tokens`` become traced:
+every greedy or sampling call with ``P + N <= max_cache_len`` and the same batch size runs one
+program, and outputs have ``max_cache_len`` columns (see :mod:`genjax.cache_slots`).
+:func:`genjax.warmup` compiles programs ahead of time.
 
 Differences from transformers forced by static shapes: outputs always hold ``N`` steps
 (see :mod:`genjax.outputs`); ``use_cache=False`` gives the same tokens through the cache.
@@ -25,14 +34,17 @@ Differences from transformers forced by static shapes: outputs always hold ``N``
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import inspect
+import time
 from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from genjax import buckets, cache_slots
 from genjax.config import GenerationConfig
 from genjax.decoding import assisted, beam
 from genjax.decoding.sampling import (
@@ -42,9 +54,11 @@ from genjax.decoding.sampling import (
     greedy_chooser,
     sampling_chooser,
 )
-from genjax.errors import InputError, UnsupportedError
+from genjax.errors import InputError, ShardingError, UnsupportedError
+from genjax.memory import CacheRequest, check_fits
 from genjax.outputs import GenerateOutput
 from genjax.processors import LogitsContext, Processor, from_config, validate_config
+from genjax.quantized_cache import check_cache_options, init_cache
 from genjax.sharding import Layout, context_layout, layout_for
 from genjax.stopping import (
     StopCriterion,
@@ -56,18 +70,19 @@ from genjax.stopping import (
 from genjax.streaming import check_streamer, stream_to, token_hook
 from genjax.typing import Array, PyTree
 
-MIN_BUCKET = 16
+MIN_BUCKET = buckets.DEFAULT.size
 _SUPPORTED_MODES = ("greedy_search", "sample", "beam_search", "beam_sample", "assisted_generation")
 
 
 def bucket_length(prompt_length: int) -> int:
-    """The padded prompt length: the next power of two, at least ``MIN_BUCKET``.
+    """The padded prompt length under the default policy (``prompt_buckets=None``): the next
+    power of two, at least ``MIN_BUCKET``; see :mod:`genjax.buckets` for the others.
 
     Example:
         >>> bucket_length(20)
         32
     """
-    return max(MIN_BUCKET, 1 << (max(prompt_length, 1) - 1).bit_length())
+    return buckets.DEFAULT.length(prompt_length)
 
 
 def generate(
@@ -87,6 +102,7 @@ def generate(
     rules=None,
     assistant_model=None,
     assistant_params: PyTree = None,
+    prompt_buckets=None,
     **config_overrides,
 ) -> GenerateOutput:
     """Generates tokens after ``input_ids``: greedy, sampling, beam search or beam sampling,
@@ -140,6 +156,8 @@ def generate(
             loop carry (token buffer, per-row state, KV cache with ``K`` on ``model``) keeps its
             shardings step to step, and the outputs come back with their rows on ``data``. None
             uses the mesh set by ``jax.set_mesh`` if any (constraints only), else one device.
+            A multi-host mesh works the same way on every process. Leave it None inside
+            ``jax.shard_map`` (each block runs ``generate``; a mesh there raises).
         rules: logical-axis rules for ``mesh`` (static); None means
             ``genjax.sharding.DEFAULT_RULES``.
         assistant_model: a draft model with the target's vocabulary (static), for speculative
@@ -147,18 +165,28 @@ def generate(
             (schedule ``num_assistant_tokens_schedule``, stopping early below
             ``assistant_confidence_threshold``), the target checks them in one pass.
         assistant_params: the draft's parameters (traced); required with ``assistant_model``.
+        prompt_buckets: the prompt-length bucket policy (static; :mod:`genjax.buckets`): None
+            for powers of two from 16, an int ``n`` for multiples of ``n``, a sequence of bucket
+            lengths, or a ``genjax.buckets`` policy. With ``max_cache_len`` only its
+            granularity counts (the prefill chunk).
         **config_overrides: generation config fields overriding ``config`` for this call.
 
     Returns:
-        A :class:`GenerateOutput`; ``sequences`` is int32[B*R, P+N].
+        A :class:`GenerateOutput`; ``sequences`` is int32[B*R, P+N]. With ``max_cache_len = M``
+        (static): ``sequences`` is int32[B*R, M], the prompt, its ``N`` new tokens, then
+        ``pad_token_id``; ``scores``/``logits`` hold ``M - 1`` steps, 0 from step ``N`` on.
 
     Raises:
         InputError: malformed ``input_ids``, ``attention_mask`` or ``key``; ``stop_strings``
-            without a ``tokenizer``.
+            without a ``tokenizer``; ``P + N > max_cache_len``; a bad ``prompt_buckets``.
+        CacheMemoryError: an InputError: the KV caches would not fit in the devices' free
+            memory (the message gives both figures; see :mod:`genjax.memory`).
         TypeError: a stopping criterion that is not a hashable callable.
         GenerationConfigError: an invalid config.
-        UnsupportedError: a generation mode or option genjax does not support yet.
-        ShardingError: with a mesh, a batch or head count that does not divide over its axis.
+        UnsupportedError: a generation mode or option genjax does not support yet (also beam
+            search or assisted generation with ``max_cache_len``).
+        ShardingError: with a mesh, a batch or head count that does not divide over its axis;
+            ``mesh=`` inside ``shard_map``.
 
     Example:
         >>> cfg = GenerationConfig(max_new_tokens=8, do_sample=True, temperature=0.7)
@@ -170,6 +198,7 @@ def generate(
     resolved = config.with_defaults()
     _check_mode(resolved, assistant_model)
     validate_config(resolved, model.vocab_size)
+    check_cache_options(resolved.cache_implementation, resolved.cache_config)
     input_ids, attention_mask, key = _check_inputs(model, input_ids, attention_mask, key, resolved)
     layout = _layout(model, mesh, rules, input_ids.shape[0])
     if assisted.is_assisted(resolved, assistant_model):
@@ -177,6 +206,14 @@ def generate(
         _check_assisted_extras(streamer, layout)
     prompt_length = input_ids.shape[1]
     max_new_tokens = _num_new_tokens(config, resolved, prompt_length, model)
+    policy = buckets.resolve(prompt_buckets)
+    slots = cache_slots.plan(
+        resolved,
+        policy,
+        prompt_length,
+        max_new_tokens,
+        assisted.is_assisted(resolved, assistant_model),
+    )
     if resolved.min_new_tokens is not None:  # transformers: min_new_tokens overrides min_length
         resolved = resolved.replace(min_length=0)
     stopping_criteria = as_criteria(stopping_criteria)
@@ -190,17 +227,26 @@ def generate(
     pad_token_id, eos_token_ids = _special_ids(resolved)
     if attention_mask is None:
         attention_mask = _infer_attention_mask(input_ids, pad_token_id, eos_token_ids)
-    input_ids = jnp.asarray(input_ids, jnp.int32)
-    attention_mask = jnp.asarray(attention_mask, jnp.int32)
-    offset = 0
-    if not isinstance(input_ids, jax.core.Tracer):
-        offset = bucket_length(prompt_length) - prompt_length
+    input_ids, attention_mask = _as_int32(input_ids), _as_int32(attention_mask)
+    offset, bounds, cache_new = 0, None, max_new_tokens
+    if slots is not None:  # one program for every P + N <= max_cache_len: see cache_slots
+        input_ids, attention_mask, offset, prompt_end = slots.place(
+            input_ids, attention_mask, pad_token_id
+        )
+        bounds = jax.device_put(np.array([prompt_end, prompt_end + max_new_tokens], np.int32))
+        resolved = resolved.replace(max_new_tokens=None, max_length=None)  # traced in bounds
+        max_new_tokens, cache_new = slots.max_steps, 0
+    elif not isinstance(input_ids, jax.core.Tracer):
+        offset = policy.length(prompt_length) - prompt_length
         input_ids, attention_mask = _pad_left(input_ids, attention_mask, pad_token_id, offset)
+    check_fits(
+        _cache_requests(model, resolved, input_ids.shape, cache_new, assistant_model), layout
+    )
     if mesh is not None:  # concrete arrays only; inside a user's jit the constraints place them
         params = layout.place_params(params)
         input_ids, attention_mask = layout.place_rows(input_ids, attention_mask)
     with stream_to(streamer, prompt_ids) as stream_id:  # puts the prompt; None: no streamer
-        out = _generate_jit(
+        out = _run_program(
             model,
             params,
             input_ids,
@@ -217,14 +263,38 @@ def generate(
             stopping_criteria=stopping_criteria,
             assistant=assistant_model,
             assistant_params=assistant_params,
+            slots=slots,
+            bounds=bounds,
         )
         if stream_id is not None:
             out = jax.block_until_ready(out)  # every token has reached the streamer
-    if offset:
+    if offset and slots is None:
         out = out.replace(sequences=out.sequences[:, offset:])
     if streamer is not None:
         streamer.end()
     return out
+
+
+_AHEAD_OF_TIME: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "genjax_ahead_of_time", default=None
+)
+"""Set by :func:`genjax.warmup` to a list: ``generate`` then compiles instead of running."""
+
+
+def _run_program(*args, **kwargs) -> GenerateOutput:
+    """Runs :func:`_generate_jit`. Under :func:`genjax.warmup` it compiles the program ahead of
+    time instead (``lower(...).compile()``, which fills the jit's cache), appends ``(seconds,
+    compiled)`` to the warm-up's list and returns zeros shaped like the output."""
+    record = _AHEAD_OF_TIME.get()
+    if record is None:
+        return _generate_jit(*args, **kwargs)
+    start = time.perf_counter()
+    compiled = _generate_jit.lower(*args, **kwargs).compile()
+    record.append((time.perf_counter() - start, compiled))
+    # Device arrays, so that generate's own steps on the output (the bucket trim) run too.
+    return jax.tree.map(
+        lambda s: jax.device_put(np.zeros(s.shape, s.dtype), s.sharding), compiled.out_info
+    )
 
 
 @functools.partial(
@@ -237,6 +307,7 @@ def generate(
         "stopping_criteria",
         "layout",
         "assistant",
+        "slots",
     ),
 )
 def _generate_jit(
@@ -257,12 +328,17 @@ def _generate_jit(
     stopping_criteria=(),
     assistant=None,
     assistant_params=None,
+    slots: cache_slots.FixedSlots | None = None,
+    bounds=None,
 ) -> GenerateOutput:
     """The compiled body of ``generate``: prefill, repeat rows for ``num_return_sequences``,
     decode. ``offset`` (traced) counts the bucket padding slots at the start of each row;
     ``stop_strings`` is a :class:`~genjax.stopping.StopStringTable` or None; ``stream_id``
     (int32[], traced) names the registered streamer, or is None for no streaming; ``layout``
-    (static) shards inputs, loop carry and outputs, or is None."""
+    (static) shards inputs, loop carry and outputs, or is None. With ``max_cache_len``,
+    ``slots`` (static) is the buffer layout of :mod:`genjax.cache_slots`, ``bounds`` int32[2]
+    (traced) the prompt's end and the loop's end in it, and ``max_new_tokens`` the steps
+    recorded in ``scores``/``logits``."""
     if layout is not None:
         input_ids, attention_mask = layout.constrain((input_ids, attention_mask))
     if assisted.is_assisted(config, assistant):
@@ -308,13 +384,28 @@ def _generate_jit(
     def rows(x):  # row b -> rows b*R .. b*R+R-1, by a reshape: sharded rows stay in place
         return jnp.repeat(x, copies, axis=0)
 
-    logits, cache, cache_mask, tokens = _prefill(
-        model, params, input_ids, attention_mask, max_new_tokens, pad_token_id
-    )
+    length = jnp.asarray(prompt_length, jnp.int32)
+    if slots is None:
+        logits, cache, cache_mask, tokens = _prefill(
+            model,
+            params,
+            input_ids,
+            attention_mask,
+            max_new_tokens,
+            pad_token_id,
+            _quantized(config),
+        )
+    else:
+        cache = init_cache(model, batch, slots.buffer_length, _quantized(config))
+        keep_one = _accepts_logits_to_keep(model)
+        logits, cache, cache_mask = slots.prefill(
+            model, params, input_ids, attention_mask, bounds[0], cache, keep_one=keep_one
+        )
+        logits, tokens, length = logits[:, None], input_ids, bounds[0]
     recorded = (batch * copies, max_new_tokens, logits.shape[-1])
     state = DecodeState(
         tokens=rows(tokens),
-        length=jnp.asarray(prompt_length, jnp.int32),
+        length=length,
         positions=rows(jnp.sum(attention_mask, axis=-1)).astype(jnp.int32),
         cache=cache.repeat_rows(copies),
         attention_mask=rows(cache_mask),
@@ -324,6 +415,8 @@ def _generate_jit(
         raw_logits=jnp.zeros(recorded) if config.output_logits else None,
     )
     context = _prompt_context(state.tokens, state.length, state.attention_mask, offset)
+    if slots is not None:  # transformers' max_length = P + N, traced
+        context = context.replace(max_length=bounds[1] - offset)
     rules = DecodeRules(
         process=from_config(
             config, eos_token_ids, extra=logits_processor, allowed_tokens_fn=allowed_tokens_fn
@@ -334,9 +427,11 @@ def _generate_jit(
         stopping=stopping,
         on_token=None if stream_id is None else token_hook(stream_id),
         constrain=None if layout is None else layout.constrain,
+        end=None if slots is None else bounds[1],
     )
     state = decode(model.apply, params, state, rows(logits[:, -1]), rules)
-    out = GenerateOutput(sequences=state.tokens, scores=state.scores, logits=state.raw_logits)
+    sequences = state.tokens if slots is None else slots.sequences(state.tokens, offset)
+    out = GenerateOutput(sequences=sequences, scores=state.scores, logits=state.raw_logits)
     return out if layout is None else layout.constrain(out)
 
 
@@ -365,7 +460,7 @@ def _generate_beams(
     batch = input_ids.shape[0]
     num_beams = config.num_beams
     logits, cache, cache_mask, tokens = _prefill(
-        model, params, input_ids, attention_mask, max_new_tokens, pad_token_id
+        model, params, input_ids, attention_mask, max_new_tokens, pad_token_id, _quantized(config)
     )
     recorded = (batch * num_beams, max_new_tokens, logits.shape[-1])
     state = beam.init_state(
@@ -446,13 +541,20 @@ def _generate_assisted(
         max_position=min(limits) if limits else None,
     )
     sizes = assisted.cache_lengths(prompt_length, max_new_tokens, batch, rules.num_candidates)
+    quantized = _quantized(config)
     logits, cache, cache_mask, _ = _prefill(
-        model, params, input_ids, attention_mask, sizes[0] - prompt_length, pad_token_id
+        model, params, input_ids, attention_mask, sizes[0] - prompt_length, pad_token_id, quantized
     )
     draft_cache = draft_mask = None
     if assistant is not None:
         _, draft_cache, draft_mask, _ = _prefill(
-            assistant, assistant_params, input_ids, attention_mask, sizes[1] - prompt_length, 0
+            assistant,
+            assistant_params,
+            input_ids,
+            attention_mask,
+            sizes[1] - prompt_length,
+            0,
+            quantized,
         )
     state = assisted.init_state(
         input_ids,
@@ -497,6 +599,14 @@ def _layout(model, mesh, rules, batch: int) -> Layout | None:
     """The sharding layout of a call: from ``mesh``, else from the mesh set by
     ``jax.set_mesh``, else None (one device); checked against the model and batch."""
     if mesh is not None:
+        manual = tuple(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
+        if manual:
+            raise ShardingError(
+                f"generate() got mesh= inside shard_map (or pmap), whose mesh axes {manual} are "
+                f"manual: there every array is already one device's block. Drop mesh= inside "
+                f"shard_map: generate then runs on each block, and constrains any axes left "
+                f"automatic (not in shard_map's axis_names=) by the mesh in effect."
+            )
         return layout_for(model, mesh, rules, batch)
     layout = context_layout(model, rules, batch)
     if layout is None and rules is not None:
@@ -537,8 +647,11 @@ def _start_stopping(config, eos_token_ids, criteria, stop_strings, offset, input
     return stopping, input_ids
 
 
-def _prefill(model, params, input_ids, attention_mask, max_new_tokens: int, pad_token_id):
-    """Runs the prompt through the model into a cache sized for all ``S = P + N`` slots.
+def _prefill(
+    model, params, input_ids, attention_mask, max_new_tokens: int, pad_token_id, quantized=False
+):
+    """Runs the prompt through the model into a cache sized for all ``S = P + N`` slots
+    (int8 codes when ``quantized``, static: see :mod:`genjax.quantized_cache`).
 
     Returns:
         ``(logits float32[B, 1 or P, V], cache, cache_mask int32[B, S], tokens int32[B, S])``
@@ -551,7 +664,7 @@ def _prefill(model, params, input_ids, attention_mask, max_new_tokens: int, pad_
     positions = jnp.maximum(jnp.cumsum(attention_mask, axis=-1) - 1, 0)
     new_slots = jnp.ones((batch, max_new_tokens), jnp.int32)
     cache_mask = jnp.concatenate([attention_mask, new_slots], axis=1)
-    cache = model.init_cache(batch, prompt_length + max_new_tokens)
+    cache = init_cache(model, batch, prompt_length + max_new_tokens, quantized)
     if _accepts_logits_to_keep(model):  # the last position's logits only: [B, 1, V]
         logits, cache = model.apply(
             params, input_ids, positions, cache, cache_mask, logits_to_keep=1
@@ -560,6 +673,31 @@ def _prefill(model, params, input_ids, attention_mask, max_new_tokens: int, pad_
         logits, cache = model.apply(params, input_ids, positions, cache, cache_mask)
     tokens = jnp.concatenate([input_ids, new_slots * pad_token_id], axis=1)
     return logits, cache, cache_mask, tokens
+
+
+def _cache_requests(model, config, shape, max_new_tokens: int, assistant) -> list[CacheRequest]:
+    """The KV caches a call allocates, as :func:`_prefill` sizes them (``shape`` is the padded
+    ``[B, P]`` of the prompt), for the memory check before anything is allocated."""
+    batch, prompt_length = shape
+    quantized = _quantized(config)
+    if assisted.is_assisted(config, assistant):
+        width = (
+            config.num_assistant_tokens
+            if assistant is not None
+            else config.prompt_lookup_num_tokens
+        )
+        sizes = assisted.cache_lengths(prompt_length, max_new_tokens, batch, int(width))
+        requests = [CacheRequest(model, batch, sizes[0], quantized)]
+        if assistant is not None:
+            requests.append(CacheRequest(assistant, batch, sizes[1], quantized))
+        return requests
+    copies = config.num_beams if config.num_beams > 1 else config.num_return_sequences
+    return [CacheRequest(model, batch * copies, prompt_length + max_new_tokens, quantized)]
+
+
+def _quantized(config: GenerationConfig) -> bool:
+    """Whether the call's KV caches hold int8 codes (``cache_implementation="quantized"``)."""
+    return config.cache_implementation == "quantized"
 
 
 def _accepts_logits_to_keep(model) -> bool:
@@ -596,17 +734,39 @@ def _special_ids(config: GenerationConfig) -> tuple[Array, Array | None]:
 
 
 def _infer_attention_mask(input_ids: Array, pad_token_id: Array, eos_token_ids: Array | None):
-    """transformers' default mask: ``ids != pad`` if pad occurs in the input and is not EOS."""
+    """transformers' default mask: ``ids != pad`` if pad occurs in the input and is not EOS.
+    Computed with numpy when everything is concrete (a new shape compiles nothing)."""
+    if not any(isinstance(x, jax.core.Tracer) for x in (input_ids, pad_token_id, eos_token_ids)):
+        ids, pad = np.asarray(input_ids), np.asarray(pad_token_id)
+        has_pad = (ids == pad).any()
+        if eos_token_ids is not None:
+            has_pad &= not (np.asarray(eos_token_ids) == pad).any()
+        return np.where(has_pad, ids != pad, True).astype(np.int32)
     has_pad = jnp.any(input_ids == pad_token_id)
     if eos_token_ids is not None:
         has_pad = has_pad & ~jnp.any(eos_token_ids == pad_token_id)
     return jnp.where(has_pad, input_ids != pad_token_id, True).astype(jnp.int32)
 
 
+def _as_int32(x) -> Array:
+    """``x`` as an int32 jax array. Host arrays are converted by numpy and transferred with
+    ``device_put``, which compiles nothing (``jnp.asarray`` compiles a program per new shape)."""
+    if isinstance(x, (jax.Array, jax.core.Tracer)):
+        return jnp.asarray(x, jnp.int32)
+    return jax.device_put(np.asarray(x, np.int32))
+
+
 def _pad_left(input_ids: Array, attention_mask: Array, pad_token_id: Array, extra: int):
-    """Left-pads int32[B, P] ids and mask with ``extra`` masked slots."""
+    """Left-pads int32[B, P] ids and mask with ``extra`` masked slots (with numpy when all are
+    concrete, so a new prompt shape compiles nothing)."""
     if not extra:
         return input_ids, attention_mask
+    if not any(isinstance(x, jax.core.Tracer) for x in (input_ids, attention_mask, pad_token_id)):
+        widths = ((0, 0), (extra, 0))
+        pad = int(np.asarray(pad_token_id))
+        ids = np.pad(np.asarray(input_ids, np.int32), widths, constant_values=pad)
+        mask = np.pad(np.asarray(attention_mask, np.int32), widths)
+        return jax.device_put(ids), jax.device_put(mask)
     batch = input_ids.shape[0]
     ids = jnp.concatenate([jnp.full((batch, extra), pad_token_id, jnp.int32), input_ids], 1)
     mask = jnp.concatenate([jnp.zeros((batch, extra), jnp.int32), attention_mask], 1)
@@ -662,7 +822,7 @@ def _check_inputs(model, input_ids, attention_mask, key, config):
             f"{tuple(input_ids.shape)}."
         )
     if not isinstance(input_ids, jax.core.Tracer):
-        values = np.asarray(input_ids)
+        values = _local_values(input_ids)
         low, high = int(values.min()), int(values.max())
         if low < 0 or high >= model.vocab_size:
             raise InputError(
@@ -694,6 +854,14 @@ def _check_inputs(model, input_ids, attention_mask, key, config):
     if key is not None and key.shape != ():
         raise InputError(f"`key` must be a single key of shape (); got shape {key.shape}.")
     return input_ids, attention_mask, key
+
+
+def _local_values(x) -> np.ndarray:
+    """The values of ``x`` this process holds, flattened: all of them, except for a global
+    array of a multi-host mesh, where only the process' own shards can be read."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return np.concatenate([np.ravel(s.data) for s in x.addressable_shards])
+    return np.asarray(x)
 
 
 def _num_new_tokens(config, resolved, prompt_length: int, model) -> int:

@@ -24,16 +24,40 @@ of the loop carry (token buffer, positions, mask, finished flags, recorded score
 and hypotheses) has its rows on ``batch``; the KV cache ``[L, B, S, K, H]`` has ``B`` on
 ``batch`` and ``K`` on ``kv_heads``; scalars (the slot counter, the PRNG key) are replicated.
 
-Three ways to run sharded, all giving the single-device tokens:
+Five ways to run sharded, all giving the single-device tokens:
 
 1. ``genjax.generate(model, params, ids, config, mesh=mesh)``: params not yet on ``mesh`` are
    placed with :func:`shard_params`, ``input_ids``/``attention_mask`` with their rows on
    ``data``; the compiled program constrains its inputs, the while-loop carry after every step,
    and its outputs (which come back with their rows on ``data``).
-2. Your own ``jax.jit`` under ``with jax.set_mesh(mesh):``: ``generate`` reads the mesh in
-   effect and constrains the loop carry the same way; your ``in_shardings`` (or the shardings of
-   the arrays you pass) place params and inputs.
-3. :func:`pmap_generate`: ``jax.pmap`` data parallelism for users of the older API.
+2. Your own ``jax.jit`` (``pjit`` is ``jax.jit`` with ``in_shardings``/``out_shardings``)
+   under ``with jax.set_mesh(mesh):``: ``generate`` reads the mesh in effect and constrains the
+   loop carry the same way; your ``in_shardings`` (or the shardings of the arrays you pass)
+   place params and inputs, e.g. ``in_shardings=(param_shardings(params, mesh),
+   batch_sharding(mesh), batch_sharding(mesh))`` for ``(params, ids, mask)``.
+3. Inside your own ``jax.shard_map``: call ``generate`` on each block with no ``mesh=``, e.g.
+   ``jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P(), P("data"), P("data")),
+   out_specs=P("data")))`` with ``f(params, ids, mask)`` returning
+   ``generate(model, params, ids, config, attention_mask=mask).sequences``. Each device then
+   runs the whole generate on its rows with the params it is given (here replicated). Axes the
+   map makes manual are left alone; axes it leaves automatic (``axis_names={"data"}`` on a
+   ``(data, model)`` mesh) are constrained by the rules as in 2, so ``model`` can still split
+   the KV cache. Inside the map the ids are tracers, so prompts are not padded to a bucket
+   (each prompt length compiles its program) and the key is the same on every block, so blocks
+   holding the same prompts sample the same tokens: fold the block index in
+   (``jax.random.fold_in(key, jax.lax.axis_index("data"))``) for independent draws (block ``i``
+   then draws what a single-device call on its rows with ``fold_in(key, i)`` draws). Passing
+   ``mesh=`` inside the map raises :class:`~genjax.errors.ShardingError`.
+   (``tests/test_shard_map.py``.)
+4. :func:`pmap_generate`: ``jax.pmap`` data parallelism for users of the older API.
+5. Multi-host (``jax.distributed``): every process runs the same script, builds the same global
+   mesh over ``jax.devices()`` (all processes' devices) and calls ``generate(..., mesh=mesh)``
+   with the same checkpoint, prompts, config and key. Params and prompts may be host arrays
+   (each process places its own devices' blocks) or global arrays made with
+   ``jax.make_array_from_callback``; outputs are global arrays whose rows each process holds in
+   part: gather them with ``jax.experimental.multihost_utils.process_allgather``. Only the
+   process' own shards of ``input_ids`` are checked against the vocabulary.
+   (``examples/multihost.py``, ``tests/test_multihost.py``: two CPU processes with gloo.)
 
 Uneven sizes: a batch that does not divide over ``data``, or query heads that do not divide over
 ``model``, raise :class:`~genjax.errors.ShardingError` naming the sizes and the fix. Key/value
@@ -46,7 +70,7 @@ Known limits: GPT-2's fused ``c_attn`` ``[D, 3D]`` is split on its ``3D`` output
 not align with heads, so XLA moves the q/k/v activations (never the weight) between devices once
 per layer. XLA does not split ``lax.top_k`` over rows, so beam search's choice of continuations
 and the ``top_k``/``top_p`` processors' partial sort gather their ``[rows, V]`` (beam search:
-``[B, M*V]``) scores over ``data`` once per step. Multi-host meshes are not covered yet.
+``[B, M*V]``) scores over ``data`` once per step.
 
 Static or traced: the mesh, the rules and the :class:`Layout` are static (part of the compiled
 program's shardings: a new mesh compiles a new program); the arrays are traced.
@@ -76,6 +100,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from genjax.cache import KVCache
 from genjax.errors import ShardingError
+from genjax.quantized_cache import QuantizedKVCache
 from genjax.typing import Array, PyTree
 
 Rules = tuple[tuple[str, str | None], ...]
@@ -157,6 +182,12 @@ def _param_name(path) -> str:
 
 
 def _axes_of(name: str, ndim: int) -> tuple[str | None, ...]:
+    # int8 params (genjax.quantize): a kernel's float32[out] scales shard like its output axis,
+    # an embedding table's float32[V] row scales like its rows.
+    if name.endswith("/kernel_scale"):
+        return _axes_of(name[: -len("_scale")], 2)[1:]
+    if name.endswith("/embedding_scale"):
+        return _axes_of(name[: -len("_scale")], 2)[:1]
     for pattern, names in _PARAM_AXES:
         if re.search(pattern, name):
             return names
@@ -295,7 +326,8 @@ class Layout:
 
         Every array leaf of rank >= 1 has its leading axis on ``batch`` and its other axes
         replicated; scalars (counters, the PRNG key) are replicated; a :class:`KVCache` follows
-        :data:`CACHE_AXES`. Works inside ``jax.jit`` (``with_sharding_constraint``).
+        :data:`CACHE_AXES` (a :class:`~genjax.quantized_cache.QuantizedKVCache` too, its scales
+        ``[L, B, S, K]`` likewise). Works inside ``jax.jit`` (``with_sharding_constraint``).
 
         Args:
             tree: e.g. a :class:`~genjax.decoding.sampling.DecodeState`, a
@@ -304,16 +336,25 @@ class Layout:
         rows, replicated = self.sharding("batch"), self.sharding()
 
         def one(x):
-            if isinstance(x, KVCache):
+            if isinstance(x, (KVCache, QuantizedKVCache)):
                 cache = self.sharding(*CACHE_AXES)
-                return x.replace(
+                x = x.replace(
                     keys=jax.lax.with_sharding_constraint(x.keys, cache),
                     values=jax.lax.with_sharding_constraint(x.values, cache),
                     index=jax.lax.with_sharding_constraint(x.index, replicated),
                 )
+                if isinstance(x, QuantizedKVCache):  # scales [L, B, S, K]: as keys, less H
+                    scales = self.sharding(*CACHE_AXES[:-1])
+                    x = x.replace(
+                        key_scales=jax.lax.with_sharding_constraint(x.key_scales, scales),
+                        value_scales=jax.lax.with_sharding_constraint(x.value_scales, scales),
+                    )
+                return x
             return jax.lax.with_sharding_constraint(x, rows if np.ndim(x) else replicated)
 
-        return jax.tree_util.tree_map(one, tree, is_leaf=lambda x: isinstance(x, KVCache))
+        return jax.tree_util.tree_map(
+            one, tree, is_leaf=lambda x: isinstance(x, (KVCache, QuantizedKVCache))
+        )
 
     def place_params(self, params: PyTree) -> PyTree:
         """Returns ``params`` unchanged when every leaf already lives on this mesh (any split),

@@ -19,7 +19,8 @@ Finished rows receive ``pad_token_id`` from then on when EOS ids are set; as in 
 without EOS ids a row finished by another rule keeps receiving real tokens until the loop ends.
 
 Static or traced:
-    Static: the buffer length ``S`` (so the number of new tokens), the processors in the chain,
+    Static: the buffer length ``S`` (so the most new tokens; ``DecodeRules.end`` can stop the
+    loop earlier, traced), the processors in the chain,
     whether tokens are sampled, which outputs are recorded, which stopping rules are present
     (custom criteria, stop-string table shapes, the ``max_time`` clock), the ``on_token`` hook
     (streaming; see :mod:`genjax.streaming`).
@@ -80,6 +81,9 @@ class DecodeRules:
     constrain: Callable[[DecodeState], DecodeState] | None = struct.field(
         pytree_node=False, default=None
     )
+    # int32[] (traced): the loop stops once `length` reaches it, so the number of new tokens
+    # can change without compiling (genjax.cache_slots); None: at the end of the buffer.
+    end: Array | None = None
 
     @property
     def eos_token_ids(self) -> Array | None:
@@ -177,6 +181,9 @@ def decode(
         )
         state = state.replace(cache=cache, positions=state.positions + 1)
         return constrain(choose_next(state, logits[:, -1], rules))
+
+    if rules.end is not None:
+        max_length = jnp.minimum(rules.end, max_length)
 
     def cond(state: DecodeState) -> Array:
         return should_continue(state.length, max_length, state.finished)

@@ -116,16 +116,85 @@ class Embed(nn.Module):
 
     def __call__(self, ids: Array) -> Array:
         """Returns dtype[..., D] rows for int ids[...]."""
-        return jnp.take(self.embedding, ids, axis=0, mode="clip").astype(self.dtype)
+        rows = jnp.take(self.embedding, ids, axis=0, mode="clip").astype(self.dtype)
+        if self.has_variable("params", "embedding_scale"):  # int8 table, float32[num] row scales
+            scale = jnp.take(self.get_variable("params", "embedding_scale"), ids, mode="clip")
+            rows = (rows.astype(jnp.float32) * scale[..., None]).astype(self.dtype)
+        return rows
 
     def attend(self, x: Array) -> Array:
         """Returns ``x @ embedding.T`` (tied output head), dtype[..., num]."""
+        if self.has_variable("params", "embedding_scale"):  # row scales = output channels
+            x, table = _keep_in_loop(x, self.embedding)
+            logits = jnp.einsum(
+                "...d,vd->...v", x, table.astype(self.dtype), preferred_element_type=jnp.float32
+            )
+            scale = self.get_variable("params", "embedding_scale")
+            return (logits * scale).astype(self.dtype)
         return jnp.einsum("...d,vd->...v", x, self.embedding.astype(self.dtype))
 
 
-def dense(features: int, use_bias: bool, dtype: jnp.dtype, name: str) -> nn.Dense:
-    """An ``nn.Dense`` with kernel dtype[in, out] (HF Linear weights transposed once at load)."""
-    return nn.Dense(features, use_bias=use_bias, dtype=dtype, param_dtype=dtype, name=name)
+def dense(features: int, use_bias: bool, dtype: jnp.dtype, name: str) -> Dense:
+    """A :class:`Dense` with kernel dtype[in, out] (HF Linear weights transposed once at load).
+
+    Below float32 (bfloat16, float16) the product accumulates in float32 and is rounded to
+    ``dtype`` once, after the sum: on a mesh, the partial sums of a row-parallel layer (split
+    on its input features) are then added in float32 too, so tensor-parallel and one-device runs
+    round the same sums (a bfloat16 all-reduce rounds each partial sum and moves logits by a
+    bfloat16 step, enough to flip near-tied greedy tokens).
+    """
+    narrow = jnp.finfo(dtype).bits < 32
+    dot = _dot_accumulating_in_float32 if narrow else None
+    return Dense(
+        features, use_bias=use_bias, dtype=dtype, param_dtype=dtype, name=name, dot_general=dot
+    )
+
+
+class Dense(nn.Dense):
+    """``nn.Dense`` that also runs weight-only int8 params (see :mod:`genjax.quantize`).
+
+    With float params (``kernel`` dtype[in, out], ``bias`` [out]) it is ``nn.Dense`` exactly.
+    When the params also hold ``kernel_scale`` float32[out], ``kernel`` is int8[in, out] and the
+    layer computes ``(x @ kernel) * kernel_scale + bias``, accumulating in float32 and rounding to
+    ``dtype`` once: activations stay float, and the kernel is converted to ``dtype`` (exactly:
+    int8 values fit every float dtype) where it is used. Which path runs is decided by the
+    params' structure (static), never by their values.
+    """
+
+    @nn.compact
+    def __call__(self, inputs: Array) -> Array:
+        if not self.has_variable("params", "kernel_scale"):
+            return super().__call__(inputs)
+        kernel = self.get_variable("params", "kernel")  # int8[in, out]
+        x, kernel = _keep_in_loop(inputs.astype(self.dtype), kernel)
+        y = jax.lax.dot_general(
+            x,
+            kernel.astype(self.dtype),
+            (((x.ndim - 1,), (0,)), ((), ())),
+            preferred_element_type=jnp.float32,
+        )
+        y = y * self.get_variable("params", "kernel_scale")  # float32[out]
+        if self.use_bias:
+            y = y + self.get_variable("params", "bias").astype(jnp.float32)
+        return y.astype(self.dtype)
+
+
+def _keep_in_loop(x: Array, weight: Array) -> tuple[Array, Array]:
+    """Ties an int8 ``weight`` to the activations ``x`` so that its conversion stays at its use.
+
+    Weights are loop-invariant in the decode ``while_loop``: without this, XLA hoists the
+    int8-to-float conversion out of the loop and holds a float copy of every quantized matrix for
+    the whole call (more memory than the float model, and none of the int8 reads). The barrier
+    makes the converted weight depend on each step's activations.
+    """
+    return jax.lax.optimization_barrier((x, weight))
+
+
+def _dot_accumulating_in_float32(lhs, rhs, dimension_numbers, precision=None, **kwargs):
+    """``lax.dot_general`` with a float32 result, rounded to the inputs' dtype."""
+    kwargs["preferred_element_type"] = jnp.float32
+    out = jax.lax.dot_general(lhs, rhs, dimension_numbers, precision, **kwargs)
+    return out.astype(jnp.result_type(lhs, rhs))
 
 
 def attention(

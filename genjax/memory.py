@@ -1,0 +1,161 @@
+"""KV-cache memory: the bytes a call's caches take on each device, checked before allocating.
+
+``generate`` preallocates its KV caches at their final size, so their size is known before
+anything runs: layers x rows x slots x key/value heads x head dimension x bytes per number (int8
+codes plus one scale per head vector for ``cache_implementation="quantized"``), divided over the
+mesh (rows over ``data``, key/value heads over ``model`` when they divide). :func:`check_fits`
+compares it with the free memory of the call's devices and raises :class:`CacheMemoryError`
+giving both figures, instead of an allocator failure deep inside XLA.
+
+Free memory: ``device.memory_stats()`` where the backend reports it (GPU, TPU: ``bytes_limit -
+bytes_in_use``); on the CPU backend, which reports nothing, the host's available memory
+(``MemAvailable`` of ``/proc/meminfo``, else ``os.sysconf``) shared by the call's devices. Only
+the caches are counted: weights and activations need memory too, so a call that passes the check
+can still run out.
+
+Static or traced: everything here is static (shapes, dtypes, the mesh); nothing is traced, so
+the check runs the same way inside a user's ``jax.jit``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+from collections.abc import Sequence
+
+import jax
+from jax.sharding import Mesh
+
+from genjax.errors import CacheMemoryError
+from genjax.quantized_cache import init_cache
+
+GiB = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheRequest:
+    """One KV cache a call allocates; static.
+
+    Attributes:
+        model: the model whose ``init_cache`` builds it.
+        rows: ``B`` (after beams or return sequences).
+        length: ``S``, its slots.
+        quantized: int8 codes and scales instead of floats.
+    """
+
+    model: object
+    rows: int
+    length: int
+    quantized: bool = False
+
+
+def cache_bytes(request: CacheRequest, layout=None) -> int:
+    """The bytes one cache takes on each device.
+
+    Args:
+        request: the cache.
+        layout: the call's :class:`~genjax.sharding.Layout` (static), or None for one device.
+            Arrays of rank >= 4 (``[L, B, S, K, ...]``: keys, values, scales) split ``B`` over
+            its ``batch`` axis and ``K`` over its ``kv_heads`` axis (rounded up).
+
+    Example:
+        >>> # float32, L=2, K=2, H=8: 2 (keys, values) x 2 x 1 x 16 x 2 x 8 x 4 bytes, + 4 (index)
+        >>> cache_bytes(CacheRequest(model, rows=1, length=16))  # doctest: +SKIP
+        4100
+    """
+    data = 1 if layout is None else layout.ways("batch")
+    heads = 1 if layout is None else layout.ways("kv_heads")
+    total = 0
+    for shape, itemsize in _leaf_shapes(request):
+        shape = list(shape)
+        if len(shape) >= 4:
+            shape[1] = -(-shape[1] // data)
+            shape[3] = -(-shape[3] // heads)
+        total += math.prod(shape) * itemsize
+    return total
+
+
+@functools.lru_cache(maxsize=64)
+def _leaf_shapes(request: CacheRequest) -> tuple[tuple[tuple[int, ...], int], ...]:
+    """(shape, bytes per element) of each array of the cache; nothing is allocated."""
+    cache = jax.eval_shape(
+        lambda: init_cache(request.model, request.rows, request.length, request.quantized)
+    )
+    return tuple((leaf.shape, leaf.dtype.itemsize) for leaf in jax.tree.leaves(cache))
+
+
+def free_bytes(devices: Sequence[jax.Device]) -> tuple[int, str]:
+    """The memory one of ``devices`` has free, and where the figure comes from.
+
+    The smallest ``bytes_limit - bytes_in_use`` over the devices of this process that report
+    memory statistics; else (CPU) the host's available memory divided by the number of them.
+    """
+    local = [d for d in devices if d.process_index == jax.process_index()] or jax.local_devices()
+    stats = [d.memory_stats() for d in local]
+    if all(s and "bytes_limit" in s for s in stats):
+        free = min(s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats)
+        return free, f"free on {local[0].device_kind} device memory (memory_stats)"
+    host = _host_available_bytes()
+    share = f", shared by {len(local)} devices" if len(local) > 1 else ""
+    return host // len(local), f"available in host memory ({local[0].platform} backend{share})"
+
+
+def _host_available_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def call_devices(layout=None) -> tuple[jax.Device, ...]:
+    """The devices a call runs on: its concrete mesh's, else the default device."""
+    if layout is not None and isinstance(layout.mesh, Mesh):
+        return tuple(layout.mesh.devices.flat)
+    return (jax.local_devices()[0],)
+
+
+def check_fits(requests: Sequence[CacheRequest], layout=None) -> int:
+    """Raises :class:`CacheMemoryError` when the caches would not fit on the call's devices.
+
+    Args:
+        requests: the caches the call allocates (all live at once).
+        layout: the call's :class:`~genjax.sharding.Layout`, or None for one device.
+
+    Returns:
+        The bytes the caches take per device.
+
+    Raises:
+        CacheMemoryError: giving the bytes needed per device, the bytes free, and the fixes.
+
+    Example:
+        >>> check_fits([CacheRequest(model, rows=4, length=1024)])  # doctest: +SKIP
+        524292
+    """
+    needed = sum(cache_bytes(r, layout) for r in requests)
+    devices = call_devices(layout)
+    free, source = free_bytes(devices)
+    if needed <= free:
+        return needed
+    parts = "; ".join(
+        f"{r.rows} rows x {r.length} slots ({'int8 + scales' if r.quantized else 'float'}): "
+        f"{cache_bytes(r, layout):,} bytes"
+        for r in requests
+    )
+    quantize = (
+        ""
+        if all(r.quantized for r in requests)
+        else "use cache_implementation='quantized' with cache_config={'nbits': 8}; "
+    )
+    raise CacheMemoryError(
+        f"the KV cache of this generate call needs {needed:,} bytes ({needed / GiB:.2f} GiB) per "
+        f"device ({parts}), but only {free:,} bytes ({free / GiB:.2f} GiB) are {source}. Lower "
+        f"max_new_tokens (or max_length), the batch size, num_beams or num_return_sequences; "
+        f"{quantize}or shard the rows and KV heads over more devices with "
+        f"mesh=genjax.sharding.make_mesh(...)."
+    )

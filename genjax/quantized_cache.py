@@ -1,0 +1,308 @@
+"""An int8 key/value cache: ``cache_implementation="quantized"`` with ``cache_config={"nbits": 8}``.
+
+Each key or value vector of one head (``H`` numbers: one layer, row, slot and key/value head) is
+stored as ``H`` int8 codes and one scale, symmetric absmax quantization::
+
+    scale = max_h |x_h| / 127          (in the cache's float dtype; 0 for an all-zero vector)
+    code  = clip(round(x / scale), -127, 127)  as int8
+    x~    = code * scale               (|x - x~| <= scale / 2 per number)
+
+So a slot costs ``K * (H + itemsize)`` bytes per layer for keys and as much for values, against
+``K * H * itemsize`` in the float cache: with ``H = 64``, 26.6% of a float32 cache and 51.6% of a
+bfloat16 one (``genjax.memory.cache_bytes`` gives the exact figure for a model).
+
+:class:`QuantizedKVCache` has :class:`~genjax.cache.KVCache`'s interface, so models and decoding
+loops use it unchanged: ``update_layer`` quantizes the ``T`` new slots as it writes them and
+returns the layer's whole block dequantized, in which the call's own ``T`` slots hold the exact
+new keys and values (the tokens of a call attend to themselves in full precision, as in
+transformers' ``QuantizedCache``). Beam reordering and row repetition move codes and scales
+together, so they are exact.
+
+Differences from transformers' ``QuantizedCache`` (KIVI-style, quanto/HQQ backends):
+    - one scale per head vector, symmetric, computed by genjax itself: no ``backend``, no
+      ``axis_key``/``axis_value``/``q_group_size`` (rejected by name);
+    - every slot is quantized when it is written: no full-precision window of the newest
+      tokens (transformers' ``residual_length``, default 128; genjax accepts only 0);
+    - 8 bits only (transformers' default is 4), so ``cache_config`` must say ``"nbits": 8``.
+
+Static or traced:
+    Static: the cache shape (layers, rows, slots, key/value heads, head dimension) and the float
+    dtype of the scales (= the dtype ``update_layer`` returns, the model's by default).
+    Traced: the codes, the scales and ``index``.
+
+References:
+    Liu et al. 2024, "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache" (the idea
+    of quantizing the KV cache behind transformers' ``QuantizedCache``); Dettmers et al. 2022,
+    "LLM.int8()" (symmetric absmax int8 quantization of vectors).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from genjax.cache import KVCache, gather_beams, repeat_rows
+from genjax.errors import GenerationConfigError, UnsupportedError
+from genjax.typing import Array
+
+NBITS = 8
+_LIMIT = 2 ** (NBITS - 1) - 1  # 127: codes are symmetric, -128 is never used
+
+# cache_implementation values whose cache genjax's preallocated float KVCache is: every cache is
+# static-sized here, and sliding windows are applied by the attention mask, not the cache.
+FLOAT_IMPLEMENTATIONS = (None, "static", "dynamic", "sliding_window", "hybrid", "hybrid_chunked")
+_NOT_YET = {
+    "offloaded": "offloading the cache to host memory",
+    "offloaded_static": "offloading the cache to host memory",
+    "offloaded_hybrid": "offloading the cache to host memory",
+    "offloaded_hybrid_chunked": "offloading the cache to host memory",
+    "paged": "a paged cache",
+}
+# transformers' QuantizedCache keyword -> why genjax rejects it (nbits and residual_length are
+# checked by value in ``check_cache_options``).
+_REJECTED_KEYS = {
+    "backend": "genjax quantizes with its own symmetric absmax int8 code (no quanto/HQQ/fp8 "
+    "backend)",
+    "axis_key": "genjax always gives each key vector of one head (H numbers) its own scale",
+    "axis_value": "genjax always gives each value vector of one head (H numbers) its own scale",
+    "q_group_size": "genjax's quantization group is always one head vector of H numbers",
+}
+
+
+def quantize(x: Array, scale_dtype: jnp.dtype) -> tuple[Array, Array]:
+    """Quantizes the last axis of ``x`` to int8 codes with one absmax scale per vector.
+
+    Args:
+        x: float[..., H].
+        scale_dtype: the dtype of the returned scales (static).
+
+    Returns:
+        ``(codes int8[..., H], scales scale_dtype[...])`` with ``codes * scales ~= x`` to within
+        ``scales / 2`` per number. An all-zero vector gets scale 0 and codes 0.
+
+    Example:
+        >>> codes, scales = quantize(jnp.array([[1.0, -0.5, 0.25]]), jnp.float32)
+        >>> codes
+        Array([[127, -64,  32]], dtype=int8)
+    """
+    x = x.astype(jnp.float32)
+    scales = (jnp.max(jnp.abs(x), axis=-1) / _LIMIT).astype(scale_dtype)  # [...]
+    # Divide by the stored (rounded) scale, so the error bound holds for what dequantize reads.
+    stored = scales.astype(jnp.float32)[..., None]
+    codes = jnp.round(x / jnp.where(stored > 0, stored, 1.0))
+    return jnp.clip(codes, -_LIMIT, _LIMIT).astype(jnp.int8), scales
+
+
+def dequantize(codes: Array, scales: Array, dtype: jnp.dtype) -> Array:
+    """Returns ``codes * scales`` (int8[..., H] times scales[...]) in ``dtype`` (static).
+
+    The product is taken in float32 (exact for bfloat16 and float16 scales) and rounded once
+    to ``dtype``.
+    """
+    return (codes.astype(jnp.float32) * scales.astype(jnp.float32)[..., None]).astype(dtype)
+
+
+@struct.dataclass
+class QuantizedKVCache:
+    """Keys and values of all layers as int8 codes with one scale per head vector.
+
+    The interface is :class:`~genjax.cache.KVCache`'s; see the module docstring for the code.
+
+    Example:
+        >>> cache = QuantizedKVCache.create(
+        ...     num_layers=2, batch=1, length=16, num_kv_heads=2, head_dim=4)
+        >>> cache.keys.dtype, cache.key_scales.shape
+        (dtype('int8'), (2, 1, 16, 2))
+    """
+
+    keys: Array  # int8[L, B, S, K, H]
+    values: Array  # int8[L, B, S, K, H]
+    key_scales: Array  # float[L, B, S, K]: max |key| / 127 per head vector (0 in unwritten slots)
+    value_scales: Array  # float[L, B, S, K]
+    index: Array  # int32[]: the first slot not yet written
+
+    @classmethod
+    def create(
+        cls,
+        num_layers: int,
+        batch: int,
+        length: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: jnp.dtype = jnp.float32,
+    ) -> QuantizedKVCache:
+        """Returns an empty cache of ``length`` slots, index 0; ``dtype`` is the float dtype
+        of the scales and of the blocks ``update_layer`` returns."""
+        shape = (num_layers, batch, length, num_kv_heads, head_dim)
+        return cls(
+            keys=jnp.zeros(shape, jnp.int8),
+            values=jnp.zeros(shape, jnp.int8),
+            key_scales=jnp.zeros(shape[:-1], dtype),
+            value_scales=jnp.zeros(shape[:-1], dtype),
+            index=jnp.zeros((), jnp.int32),
+        )
+
+    @classmethod
+    def like(cls, cache: KVCache) -> QuantizedKVCache:
+        """Returns an empty quantized cache with the shape and float dtype of ``cache`` (a
+        :class:`~genjax.cache.KVCache`, or its ``jax.eval_shape``: nothing is read)."""
+        num_layers, batch, length, num_kv_heads, head_dim = cache.keys.shape
+        return cls.create(num_layers, batch, length, num_kv_heads, head_dim, cache.keys.dtype)
+
+    @property
+    def length(self) -> int:
+        """The number of slots ``S`` (static)."""
+        return self.keys.shape[2]
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        """The float dtype of the scales and of the blocks ``update_layer`` returns (static)."""
+        return self.key_scales.dtype
+
+    def update_layer(
+        self, layer: int, new_keys: Array, new_values: Array
+    ) -> tuple[Array, Array, QuantizedKVCache]:
+        """Quantizes and writes ``T`` new slots of one layer at ``index``; does not advance it.
+
+        Args:
+            layer: the layer number (a Python int).
+            new_keys: float[B, T, K, H].
+            new_values: float[B, T, K, H].
+
+        Returns:
+            ``(keys, values, cache)``: the layer's full float[B, S, K, H] keys and values after
+            the write (dequantized, except the ``T`` new slots, which hold ``new_keys`` and
+            ``new_values`` exactly), and the cache holding the codes.
+        """
+        keys, key_scales, full_keys = self._write(layer, self.keys, self.key_scales, new_keys)
+        values, value_scales, full_values = self._write(
+            layer, self.values, self.value_scales, new_values
+        )
+        cache = self.replace(
+            keys=keys, values=values, key_scales=key_scales, value_scales=value_scales
+        )
+        return full_keys, full_values, cache
+
+    def _write(self, layer: int, codes: Array, scales: Array, new: Array):
+        """Writes ``new`` float[B, T, K, H] into one layer of ``codes``/``scales``; returns
+        them and the layer's dequantized float[B, S, K, H] block with ``new`` in its slots."""
+        new = new.astype(self.dtype)
+        new_codes, new_scales = quantize(new, self.dtype)  # int8[B, T, K, H], float[B, T, K]
+        codes = jax.lax.dynamic_update_slice(codes, new_codes[None], (layer, 0, self.index, 0, 0))
+        scales = jax.lax.dynamic_update_slice(scales, new_scales[None], (layer, 0, self.index, 0))
+        full = dequantize(codes[layer], scales[layer], self.dtype)  # [B, S, K, H]
+        full = jax.lax.dynamic_update_slice(full, new, (0, self.index, 0, 0))
+        return codes, scales, full
+
+    def advance(self, num_slots: int | Array) -> QuantizedKVCache:
+        """Returns the cache with ``index`` moved forward by ``num_slots``."""
+        return self.replace(index=self.index + jnp.asarray(num_slots, jnp.int32))
+
+    def _map_rows(self, fn) -> QuantizedKVCache:
+        return self.replace(
+            keys=fn(self.keys),
+            values=fn(self.values),
+            key_scales=fn(self.key_scales),
+            value_scales=fn(self.value_scales),
+        )
+
+    def gather_rows(self, rows: Array) -> QuantizedKVCache:
+        """Returns the cache with batch rows reordered or repeated by ``rows`` (int32[B'])."""
+        return self._map_rows(lambda x: x[:, rows])
+
+    def repeat_rows(self, count: int) -> QuantizedKVCache:
+        """Returns the cache with each row repeated ``count`` (static) times in place, as
+        :meth:`genjax.cache.KVCache.repeat_rows` does."""
+        return self._map_rows(lambda x: repeat_rows(x, count))
+
+    def gather_beams(self, beams: Array) -> QuantizedKVCache:
+        """Reorders the rows of each prompt (codes and scales together, so exactly), as
+        :meth:`genjax.cache.KVCache.gather_beams` does; ``beams`` is int32[B, M]."""
+        return self._map_rows(lambda x: gather_beams(x, beams))
+
+
+def check_cache_options(
+    cache_implementation: str | None, cache_config: Mapping[str, Any] | None
+) -> bool:
+    """Checks a config's cache settings in Python; returns True for the int8 cache.
+
+    Honoured: ``cache_implementation`` None, ``"static"``, ``"dynamic"``, ``"sliding_window"``,
+    ``"hybrid"`` and ``"hybrid_chunked"`` (genjax's preallocated float cache, which gives the
+    tokens each of them gives), and ``"quantized"`` with ``cache_config`` ``{"nbits": 8}``
+    (optionally ``"residual_length": 0``).
+
+    Raises:
+        UnsupportedError: an offloaded or paged cache; a quantized ``cache_config`` without
+            ``nbits``, with ``nbits`` other than 8, with ``residual_length`` other than 0, or
+            with ``backend``, ``axis_key``, ``axis_value`` or ``q_group_size``.
+        GenerationConfigError: ``cache_config`` without ``cache_implementation="quantized"``
+            (it would have no effect), or an unknown ``cache_config`` key.
+
+    Example:
+        >>> check_cache_options("quantized", {"nbits": 8})
+        True
+    """
+    if cache_implementation in _NOT_YET:
+        raise UnsupportedError(
+            f"cache_implementation={cache_implementation!r} ({_NOT_YET[cache_implementation]}) "
+            f"is not supported by genjax yet: the KV cache stays in device memory. Use "
+            f"'static' (the default), or 'quantized' with cache_config={{'nbits': 8}} to halve "
+            f"it or more."
+        )
+    if cache_implementation != "quantized":
+        if cache_config is not None:
+            raise GenerationConfigError(
+                f"GenerationConfig.cache_config={dict(cache_config)!r} is only read with "
+                f"cache_implementation='quantized', but cache_implementation="
+                f"{cache_implementation!r}. Set cache_implementation='quantized' or unset "
+                f"cache_config."
+            )
+        return False
+    _check_quantized_config(cache_config)
+    return True
+
+
+def _check_quantized_config(cache_config: Mapping[str, Any] | None) -> None:
+    options = dict(cache_config or {})
+    fix = "Use cache_config={'nbits': 8}."
+    if "nbits" not in options:
+        raise UnsupportedError(
+            f"cache_implementation='quantized' needs cache_config['nbits'] = 8; got cache_config="
+            f"{None if cache_config is None else options!r}. transformers' default is 4 bits, "
+            f"which genjax does not support yet (only 8). {fix}"
+        )
+    if options["nbits"] != NBITS:
+        raise UnsupportedError(
+            f"cache_config['nbits']={options['nbits']!r} is not supported by genjax yet: its "
+            f"quantized cache stores int8 codes (nbits 8 only). {fix}"
+        )
+    if options.get("residual_length", 0) != 0:
+        raise UnsupportedError(
+            f"cache_config['residual_length']={options['residual_length']!r} is not supported "
+            f"by genjax yet: every slot is quantized when written (residual_length 0), with no "
+            f"full-precision window of the newest tokens. Remove it or set it to 0."
+        )
+    for key, reason in _REJECTED_KEYS.items():
+        if key in options:
+            raise UnsupportedError(
+                f"cache_config[{key!r}]={options[key]!r} is not supported: {reason}. Remove "
+                f"{key!r}. {fix}"
+            )
+    unknown = sorted(set(options) - {"nbits", "residual_length"})
+    if unknown:
+        raise GenerationConfigError(
+            f"GenerationConfig.cache_config has unknown keys {unknown}; a quantized cache "
+            f"takes 'nbits' (8) and 'residual_length' (0). {fix}"
+        )
+
+
+def init_cache(model, batch: int, length: int, quantized: bool) -> KVCache | QuantizedKVCache:
+    """Returns ``model``'s empty cache of ``length`` slots for ``batch`` rows (all static),
+    as int8 codes when ``quantized`` (with the float cache's dtype for the scales)."""
+    if not quantized:
+        return model.init_cache(batch, length)
+    return QuantizedKVCache.like(jax.eval_shape(lambda: model.init_cache(batch, length)))

@@ -1,0 +1,232 @@
+"""Compiling ahead of time: :func:`warmup` and an opt-in persistent compilation cache.
+
+``genjax.generate`` compiles one program per static structure (model, batch size, prompt
+bucket, ``max_new_tokens`` or ``max_cache_len``, enabled processors, output flags...; see
+:mod:`genjax.generate`). A server knows these shapes before its first request: :func:`warmup`
+compiles them all up front (``jax.jit(...).lower(...).compile()``, which fills the same cache
+``generate`` looks in), so the first real call compiles nothing. :func:`enable_compile_cache`
+makes the compiled programs outlive the process: a second process with the same cache
+directory loads them from disk instead of compiling.
+
+Example:
+    >>> genjax.enable_compile_cache("/tmp/genjax-xla-cache")
+    >>> cfg = GenerationConfig(max_new_tokens=64, do_sample=True, top_p=0.9, max_cache_len=512)
+    >>> report = genjax.warmup(model, params, cfg, batch_sizes=(1, 8), prompt_lengths=(32, 256))
+    >>> sum(entry.seconds for entry in report)  # compile time paid now, not by a user
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax
+import numpy as np
+from jax.experimental.compilation_cache import compilation_cache
+
+from genjax import buckets
+from genjax.config import GenerationConfig
+from genjax.errors import InputError, UnsupportedError
+from genjax.typing import PyTree
+
+__all__ = ["WarmupEntry", "disable_compile_cache", "enable_compile_cache", "warmup"]
+
+# The module, not the function `genjax.generate` that shadows it as a package attribute.
+_generate = importlib.import_module("genjax.generate")
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmupEntry:
+    """One program :func:`warmup` prepared.
+
+    Attributes:
+        batch: the batch size ``B`` of the calls it serves.
+        prompt_length: the prompt length it was built for.
+        padded_length: the padded prompt slots (the bucket), or with ``max_cache_len`` the
+            token buffer's slots, which every prompt length shares.
+        seconds: the time spent tracing, lowering and compiling; near 0 when an earlier entry
+            (or an earlier call) already built the same program.
+        compiled: the ``jax.stages.Compiled`` program: ``as_text()``, ``memory_analysis()``,
+            ``cost_analysis()``.
+    """
+
+    batch: int
+    prompt_length: int
+    padded_length: int
+    seconds: float
+    compiled: jax.stages.Compiled
+
+
+def warmup(
+    model,
+    params: PyTree,
+    config: GenerationConfig | None = None,
+    batch_sizes: Sequence[int] = (1,),
+    prompt_lengths: Sequence[int] = (16,),
+    *,
+    key: jax.Array | None = None,
+    prompt_buckets=None,
+    **generate_kwargs,
+) -> list[WarmupEntry]:
+    """Compiles ahead of time the programs ``generate`` will run, so its first call compiles
+    nothing.
+
+    For each batch size and prompt length, it runs ``genjax.generate`` with the same config and
+    keyword arguments, except that the program is compiled (``lower(...).compile()``) and not
+    run. Prompt lengths in one bucket share a program, and with ``max_cache_len`` every prompt
+    length and ``max_new_tokens`` share one per batch size, so the later entries cost nearly
+    nothing. Pass the same config, ``prompt_buckets`` and keyword arguments (``mesh``,
+    ``logits_processor``...) that the real calls will use: anything static that differs
+    compiles a new program at the call.
+
+    Static or traced: the values of traced config fields (temperature, top_p, EOS ids...) and
+    of the key do not matter; their presence does (a config with ``temperature=1.0`` compiles
+    no temperature processor). The params' shapes, dtypes and shardings matter, not their
+    values.
+
+    Args:
+        model: the model (static).
+        params: its parameters (only their shapes, dtypes and shardings are used).
+        config: the generation config of the real calls; None means ``GenerationConfig()``.
+        batch_sizes: the batch sizes ``B`` to compile for (ints >= 1).
+        prompt_lengths: the prompt lengths ``P`` to compile for (ints >= 1), e.g. the bucket
+            lengths themselves.
+        key: a PRNG key like the calls' (any typed key works; one is made when sampling).
+        prompt_buckets: the bucket policy of the calls (see :mod:`genjax.buckets`).
+        **generate_kwargs: the other keyword arguments of the calls, including config
+            overrides such as ``max_new_tokens=`` or ``max_cache_len=``. ``attention_mask``,
+            ``input_ids`` and ``streamer`` are not accepted.
+
+    Returns:
+        One :class:`WarmupEntry` per (batch size, prompt length), in that order.
+
+    Raises:
+        InputError: a batch size or prompt length that is not an int >= 1, or arguments
+            ``generate`` rejects (e.g. ``P + N > max_cache_len``).
+        UnsupportedError: ``streamer=`` (a streamed call compiles its program the first time).
+
+    Example:
+        >>> report = genjax.warmup(model, params, cfg, batch_sizes=(1, 4), prompt_lengths=(20,))
+        >>> [(e.batch, e.padded_length, round(e.seconds, 1)) for e in report]
+        [(1, 32, 2.3), (4, 32, 2.4)]
+        >>> genjax.generate(model, params, ids, cfg, attention_mask=mask)  # compiles nothing
+    """
+    batch_sizes = _positive_ints("batch_sizes", batch_sizes)
+    prompt_lengths = _positive_ints("prompt_lengths", prompt_lengths)
+    for name in ("input_ids", "attention_mask", "streamer"):
+        if name in generate_kwargs:
+            raise (UnsupportedError if name == "streamer" else InputError)(
+                f"warmup() got {name}=, which it makes itself (or, for a streamer, cannot "
+                f"compile ahead of time: a streamed call compiles its program the first time). "
+                f"Drop {name}= from the warm-up."
+            )
+    config = _generate._effective_config(config, {})
+    fixed = generate_kwargs.get("max_cache_len", config.max_cache_len)
+    policy = buckets.resolve(prompt_buckets)
+    if key is None:
+        key = jax.random.key(0)
+    entries = []
+    for batch in batch_sizes:
+        for length in prompt_lengths:
+            kwargs = dict(generate_kwargs)
+            wanted = kwargs.get("max_new_tokens", config.max_new_tokens)
+            if fixed is not None and (wanted is None or length + wanted > fixed):
+                kwargs["max_new_tokens"] = max(fixed - length, 1)  # traced: any N that fits
+            record = []
+            token = _generate._AHEAD_OF_TIME.set(record)
+            try:
+                _generate.generate(
+                    model,
+                    params,
+                    np.zeros((batch, length), np.int32),
+                    config,
+                    attention_mask=np.ones((batch, length), np.int32),
+                    key=key,
+                    prompt_buckets=prompt_buckets,
+                    **kwargs,
+                )
+            finally:
+                _generate._AHEAD_OF_TIME.reset(token)
+            (seconds, compiled), *_ = record
+            if fixed is None:
+                padded = policy.length(length)
+            else:
+                padded = fixed + policy.granularity - 1
+            entries.append(WarmupEntry(batch, length, padded, seconds, compiled))
+    return entries
+
+
+def enable_compile_cache(
+    path: str | os.PathLike,
+    *,
+    min_compile_time_secs: float = 1.0,
+    min_entry_size_bytes: int = 0,
+) -> Path:
+    """Turns on JAX's persistent compilation cache in ``path``, for this whole process.
+
+    Compiled programs that took at least ``min_compile_time_secs`` to build are written to
+    ``path``; a later process (or this one, after its in-memory caches are gone) with the same
+    directory, the same JAX/jaxlib version, backend and flags loads them instead of compiling.
+    It wraps JAX's settings ``jax_compilation_cache_dir``,
+    ``jax_persistent_cache_min_compile_time_secs`` and
+    ``jax_persistent_cache_min_entry_size_bytes``, and resets JAX's cache state so that it
+    takes effect even after something was already compiled.
+
+    Programs with host callbacks (``streamer=``, ``max_time``) are not cached by JAX.
+
+    Args:
+        path: the cache directory (created if missing). It may be shared by several processes.
+        min_compile_time_secs: only programs whose compilation took at least this long are
+            written (JAX's default 1.0; 0 writes every program).
+        min_entry_size_bytes: only entries at least this large are written (0: all).
+
+    Returns:
+        The cache directory, as an absolute path.
+
+    Raises:
+        InputError: a negative threshold, or a path that exists and is not a directory.
+
+    Example:
+        >>> genjax.enable_compile_cache("~/.cache/genjax-xla")
+        PosixPath('/home/me/.cache/genjax-xla')
+    """
+    if min_compile_time_secs < 0 or min_entry_size_bytes < 0:
+        raise InputError(
+            f"enable_compile_cache thresholds must be >= 0; got min_compile_time_secs="
+            f"{min_compile_time_secs!r}, min_entry_size_bytes={min_entry_size_bytes!r}."
+        )
+    path = Path(path).expanduser().absolute()
+    if path.exists() and not path.is_dir():
+        raise InputError(
+            f"enable_compile_cache(path) needs a directory; {str(path)!r} is a file. Pass a "
+            f"directory path (it is created if missing)."
+        )
+    path.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_time_secs))
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", int(min_entry_size_bytes))
+    compilation_cache.reset_cache()  # JAX decides once per process whether the cache is on
+    return path
+
+
+def disable_compile_cache() -> None:
+    """Turns the persistent compilation cache off again (the files stay on disk)."""
+    jax.config.update("jax_compilation_cache_dir", None)
+    compilation_cache.reset_cache()
+
+
+def _positive_ints(name: str, values) -> tuple[int, ...]:
+    """``values`` as a tuple of ints >= 1, or an InputError naming the argument ``name``."""
+    if isinstance(values, int):
+        values = (values,)
+    values = tuple(values)
+    bad = [v for v in values if not isinstance(v, (int, np.integer)) or v < 1]
+    if not values or bad:
+        raise InputError(
+            f"warmup() needs {name} to be one or more ints >= 1; got {list(values)!r}. E.g. "
+            f"{name}=(1, 8)."
+        )
+    return tuple(int(v) for v in values)

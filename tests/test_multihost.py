@@ -1,0 +1,134 @@
+"""Two processes on localhost, one global 8-device mesh, the single-process tokens.
+
+Starts ``examples/multihost.py`` twice (process 0 and 1, 4 virtual CPU devices each, joined by
+``jax.distributed.initialize`` with gloo collectives) on a ``(1, 8)`` mesh: the ``model`` axis
+spans both processes, so every layer's row-parallel reductions (after ``o_proj`` and
+``down_proj``) go between the processes. Both processes must write the greedy tokens and scores
+that this single process computes from the same checkpoint and prompts. (Sampling with a fixed
+key is not repeated here: it would compile a second program in each process; one process'
+meshes give the single-device samples in ``tests/test_sharding.py``, and the two-process
+example run with ``--strategies greedy,sample`` gives them too.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import genjax
+from genjax.testing import write_random_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+import multihost  # noqa: E402
+
+TIMEOUT_S = 300  # per pair of processes; a normal run takes 8 to 35 s on 2 loaded cores
+ARGS = ["--mesh", "1,8", "--strategies", "greedy", "--output-scores"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _log(path: Path) -> str:
+    """A process' stderr without gloo's connection chatter, last 3000 characters."""
+    lines = path.read_text().splitlines() if path.exists() else []
+    return "\n".join(line for line in lines if not line.startswith("[Gloo]"))[-3000:]
+
+
+def _run_two_processes(checkpoint: Path, folder: Path) -> list[dict]:
+    """Runs the example as processes 0 and 1 and returns their JSON outputs.
+
+    Fails (with both processes' stderr) as soon as one exits with an error, killing the other,
+    which would otherwise wait for its peer in a collective; or after ``TIMEOUT_S``.
+    """
+    coordinator = f"localhost:{_free_port()}"
+    env = {**os.environ, "JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}  # compile at -O0: faster
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env.pop("XLA_FLAGS", None)  # the script sets its own device count
+    procs, logs = [], []
+    for rank in range(2):
+        logs.append(folder / f"stderr{rank}.txt")
+        command = [
+            sys.executable, str(ROOT / "examples" / "multihost.py"),
+            "--process-id", str(rank), "--num-processes", "2", "--coordinator", coordinator,
+            "--checkpoint", str(checkpoint), "--out", str(folder / f"out{rank}.json"), *ARGS,
+        ]  # fmt: skip
+        with open(logs[rank], "w") as err:
+            procs.append(subprocess.Popen(command, env=env, stdout=err, stderr=err))
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        while any(p.poll() is None for p in procs):
+            failed = [p for p in procs if p.poll() not in (None, 0)]
+            if failed or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    codes = [p.returncode for p in procs]
+    if codes != [0, 0]:
+        report = "\n".join(
+            f"--- process {rank} (exit code {code}) stderr:\n{_log(log)}"
+            for rank, (code, log) in enumerate(zip(codes, logs, strict=True))
+        )
+        raise AssertionError(
+            f"the two-process run on {coordinator} failed or passed {TIMEOUT_S} s (a negative "
+            f"exit code is the signal that killed it):\n{report}"
+        )
+    return [json.loads((folder / f"out{rank}.json").read_text()) for rank in range(2)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _fast_compiles():
+    """LLVM at -O0 (as in tests/test_sharding.py and in the two processes): faster compiles."""
+    previous = jax.config.values["jax_disable_most_optimizations"]
+    jax.config.update("jax_disable_most_optimizations", True)
+    yield
+    jax.config.update("jax_disable_most_optimizations", previous)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """8 query and 8 KV heads, so the (1, 8) mesh splits both, the cache included. (The same
+    shape as tests/test_shard_map.py's: the single-device reference compiles once for both.)"""
+    folder = tmp_path_factory.mktemp("multihost")
+    write_random_checkpoint(
+        folder, "llama", num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=8,
+        head_dim=4,
+    )  # fmt: skip
+    return folder
+
+
+def test_two_processes_get_the_single_process_tokens(checkpoint, tmp_path):
+    results = _run_two_processes(checkpoint, tmp_path)
+
+    args = multihost.parse_args(["--checkpoint", str(checkpoint), "--out", "-", *ARGS])
+    ids, mask = multihost.prompts(args)
+    model, params = genjax.models.from_pretrained(checkpoint)
+    config = genjax.GenerationConfig(
+        max_new_tokens=args.max_new_tokens, pad_token_id=args.pad_token_id, output_scores=True
+    )
+    expected = genjax.generate(model, params, ids, config, attention_mask=mask)
+    for rank, result in enumerate(results):
+        assert result["process_id"] == rank
+        assert (result["num_processes"], result["local_devices"]) == (2, 4)
+        assert result["mesh"] == {"data": 1, "model": 8}
+        assert result["mesh_processes"] == [[0, 0, 0, 0, 1, 1, 1, 1]]  # "model" spans both
+        np.testing.assert_array_equal(result["greedy"]["sequences"], expected.sequences)
+        np.testing.assert_allclose(
+            result["greedy"]["scores"], expected.scores, atol=1e-5, rtol=1e-5
+        )

@@ -28,6 +28,10 @@ every greedy or sampling call with ``P + N <= max_cache_len`` and the same batch
 program, and outputs have ``max_cache_len`` columns (see :mod:`genjax.cache_slots`).
 :func:`genjax.warmup` compiles programs ahead of time.
 
+Modules: this one holds the entry point and the compiled program's three decoding paths;
+:mod:`genjax._inputs` checks and prepares the arguments on the host, :mod:`genjax._call` holds
+what every path does first inside the program (special ids, stopping rules, prefill).
+
 Differences from transformers forced by static shapes: outputs always hold ``N`` steps
 (see :mod:`genjax.outputs`); ``use_cache=False`` gives the same tokens through the cache.
 """
@@ -35,8 +39,8 @@ Differences from transformers forced by static shapes: outputs always hold ``N``
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import functools
-import inspect
 import time
 from collections.abc import Callable, Sequence
 
@@ -45,6 +49,27 @@ import jax.numpy as jnp
 import numpy as np
 
 from genjax import buckets, cache_slots
+from genjax._call import (
+    accepts_logits_to_keep,
+    is_quantized,
+    prefill,
+    prompt_context,
+    special_ids,
+    start_stopping,
+)
+from genjax._inputs import (
+    as_int32,
+    cache_requests,
+    call_layout,
+    check_assisted_extras,
+    check_inputs,
+    check_mode,
+    effective_config,
+    infer_attention_mask,
+    num_new_tokens,
+    pad_left,
+    stop_string_table_for,
+)
 from genjax.config import GenerationConfig
 from genjax.decoding import assisted, beam
 from genjax.decoding.sampling import (
@@ -54,24 +79,16 @@ from genjax.decoding.sampling import (
     greedy_chooser,
     sampling_chooser,
 )
-from genjax.errors import InputError, ShardingError, UnsupportedError
-from genjax.memory import CacheRequest, check_fits
+from genjax.memory import check_fits
 from genjax.outputs import GenerateOutput
-from genjax.processors import LogitsContext, Processor, from_config, validate_config
+from genjax.processors import Processor, from_config, validate_config
 from genjax.quantized_cache import check_cache_options, init_cache
-from genjax.sharding import Layout, context_layout, layout_for
-from genjax.stopping import (
-    StopCriterion,
-    as_criteria,
-    start_timer,
-    stop_string_table,
-    stopping_rules,
-)
+from genjax.sharding import Layout
+from genjax.stopping import StopCriterion, StoppingRules, as_criteria
 from genjax.streaming import check_streamer, stream_to, token_hook
 from genjax.typing import Array, PyTree
 
 MIN_BUCKET = buckets.DEFAULT.size
-_SUPPORTED_MODES = ("greedy_search", "sample", "beam_search", "beam_sample", "assisted_generation")
 
 
 def bucket_length(prompt_length: int) -> int:
@@ -194,18 +211,18 @@ def generate(
         >>> out.sequences.shape
         (1, 13)
     """
-    config = _effective_config(config, config_overrides)
+    config = effective_config(config, config_overrides)
     resolved = config.with_defaults()
-    _check_mode(resolved, assistant_model)
+    check_mode(resolved, assistant_model)
     validate_config(resolved, model.vocab_size)
     check_cache_options(resolved.cache_implementation, resolved.cache_config)
-    input_ids, attention_mask, key = _check_inputs(model, input_ids, attention_mask, key, resolved)
-    layout = _layout(model, mesh, rules, input_ids.shape[0])
+    input_ids, attention_mask, key = check_inputs(model, input_ids, attention_mask, key, resolved)
+    layout = call_layout(model, mesh, rules, input_ids.shape[0])
     if assisted.is_assisted(resolved, assistant_model):
         assisted.check_call(resolved, model, assistant_model, assistant_params, len(input_ids))
-        _check_assisted_extras(streamer, layout)
+        check_assisted_extras(streamer, layout)
     prompt_length = input_ids.shape[1]
-    max_new_tokens = _num_new_tokens(config, resolved, prompt_length, model)
+    max_new_tokens = num_new_tokens(config, resolved, prompt_length, model)
     policy = buckets.resolve(prompt_buckets)
     slots = cache_slots.plan(
         resolved,
@@ -217,17 +234,17 @@ def generate(
     if resolved.min_new_tokens is not None:  # transformers: min_new_tokens overrides min_length
         resolved = resolved.replace(min_length=0)
     stopping_criteria = as_criteria(stopping_criteria)
-    stop_strings = _stop_string_table(resolved, tokenizer)
+    stop_strings = stop_string_table_for(resolved, tokenizer)
     if streamer is not None:
         traced = (params, input_ids, attention_mask, key)
         traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(traced))
         check_streamer(streamer, input_ids, resolved, traced)
     prompt_ids = input_ids  # as given, for the streamer
 
-    pad_token_id, eos_token_ids = _special_ids(resolved)
+    pad_token_id, eos_token_ids = special_ids(resolved)
     if attention_mask is None:
-        attention_mask = _infer_attention_mask(input_ids, pad_token_id, eos_token_ids)
-    input_ids, attention_mask = _as_int32(input_ids), _as_int32(attention_mask)
+        attention_mask = infer_attention_mask(input_ids, pad_token_id, eos_token_ids)
+    input_ids, attention_mask = as_int32(input_ids), as_int32(attention_mask)
     offset, bounds, cache_new = 0, None, max_new_tokens
     if slots is not None:  # one program for every P + N <= max_cache_len: see cache_slots
         input_ids, attention_mask, offset, prompt_end = slots.place(
@@ -238,10 +255,8 @@ def generate(
         max_new_tokens, cache_new = slots.max_steps, 0
     elif not isinstance(input_ids, jax.core.Tracer):
         offset = policy.length(prompt_length) - prompt_length
-        input_ids, attention_mask = _pad_left(input_ids, attention_mask, pad_token_id, offset)
-    check_fits(
-        _cache_requests(model, resolved, input_ids.shape, cache_new, assistant_model), layout
-    )
+        input_ids, attention_mask = pad_left(input_ids, attention_mask, pad_token_id, offset)
+    check_fits(cache_requests(model, resolved, input_ids.shape, cache_new, assistant_model), layout)
     if mesh is not None:  # concrete arrays only; inside a user's jit the constraints place them
         params = layout.place_params(params)
         input_ids, attention_mask = layout.place_rows(input_ids, attention_mask)
@@ -341,43 +356,85 @@ def _generate_jit(
     recorded in ``scores``/``logits``."""
     if layout is not None:
         input_ids, attention_mask = layout.constrain((input_ids, attention_mask))
-    if assisted.is_assisted(config, assistant):
-        return _generate_assisted(
-            model,
-            params,
-            input_ids,
-            attention_mask,
-            config,
-            key,
-            offset,
-            stop_strings,
-            assistant=assistant,
-            assistant_params=assistant_params,
-            max_new_tokens=max_new_tokens,
-            logits_processor=logits_processor,
-            allowed_tokens_fn=allowed_tokens_fn,
-            stopping_criteria=stopping_criteria,
-        )
-    if config.num_beams > 1:
-        return _generate_beams(
-            model,
-            params,
-            input_ids,
-            attention_mask,
-            config,
-            key,
-            offset,
-            stop_strings,
-            max_new_tokens=max_new_tokens,
-            logits_processor=logits_processor,
-            allowed_tokens_fn=allowed_tokens_fn,
-            stopping_criteria=stopping_criteria,
-            layout=layout,
-        )
-    pad_token_id, eos_token_ids = _special_ids(config)
-    stopping, input_ids = _start_stopping(
+    pad_token_id, eos_token_ids = special_ids(config)
+    stopping, input_ids = start_stopping(
         config, eos_token_ids, stopping_criteria, stop_strings, offset, input_ids
     )
+    call = _Call(
+        model=model,
+        params=params,
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        config=config,
+        key=key,
+        offset=offset,
+        pad_token_id=pad_token_id,
+        eos_token_ids=eos_token_ids,
+        stopping=stopping,
+        max_new_tokens=max_new_tokens,
+        logits_processor=logits_processor,
+        allowed_tokens_fn=allowed_tokens_fn,
+        layout=layout,
+    )
+    if assisted.is_assisted(config, assistant):
+        return _generate_assisted(call, assistant, assistant_params)
+    if config.num_beams > 1:
+        return _generate_beams(call)
+    return _generate_sampling(call, stream_id, slots, bounds)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """What the three decoding paths share, inside the trace: the (traced) inputs, the special
+    ids, the started stopping rules, and the static options."""
+
+    model: object
+    params: PyTree
+    input_ids: Array  # int32[B, P], bucket-padded
+    attention_mask: Array  # int32[B, P]
+    config: GenerationConfig  # resolved; its traced fields are tracers here
+    key: Array
+    offset: Array  # int32[]: bucket padding slots at the start of each row
+    pad_token_id: Array  # int32[]
+    eos_token_ids: Array | None  # int32[E]
+    stopping: StoppingRules  # clock started before the prefill
+    max_new_tokens: int  # N (static)
+    logits_processor: tuple  # the user's processors (static)
+    allowed_tokens_fn: Callable | None  # static
+    layout: Layout | None  # static
+
+    def processors(self) -> Processor:
+        """The processor chain of the config, in transformers' order."""
+        return from_config(
+            self.config,
+            self.eos_token_ids,
+            extra=self.logits_processor,
+            allowed_tokens_fn=self.allowed_tokens_fn,
+        )
+
+    def prefill(self, max_new_tokens: int | None = None):
+        """:func:`genjax._call.prefill` of the model into ``P + max_new_tokens`` slots (default
+        ``N``)."""
+        new = self.max_new_tokens if max_new_tokens is None else max_new_tokens
+        return prefill(
+            self.model,
+            self.params,
+            self.input_ids,
+            self.attention_mask,
+            new,
+            self.pad_token_id,
+            is_quantized(self.config),
+        )
+
+    def finish(self, out: GenerateOutput) -> GenerateOutput:
+        """The output, sharded as the layout says."""
+        return out if self.layout is None else self.layout.constrain(out)
+
+
+def _generate_sampling(call: _Call, stream_id, slots, bounds) -> GenerateOutput:
+    """Greedy decoding and sampling: prefill once, repeat rows for ``num_return_sequences``,
+    run :func:`genjax.decoding.sampling.decode`."""
+    config, input_ids, attention_mask = call.config, call.input_ids, call.attention_mask
     batch, prompt_length = input_ids.shape
     copies = config.num_return_sequences
 
@@ -386,23 +443,15 @@ def _generate_jit(
 
     length = jnp.asarray(prompt_length, jnp.int32)
     if slots is None:
-        logits, cache, cache_mask, tokens = _prefill(
-            model,
-            params,
-            input_ids,
-            attention_mask,
-            max_new_tokens,
-            pad_token_id,
-            _quantized(config),
-        )
+        logits, cache, cache_mask, tokens = call.prefill()
     else:
-        cache = init_cache(model, batch, slots.buffer_length, _quantized(config))
-        keep_one = _accepts_logits_to_keep(model)
+        cache = init_cache(call.model, batch, slots.buffer_length, is_quantized(config))
+        keep_one = accepts_logits_to_keep(call.model)
         logits, cache, cache_mask = slots.prefill(
-            model, params, input_ids, attention_mask, bounds[0], cache, keep_one=keep_one
+            call.model, call.params, input_ids, attention_mask, bounds[0], cache, keep_one=keep_one
         )
         logits, tokens, length = logits[:, None], input_ids, bounds[0]
-    recorded = (batch * copies, max_new_tokens, logits.shape[-1])
+    recorded = (batch * copies, call.max_new_tokens, logits.shape[-1])
     state = DecodeState(
         tokens=rows(tokens),
         length=length,
@@ -410,159 +459,107 @@ def _generate_jit(
         cache=cache.repeat_rows(copies),
         attention_mask=rows(cache_mask),
         finished=jnp.zeros((batch * copies,), bool),
-        key=key,
+        key=call.key,
         scores=jnp.zeros(recorded) if config.output_scores else None,
         raw_logits=jnp.zeros(recorded) if config.output_logits else None,
     )
-    context = _prompt_context(state.tokens, state.length, state.attention_mask, offset)
+    context = prompt_context(state.tokens, state.length, state.attention_mask, call.offset)
     if slots is not None:  # transformers' max_length = P + N, traced
-        context = context.replace(max_length=bounds[1] - offset)
+        context = context.replace(max_length=bounds[1] - call.offset)
     rules = DecodeRules(
-        process=from_config(
-            config, eos_token_ids, extra=logits_processor, allowed_tokens_fn=allowed_tokens_fn
-        ),
+        process=call.processors(),
         choose=sampling_chooser() if config.do_sample else greedy_chooser(),
         context=context,
-        pad_token_id=pad_token_id,
-        stopping=stopping,
+        pad_token_id=call.pad_token_id,
+        stopping=call.stopping,
         on_token=None if stream_id is None else token_hook(stream_id),
-        constrain=None if layout is None else layout.constrain,
+        constrain=None if call.layout is None else call.layout.constrain,
         end=None if slots is None else bounds[1],
     )
-    state = decode(model.apply, params, state, rows(logits[:, -1]), rules)
-    sequences = state.tokens if slots is None else slots.sequences(state.tokens, offset)
-    out = GenerateOutput(sequences=sequences, scores=state.scores, logits=state.raw_logits)
-    return out if layout is None else layout.constrain(out)
+    state = decode(call.model.apply, call.params, state, rows(logits[:, -1]), rules)
+    sequences = state.tokens if slots is None else slots.sequences(state.tokens, call.offset)
+    return call.finish(
+        GenerateOutput(sequences=sequences, scores=state.scores, logits=state.raw_logits)
+    )
 
 
-def _generate_beams(
-    model,
-    params,
-    input_ids,
-    attention_mask,
-    config,
-    key,
-    offset,
-    stop_strings=None,
-    *,
-    max_new_tokens,
-    logits_processor,
-    allowed_tokens_fn=None,
-    stopping_criteria=(),
-    layout: Layout | None = None,
-) -> GenerateOutput:
+def _generate_beams(call: _Call) -> GenerateOutput:
     """Beam search / beam sampling: prefill each prompt once, repeat its cache rows for the M
     beams, run :func:`genjax.decoding.beam.beam_search`, return the R best hypotheses."""
-    pad_token_id, eos_token_ids = _special_ids(config)
-    stopping, input_ids = _start_stopping(
-        config, eos_token_ids, stopping_criteria, stop_strings, offset, input_ids
-    )
-    batch = input_ids.shape[0]
+    config = call.config
+    batch = call.input_ids.shape[0]
     num_beams = config.num_beams
-    logits, cache, cache_mask, tokens = _prefill(
-        model, params, input_ids, attention_mask, max_new_tokens, pad_token_id, _quantized(config)
-    )
-    recorded = (batch * num_beams, max_new_tokens, logits.shape[-1])
+    logits, cache, cache_mask, tokens = call.prefill()
+    recorded = (batch * num_beams, call.max_new_tokens, logits.shape[-1])
     state = beam.init_state(
         tokens,
         cache,
         cache_mask,
-        key,
+        call.key,
         num_beams=num_beams,
-        num_new_tokens=max_new_tokens,
+        num_new_tokens=call.max_new_tokens,
         scores_shape=recorded if config.output_scores else None,
         logits_shape=recorded if config.output_logits else None,
     )
-    context = _prompt_context(state.tokens, state.length, state.attention_mask, offset)
     rules = beam.BeamRules(
-        process=from_config(
-            config, eos_token_ids, extra=logits_processor, allowed_tokens_fn=allowed_tokens_fn
-        ),
+        process=call.processors(),
         do_sample=bool(config.do_sample),
         early_stopping=config.early_stopping,
-        context=context,
+        context=prompt_context(state.tokens, state.length, state.attention_mask, call.offset),
         length_penalty=config.length_penalty,
-        eos_token_ids=eos_token_ids,
-        stopping=stopping,
-        constrain=None if layout is None else layout.constrain,
+        eos_token_ids=call.eos_token_ids,
+        stopping=call.stopping,
+        constrain=None if call.layout is None else call.layout.constrain,
     )
     first_logits = jnp.repeat(logits[:, -1], num_beams, axis=0)
-    state = beam.beam_search(model.apply, params, state, first_logits, rules)
+    state = beam.beam_search(call.model.apply, call.params, state, first_logits, rules)
     sequences, sequences_scores, beam_indices = beam.best_hypotheses(
         state, config.num_return_sequences
     )
-    out = GenerateOutput(
-        sequences=sequences,
-        scores=state.scores,
-        logits=state.raw_logits,
-        sequences_scores=sequences_scores,
-        beam_indices=beam_indices,
+    return call.finish(
+        GenerateOutput(
+            sequences=sequences,
+            scores=state.scores,
+            logits=state.raw_logits,
+            sequences_scores=sequences_scores,
+            beam_indices=beam_indices,
+        )
     )
-    return out if layout is None else layout.constrain(out)
 
 
-def _generate_assisted(
-    model,
-    params,
-    input_ids,
-    attention_mask,
-    config,
-    key,
-    offset,
-    stop_strings,
-    *,
-    assistant,
-    assistant_params,
-    max_new_tokens,
-    logits_processor,
-    allowed_tokens_fn=None,
-    stopping_criteria=(),
-) -> GenerateOutput:
+def _generate_assisted(call: _Call, assistant, assistant_params) -> GenerateOutput:
     """Assisted generation (:mod:`genjax.decoding.assisted`): prefill the target and the draft
     (None for prompt lookup) into caches sized for the rolled-back slots, then draft, verify
     and commit in one loop."""
-    pad_token_id, eos_token_ids = _special_ids(config)
-    stopping, input_ids = _start_stopping(
-        config, eos_token_ids, stopping_criteria, stop_strings, offset, input_ids
-    )
-    batch, prompt_length = input_ids.shape
+    config, model = call.config, call.model
+    batch, prompt_length = call.input_ids.shape
     limits = [getattr(m, "max_position_embeddings", None) for m in (model, assistant)]
     limits = [limit for limit in limits if limit is not None]
     rules = assisted.make_rules(
         config,
-        eos_token_ids=eos_token_ids,
-        pad_token_id=pad_token_id,
-        context=_prompt_context(input_ids, prompt_length, attention_mask, offset),
-        stopping=stopping,
-        num_new_tokens=max_new_tokens,
+        eos_token_ids=call.eos_token_ids,
+        pad_token_id=call.pad_token_id,
+        context=prompt_context(call.input_ids, prompt_length, call.attention_mask, call.offset),
+        stopping=call.stopping,
+        num_new_tokens=call.max_new_tokens,
         with_draft=assistant is not None,
-        extra=logits_processor,
-        allowed_tokens_fn=allowed_tokens_fn,
+        extra=call.logits_processor,
+        allowed_tokens_fn=call.allowed_tokens_fn,
         max_position=min(limits) if limits else None,
     )
-    sizes = assisted.cache_lengths(prompt_length, max_new_tokens, batch, rules.num_candidates)
-    quantized = _quantized(config)
-    logits, cache, cache_mask, _ = _prefill(
-        model, params, input_ids, attention_mask, sizes[0] - prompt_length, pad_token_id, quantized
-    )
+    sizes = assisted.cache_lengths(prompt_length, call.max_new_tokens, batch, rules.num_candidates)
+    logits, cache, cache_mask, _ = call.prefill(sizes[0] - prompt_length)
     draft_cache = draft_mask = None
     if assistant is not None:
-        _, draft_cache, draft_mask, _ = _prefill(
-            assistant,
-            assistant_params,
-            input_ids,
-            attention_mask,
-            sizes[1] - prompt_length,
-            0,
-            quantized,
-        )
+        draft = dataclasses.replace(call, model=assistant, params=assistant_params)
+        _, draft_cache, draft_mask, _ = draft.prefill(sizes[1] - prompt_length)
     state = assisted.init_state(
-        input_ids,
+        call.input_ids,
         cache,
         cache_mask,
         draft_cache,
         draft_mask,
-        key,
+        call.key,
         rules,
         vocab_size=logits.shape[-1],
         record_scores=bool(config.output_scores),
@@ -570,7 +567,7 @@ def _generate_assisted(
     )
     draft_step = None if assistant is None else assistant.apply
     state = assisted.decode(
-        model.apply, params, draft_step, assistant_params, state, logits[:, -1], rules
+        model.apply, call.params, draft_step, assistant_params, state, logits[:, -1], rules
     )
     sequences, scores, raw_logits = assisted.finish(state, rules)
     return GenerateOutput(
@@ -579,313 +576,3 @@ def _generate_assisted(
         logits=raw_logits,
         num_accepted_tokens=state.num_accepted,
     )
-
-
-def _check_assisted_extras(streamer, layout) -> None:
-    """Assisted generation does not stream or shard yet: say so before anything is traced."""
-    if streamer is not None:
-        raise UnsupportedError(
-            "streamer= is not supported with assisted generation (assistant_model= or "
-            "prompt_lookup_num_tokens) yet. Drop the streamer, or the assistant."
-        )
-    if layout is not None:
-        raise UnsupportedError(
-            "assisted generation (assistant_model= or prompt_lookup_num_tokens) does not run on "
-            "a mesh yet. Call generate without mesh= and outside `jax.set_mesh`."
-        )
-
-
-def _layout(model, mesh, rules, batch: int) -> Layout | None:
-    """The sharding layout of a call: from ``mesh``, else from the mesh set by
-    ``jax.set_mesh``, else None (one device); checked against the model and batch."""
-    if mesh is not None:
-        manual = tuple(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
-        if manual:
-            raise ShardingError(
-                f"generate() got mesh= inside shard_map (or pmap), whose mesh axes {manual} are "
-                f"manual: there every array is already one device's block. Drop mesh= inside "
-                f"shard_map: generate then runs on each block, and constrains any axes left "
-                f"automatic (not in shard_map's axis_names=) by the mesh in effect."
-            )
-        return layout_for(model, mesh, rules, batch)
-    layout = context_layout(model, rules, batch)
-    if layout is None and rules is not None:
-        raise InputError(
-            "generate() got sharding rules= but no mesh: pass mesh=genjax.sharding.make_mesh("
-            "...) too, or call it under `with jax.set_mesh(mesh):`."
-        )
-    return layout
-
-
-def _stop_string_table(config: GenerationConfig, tokenizer):
-    """The stop-string tables (built on the host, cached), or None without stop strings."""
-    if config.stop_strings is None:
-        return None
-    if tokenizer is None:
-        raise InputError(
-            f"stop_strings={config.stop_strings!r} need the model's tokenizer to find the tokens "
-            f"that spell them, but no tokenizer was given. Pass tokenizer= to generate (a "
-            f"transformers tokenizer or a tokenizers.Tokenizer), or unset stop_strings."
-        )
-    return stop_string_table(tokenizer, config.stop_strings)
-
-
-def _start_stopping(config, eos_token_ids, criteria, stop_strings, offset, input_ids):
-    """The call's :class:`~genjax.stopping.StoppingRules`, with the ``max_time`` clock started.
-
-    Call it first in the compiled program and use the returned ``input_ids``: ``max_time``
-    counts from here, before the prefill, as transformers' ``MaxTimeCriteria`` does.
-    """
-    stopping = stopping_rules(
-        eos_token_ids,
-        criteria=criteria,
-        stop_strings=stop_strings,
-        max_time=config.max_time,
-        first_slot=offset,
-    )
-    stopping, (input_ids,) = start_timer(stopping, input_ids)
-    return stopping, input_ids
-
-
-def _prefill(
-    model, params, input_ids, attention_mask, max_new_tokens: int, pad_token_id, quantized=False
-):
-    """Runs the prompt through the model into a cache sized for all ``S = P + N`` slots
-    (int8 codes when ``quantized``, static: see :mod:`genjax.quantized_cache`).
-
-    Returns:
-        ``(logits float32[B, 1 or P, V], cache, cache_mask int32[B, S], tokens int32[B, S])``
-        (one row of logits when the model takes ``logits_to_keep``; callers use the last):
-        ``cache_mask`` marks real prompt tokens and every new slot; ``tokens`` is the prompt
-        followed by ``pad_token_id`` in the new slots.
-    """
-    batch, prompt_length = input_ids.shape
-    # Position ids as transformers v5 computes them: count real tokens; padding gets 0.
-    positions = jnp.maximum(jnp.cumsum(attention_mask, axis=-1) - 1, 0)
-    new_slots = jnp.ones((batch, max_new_tokens), jnp.int32)
-    cache_mask = jnp.concatenate([attention_mask, new_slots], axis=1)
-    cache = init_cache(model, batch, prompt_length + max_new_tokens, quantized)
-    if _accepts_logits_to_keep(model):  # the last position's logits only: [B, 1, V]
-        logits, cache = model.apply(
-            params, input_ids, positions, cache, cache_mask, logits_to_keep=1
-        )
-    else:
-        logits, cache = model.apply(params, input_ids, positions, cache, cache_mask)
-    tokens = jnp.concatenate([input_ids, new_slots * pad_token_id], axis=1)
-    return logits, cache, cache_mask, tokens
-
-
-def _cache_requests(model, config, shape, max_new_tokens: int, assistant) -> list[CacheRequest]:
-    """The KV caches a call allocates, as :func:`_prefill` sizes them (``shape`` is the padded
-    ``[B, P]`` of the prompt), for the memory check before anything is allocated."""
-    batch, prompt_length = shape
-    quantized = _quantized(config)
-    if assisted.is_assisted(config, assistant):
-        width = (
-            config.num_assistant_tokens
-            if assistant is not None
-            else config.prompt_lookup_num_tokens
-        )
-        sizes = assisted.cache_lengths(prompt_length, max_new_tokens, batch, int(width))
-        requests = [CacheRequest(model, batch, sizes[0], quantized)]
-        if assistant is not None:
-            requests.append(CacheRequest(assistant, batch, sizes[1], quantized))
-        return requests
-    copies = config.num_beams if config.num_beams > 1 else config.num_return_sequences
-    return [CacheRequest(model, batch * copies, prompt_length + max_new_tokens, quantized)]
-
-
-def _quantized(config: GenerationConfig) -> bool:
-    """Whether the call's KV caches hold int8 codes (``cache_implementation="quantized"``)."""
-    return config.cache_implementation == "quantized"
-
-
-def _accepts_logits_to_keep(model) -> bool:
-    """Whether ``model.apply`` takes the protocol's optional ``logits_to_keep`` keyword."""
-    try:
-        return "logits_to_keep" in inspect.signature(model.apply).parameters
-    except (TypeError, ValueError):  # no introspectable signature
-        return False
-
-
-def _prompt_context(tokens, length, attention_mask, offset) -> LogitsContext:
-    """The processors' view of the prompt, before the first new token."""
-    return LogitsContext(
-        tokens=tokens,
-        length=length,
-        offset=offset,
-        prompt_end=length,
-        first_valid=jnp.argmax(attention_mask != 0, axis=-1).astype(jnp.int32),
-    )
-
-
-def _special_ids(config: GenerationConfig) -> tuple[Array, Array | None]:
-    """Returns (pad id int32[], EOS ids int32[E] or None); the pad id defaults to the first EOS
-    id, as in transformers, or 0 when there is no EOS (then no row is ever padded)."""
-    eos = config.eos_token_id
-    eos_token_ids = None if eos is None else jnp.atleast_1d(jnp.asarray(eos, jnp.int32))
-    if config.pad_token_id is not None:
-        pad = jnp.asarray(config.pad_token_id, jnp.int32)
-    elif eos_token_ids is not None:
-        pad = eos_token_ids[0]
-    else:
-        pad = jnp.zeros((), jnp.int32)
-    return pad, eos_token_ids
-
-
-def _infer_attention_mask(input_ids: Array, pad_token_id: Array, eos_token_ids: Array | None):
-    """transformers' default mask: ``ids != pad`` if pad occurs in the input and is not EOS.
-    Computed with numpy when everything is concrete (a new shape compiles nothing)."""
-    if not any(isinstance(x, jax.core.Tracer) for x in (input_ids, pad_token_id, eos_token_ids)):
-        ids, pad = np.asarray(input_ids), np.asarray(pad_token_id)
-        has_pad = (ids == pad).any()
-        if eos_token_ids is not None:
-            has_pad &= not (np.asarray(eos_token_ids) == pad).any()
-        return np.where(has_pad, ids != pad, True).astype(np.int32)
-    has_pad = jnp.any(input_ids == pad_token_id)
-    if eos_token_ids is not None:
-        has_pad = has_pad & ~jnp.any(eos_token_ids == pad_token_id)
-    return jnp.where(has_pad, input_ids != pad_token_id, True).astype(jnp.int32)
-
-
-def _as_int32(x) -> Array:
-    """``x`` as an int32 jax array. Host arrays are converted by numpy and transferred with
-    ``device_put``, which compiles nothing (``jnp.asarray`` compiles a program per new shape)."""
-    if isinstance(x, (jax.Array, jax.core.Tracer)):
-        return jnp.asarray(x, jnp.int32)
-    return jax.device_put(np.asarray(x, np.int32))
-
-
-def _pad_left(input_ids: Array, attention_mask: Array, pad_token_id: Array, extra: int):
-    """Left-pads int32[B, P] ids and mask with ``extra`` masked slots (with numpy when all are
-    concrete, so a new prompt shape compiles nothing)."""
-    if not extra:
-        return input_ids, attention_mask
-    if not any(isinstance(x, jax.core.Tracer) for x in (input_ids, attention_mask, pad_token_id)):
-        widths = ((0, 0), (extra, 0))
-        pad = int(np.asarray(pad_token_id))
-        ids = np.pad(np.asarray(input_ids, np.int32), widths, constant_values=pad)
-        mask = np.pad(np.asarray(attention_mask, np.int32), widths)
-        return jax.device_put(ids), jax.device_put(mask)
-    batch = input_ids.shape[0]
-    ids = jnp.concatenate([jnp.full((batch, extra), pad_token_id, jnp.int32), input_ids], 1)
-    mask = jnp.concatenate([jnp.zeros((batch, extra), jnp.int32), attention_mask], 1)
-    return ids, mask
-
-
-def _effective_config(config: GenerationConfig | None, overrides: dict) -> GenerationConfig:
-    if config is None:
-        config = GenerationConfig()
-    elif not isinstance(config, GenerationConfig):
-        raise TypeError(
-            f"generate() expects `config` to be a genjax.GenerationConfig or None, got "
-            f"{type(config).__name__}. Build one with GenerationConfig(...) or "
-            f"GenerationConfig.from_pretrained(path)."
-        )
-    if overrides:
-        config, unused = config.update(**overrides)
-        if unused:
-            raise TypeError(
-                f"generate() got unexpected keyword arguments {sorted(unused)}: they are not "
-                f"GenerationConfig fields. Check their spelling against GenerationConfig."
-            )
-    return config
-
-
-def _check_mode(config: GenerationConfig, assistant_model=None) -> None:
-    if assisted.is_assisted(config, assistant_model):
-        assisted.check_config(config, assistant_model)
-    if config.num_beams > 1:
-        beam.check_supported(config)
-    mode = str(config.get_generation_mode(assistant_model).value)
-    if mode not in _SUPPORTED_MODES:
-        raise UnsupportedError(
-            f"generation mode {mode!r} is not supported by genjax yet; supported: "
-            f"{', '.join(_SUPPORTED_MODES)}. Set num_beams=1 and leave assistant / contrastive "
-            f"/ DoLa options unset."
-        )
-
-
-def _check_inputs(model, input_ids, attention_mask, key, config):
-    """Validates the arrays at the Python boundary (values only when they are concrete)."""
-    if not hasattr(input_ids, "shape"):
-        input_ids = np.asarray(input_ids)
-    if input_ids.ndim != 2 or not jnp.issubdtype(input_ids.dtype, jnp.integer):
-        raise InputError(
-            f"`input_ids` must be an integer array of shape [batch, prompt_length]; got dtype "
-            f"{input_ids.dtype} and shape {tuple(input_ids.shape)}. For one prompt use "
-            f"ids[None, :]."
-        )
-    if input_ids.shape[1] == 0 or input_ids.shape[0] == 0:
-        raise InputError(
-            f"`input_ids` must hold at least one prompt of at least one token; got shape "
-            f"{tuple(input_ids.shape)}."
-        )
-    if not isinstance(input_ids, jax.core.Tracer):
-        values = _local_values(input_ids)
-        low, high = int(values.min()), int(values.max())
-        if low < 0 or high >= model.vocab_size:
-            raise InputError(
-                f"`input_ids` holds ids in [{low}, {high}], outside the model's vocabulary "
-                f"[0, {model.vocab_size - 1}]. Tokenize with the model's own tokenizer."
-            )
-    if attention_mask is not None:
-        if not hasattr(attention_mask, "shape"):
-            attention_mask = np.asarray(attention_mask)
-        if tuple(attention_mask.shape) != tuple(input_ids.shape):
-            raise InputError(
-                f"`attention_mask` must have the shape of `input_ids` {tuple(input_ids.shape)}; "
-                f"got {tuple(attention_mask.shape)}."
-            )
-    if config.do_sample and key is None:
-        raise InputError(
-            "sampling (do_sample=True) needs an explicit PRNG key: pass key=jax.random.key(seed)."
-        )
-    if key is not None and not (
-        isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
-    ):
-        if isinstance(key, jax.Array) and key.shape == (2,) and key.dtype == jnp.uint32:
-            key = jax.random.wrap_key_data(key)
-        else:
-            raise InputError(
-                f"`key` must be a single PRNG key from jax.random.key(seed); got "
-                f"{type(key).__name__} {getattr(key, 'shape', '')}."
-            )
-    if key is not None and key.shape != ():
-        raise InputError(f"`key` must be a single key of shape (); got shape {key.shape}.")
-    return input_ids, attention_mask, key
-
-
-def _local_values(x) -> np.ndarray:
-    """The values of ``x`` this process holds, flattened: all of them, except for a global
-    array of a multi-host mesh, where only the process' own shards can be read."""
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        return np.concatenate([np.ravel(s.data) for s in x.addressable_shards])
-    return np.asarray(x)
-
-
-def _num_new_tokens(config, resolved, prompt_length: int, model) -> int:
-    """N, by transformers' rules: ``max_new_tokens`` wins; else ``max_length - P`` when
-    ``max_length`` was set; else 20 new tokens, capped by ``max_position_embeddings``."""
-    limit = getattr(model, "max_position_embeddings", None)
-    if config.max_new_tokens is not None:
-        new = config.max_new_tokens
-    elif config.max_length is not None:
-        new = config.max_length - prompt_length
-    else:
-        new = resolved.max_length
-        if limit is not None:
-            new = min(new, limit - prompt_length)
-    if new < 1:
-        raise InputError(
-            f"nothing to generate: the prompt has {prompt_length} tokens and the config allows "
-            f"max_length={config.max_length}, max_new_tokens={config.max_new_tokens}. Set "
-            f"max_new_tokens to the number of tokens to generate."
-        )
-    if limit is not None and prompt_length + new > limit:
-        raise InputError(
-            f"prompt length {prompt_length} + {new} new tokens = {prompt_length + new} exceeds "
-            f"the model's max_position_embeddings={limit}. Shorten the prompt or lower "
-            f"max_new_tokens to at most {limit - prompt_length}."
-        )
-    return int(new)

@@ -28,6 +28,7 @@ import numpy as np
 from jax.experimental.compilation_cache import compilation_cache
 
 from genjax import buckets
+from genjax._inputs import effective_config
 from genjax.config import GenerationConfig
 from genjax.errors import InputError, UnsupportedError
 from genjax.typing import PyTree
@@ -123,7 +124,7 @@ def warmup(
                 f"compile ahead of time: a streamed call compiles its program the first time). "
                 f"Drop {name}= from the warm-up."
             )
-    config = _generate._effective_config(config, {})
+    config = effective_config(config, {})
     fixed = generate_kwargs.get("max_cache_len", config.max_cache_len)
     policy = buckets.resolve(prompt_buckets)
     if key is None:

@@ -1,0 +1,102 @@
+"""What every decoding path of ``generate`` does first, inside the compiled program.
+
+The special token ids, the stopping rules with their ``max_time`` clock, the prefill into a cache
+preallocated to its final length, and the processors' view of the prompt. Shapes use the axis
+letters of :mod:`genjax.typing`; everything here runs under ``generate``'s ``jax.jit``, so the
+arguments are traced except where a docstring says static.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import jax.numpy as jnp
+
+from genjax.config import GenerationConfig
+from genjax.processors import LogitsContext
+from genjax.quantized_cache import init_cache
+from genjax.stopping import start_timer, stopping_rules
+from genjax.typing import Array
+
+
+def special_ids(config: GenerationConfig) -> tuple[Array, Array | None]:
+    """Returns (pad id int32[], EOS ids int32[E] or None); the pad id defaults to the first EOS
+    id, as in transformers, or 0 when there is no EOS (then no row is ever padded)."""
+    eos = config.eos_token_id
+    eos_token_ids = None if eos is None else jnp.atleast_1d(jnp.asarray(eos, jnp.int32))
+    if config.pad_token_id is not None:
+        pad = jnp.asarray(config.pad_token_id, jnp.int32)
+    elif eos_token_ids is not None:
+        pad = eos_token_ids[0]
+    else:
+        pad = jnp.zeros((), jnp.int32)
+    return pad, eos_token_ids
+
+
+def start_stopping(config, eos_token_ids, criteria, stop_strings, offset, input_ids):
+    """The call's :class:`~genjax.stopping.StoppingRules`, with the ``max_time`` clock started.
+
+    Call it first in the compiled program and use the returned ``input_ids``: ``max_time``
+    counts from here, before the prefill, as transformers' ``MaxTimeCriteria`` does.
+    """
+    stopping = stopping_rules(
+        eos_token_ids,
+        criteria=criteria,
+        stop_strings=stop_strings,
+        max_time=config.max_time,
+        first_slot=offset,
+    )
+    stopping, (input_ids,) = start_timer(stopping, input_ids)
+    return stopping, input_ids
+
+
+def prefill(
+    model, params, input_ids, attention_mask, max_new_tokens: int, pad_token_id, quantized=False
+):
+    """Runs the prompt through the model into a cache sized for all ``S = P + N`` slots
+    (int8 codes when ``quantized``, static: see :mod:`genjax.quantized_cache`).
+
+    Returns:
+        ``(logits float32[B, 1 or P, V], cache, cache_mask int32[B, S], tokens int32[B, S])``
+        (one row of logits when the model takes ``logits_to_keep``; callers use the last):
+        ``cache_mask`` marks real prompt tokens and every new slot; ``tokens`` is the prompt
+        followed by ``pad_token_id`` in the new slots.
+    """
+    batch, prompt_length = input_ids.shape
+    # Position ids as transformers v5 computes them: count real tokens; padding gets 0.
+    positions = jnp.maximum(jnp.cumsum(attention_mask, axis=-1) - 1, 0)
+    new_slots = jnp.ones((batch, max_new_tokens), jnp.int32)
+    cache_mask = jnp.concatenate([attention_mask, new_slots], axis=1)
+    cache = init_cache(model, batch, prompt_length + max_new_tokens, quantized)
+    if accepts_logits_to_keep(model):  # the last position's logits only: [B, 1, V]
+        logits, cache = model.apply(
+            params, input_ids, positions, cache, cache_mask, logits_to_keep=1
+        )
+    else:
+        logits, cache = model.apply(params, input_ids, positions, cache, cache_mask)
+    tokens = jnp.concatenate([input_ids, new_slots * pad_token_id], axis=1)
+    return logits, cache, cache_mask, tokens
+
+
+def is_quantized(config: GenerationConfig) -> bool:
+    """Whether the call's KV caches hold int8 codes (``cache_implementation="quantized"``)."""
+    return config.cache_implementation == "quantized"
+
+
+def accepts_logits_to_keep(model) -> bool:
+    """Whether ``model.apply`` takes the protocol's optional ``logits_to_keep`` keyword."""
+    try:
+        return "logits_to_keep" in inspect.signature(model.apply).parameters
+    except (TypeError, ValueError):  # no introspectable signature
+        return False
+
+
+def prompt_context(tokens, length, attention_mask, offset) -> LogitsContext:
+    """The processors' view of the prompt, before the first new token."""
+    return LogitsContext(
+        tokens=tokens,
+        length=length,
+        offset=offset,
+        prompt_end=length,
+        first_valid=jnp.argmax(attention_mask != 0, axis=-1).astype(jnp.int32),
+    )

@@ -1,0 +1,249 @@
+"""Checks and preparation of ``generate``'s arguments, on the host, before anything is traced.
+
+Every check names the argument, the value received, what is allowed and how to fix it. Arrays
+are prepared with numpy when they are concrete, so a new prompt shape compiles nothing.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from genjax._call import is_quantized
+from genjax.config import GenerationConfig
+from genjax.decoding import assisted, beam
+from genjax.errors import InputError, ShardingError, UnsupportedError
+from genjax.memory import CacheRequest
+from genjax.sharding import Layout, context_layout, layout_for
+from genjax.stopping import stop_string_table
+from genjax.typing import Array
+
+SUPPORTED_MODES = ("greedy_search", "sample", "beam_search", "beam_sample", "assisted_generation")
+
+
+def effective_config(config: GenerationConfig | None, overrides: dict) -> GenerationConfig:
+    if config is None:
+        config = GenerationConfig()
+    elif not isinstance(config, GenerationConfig):
+        raise TypeError(
+            f"generate() expects `config` to be a genjax.GenerationConfig or None, got "
+            f"{type(config).__name__}. Build one with GenerationConfig(...) or "
+            f"GenerationConfig.from_pretrained(path)."
+        )
+    if overrides:
+        config, unused = config.update(**overrides)
+        if unused:
+            raise TypeError(
+                f"generate() got unexpected keyword arguments {sorted(unused)}: they are not "
+                f"GenerationConfig fields. Check their spelling against GenerationConfig."
+            )
+    return config
+
+
+def check_mode(config: GenerationConfig, assistant_model=None) -> None:
+    if assisted.is_assisted(config, assistant_model):
+        assisted.check_config(config, assistant_model)
+    if config.num_beams > 1:
+        beam.check_supported(config)
+    mode = str(config.get_generation_mode(assistant_model).value)
+    if mode not in SUPPORTED_MODES:
+        raise UnsupportedError(
+            f"generation mode {mode!r} is not supported by genjax yet; supported: "
+            f"{', '.join(SUPPORTED_MODES)}. Set num_beams=1 and leave assistant / contrastive "
+            f"/ DoLa options unset."
+        )
+
+
+def check_inputs(model, input_ids, attention_mask, key, config):
+    """Validates the arrays at the Python boundary (values only when they are concrete)."""
+    if not hasattr(input_ids, "shape"):
+        input_ids = np.asarray(input_ids)
+    if input_ids.ndim != 2 or not jnp.issubdtype(input_ids.dtype, jnp.integer):
+        raise InputError(
+            f"`input_ids` must be an integer array of shape [batch, prompt_length]; got dtype "
+            f"{input_ids.dtype} and shape {tuple(input_ids.shape)}. For one prompt use "
+            f"ids[None, :]."
+        )
+    if input_ids.shape[1] == 0 or input_ids.shape[0] == 0:
+        raise InputError(
+            f"`input_ids` must hold at least one prompt of at least one token; got shape "
+            f"{tuple(input_ids.shape)}."
+        )
+    if not isinstance(input_ids, jax.core.Tracer):
+        values = local_values(input_ids)
+        low, high = int(values.min()), int(values.max())
+        if low < 0 or high >= model.vocab_size:
+            raise InputError(
+                f"`input_ids` holds ids in [{low}, {high}], outside the model's vocabulary "
+                f"[0, {model.vocab_size - 1}]. Tokenize with the model's own tokenizer."
+            )
+    if attention_mask is not None:
+        if not hasattr(attention_mask, "shape"):
+            attention_mask = np.asarray(attention_mask)
+        if tuple(attention_mask.shape) != tuple(input_ids.shape):
+            raise InputError(
+                f"`attention_mask` must have the shape of `input_ids` {tuple(input_ids.shape)}; "
+                f"got {tuple(attention_mask.shape)}."
+            )
+    if config.do_sample and key is None:
+        raise InputError(
+            "sampling (do_sample=True) needs an explicit PRNG key: pass key=jax.random.key(seed)."
+        )
+    if key is not None and not (
+        isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+    ):
+        if isinstance(key, jax.Array) and key.shape == (2,) and key.dtype == jnp.uint32:
+            key = jax.random.wrap_key_data(key)
+        else:
+            raise InputError(
+                f"`key` must be a single PRNG key from jax.random.key(seed); got "
+                f"{type(key).__name__} {getattr(key, 'shape', '')}."
+            )
+    if key is not None and key.shape != ():
+        raise InputError(f"`key` must be a single key of shape (); got shape {key.shape}.")
+    return input_ids, attention_mask, key
+
+
+def local_values(x) -> np.ndarray:
+    """The values of ``x`` this process holds, flattened: all of them, except for a global
+    array of a multi-host mesh, where only the process' own shards can be read."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return np.concatenate([np.ravel(s.data) for s in x.addressable_shards])
+    return np.asarray(x)
+
+
+def num_new_tokens(config, resolved, prompt_length: int, model) -> int:
+    """N, by transformers' rules: ``max_new_tokens`` wins; else ``max_length - P`` when
+    ``max_length`` was set; else 20 new tokens, capped by ``max_position_embeddings``."""
+    limit = getattr(model, "max_position_embeddings", None)
+    if config.max_new_tokens is not None:
+        new = config.max_new_tokens
+    elif config.max_length is not None:
+        new = config.max_length - prompt_length
+    else:
+        new = resolved.max_length
+        if limit is not None:
+            new = min(new, limit - prompt_length)
+    if new < 1:
+        raise InputError(
+            f"nothing to generate: the prompt has {prompt_length} tokens and the config allows "
+            f"max_length={config.max_length}, max_new_tokens={config.max_new_tokens}. Set "
+            f"max_new_tokens to the number of tokens to generate."
+        )
+    if limit is not None and prompt_length + new > limit:
+        raise InputError(
+            f"prompt length {prompt_length} + {new} new tokens = {prompt_length + new} exceeds "
+            f"the model's max_position_embeddings={limit}. Shorten the prompt or lower "
+            f"max_new_tokens to at most {limit - prompt_length}."
+        )
+    return int(new)
+
+
+def check_assisted_extras(streamer, layout) -> None:
+    """Assisted generation does not stream or shard yet: say so before anything is traced."""
+    if streamer is not None:
+        raise UnsupportedError(
+            "streamer= is not supported with assisted generation (assistant_model= or "
+            "prompt_lookup_num_tokens) yet. Drop the streamer, or the assistant."
+        )
+    if layout is not None:
+        raise UnsupportedError(
+            "assisted generation (assistant_model= or prompt_lookup_num_tokens) does not run on "
+            "a mesh yet. Call generate without mesh= and outside `jax.set_mesh`."
+        )
+
+
+def call_layout(model, mesh, rules, batch: int) -> Layout | None:
+    """The sharding layout of a call: from ``mesh``, else from the mesh set by
+    ``jax.set_mesh``, else None (one device); checked against the model and batch."""
+    if mesh is not None:
+        manual = tuple(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
+        if manual:
+            raise ShardingError(
+                f"generate() got mesh= inside shard_map (or pmap), whose mesh axes {manual} are "
+                f"manual: there every array is already one device's block. Drop mesh= inside "
+                f"shard_map: generate then runs on each block, and constrains any axes left "
+                f"automatic (not in shard_map's axis_names=) by the mesh in effect."
+            )
+        return layout_for(model, mesh, rules, batch)
+    layout = context_layout(model, rules, batch)
+    if layout is None and rules is not None:
+        raise InputError(
+            "generate() got sharding rules= but no mesh: pass mesh=genjax.sharding.make_mesh("
+            "...) too, or call it under `with jax.set_mesh(mesh):`."
+        )
+    return layout
+
+
+def stop_string_table_for(config: GenerationConfig, tokenizer):
+    """The stop-string tables (built on the host, cached), or None without stop strings."""
+    if config.stop_strings is None:
+        return None
+    if tokenizer is None:
+        raise InputError(
+            f"stop_strings={config.stop_strings!r} need the model's tokenizer to find the tokens "
+            f"that spell them, but no tokenizer was given. Pass tokenizer= to generate (a "
+            f"transformers tokenizer or a tokenizers.Tokenizer), or unset stop_strings."
+        )
+    return stop_string_table(tokenizer, config.stop_strings)
+
+
+def infer_attention_mask(input_ids: Array, pad_token_id: Array, eos_token_ids: Array | None):
+    """transformers' default mask: ``ids != pad`` if pad occurs in the input and is not EOS.
+    Computed with numpy when everything is concrete (a new shape compiles nothing)."""
+    if not any(isinstance(x, jax.core.Tracer) for x in (input_ids, pad_token_id, eos_token_ids)):
+        ids, pad = np.asarray(input_ids), np.asarray(pad_token_id)
+        has_pad = (ids == pad).any()
+        if eos_token_ids is not None:
+            has_pad &= not (np.asarray(eos_token_ids) == pad).any()
+        return np.where(has_pad, ids != pad, True).astype(np.int32)
+    has_pad = jnp.any(input_ids == pad_token_id)
+    if eos_token_ids is not None:
+        has_pad = has_pad & ~jnp.any(eos_token_ids == pad_token_id)
+    return jnp.where(has_pad, input_ids != pad_token_id, True).astype(jnp.int32)
+
+
+def as_int32(x) -> Array:
+    """``x`` as an int32 jax array. Host arrays are converted by numpy and transferred with
+    ``device_put``, which compiles nothing (``jnp.asarray`` compiles a program per new shape)."""
+    if isinstance(x, (jax.Array, jax.core.Tracer)):
+        return jnp.asarray(x, jnp.int32)
+    return jax.device_put(np.asarray(x, np.int32))
+
+
+def pad_left(input_ids: Array, attention_mask: Array, pad_token_id: Array, extra: int):
+    """Left-pads int32[B, P] ids and mask with ``extra`` masked slots (with numpy when all are
+    concrete, so a new prompt shape compiles nothing)."""
+    if not extra:
+        return input_ids, attention_mask
+    if not any(isinstance(x, jax.core.Tracer) for x in (input_ids, attention_mask, pad_token_id)):
+        widths = ((0, 0), (extra, 0))
+        pad = int(np.asarray(pad_token_id))
+        ids = np.pad(np.asarray(input_ids, np.int32), widths, constant_values=pad)
+        mask = np.pad(np.asarray(attention_mask, np.int32), widths)
+        return jax.device_put(ids), jax.device_put(mask)
+    batch = input_ids.shape[0]
+    ids = jnp.concatenate([jnp.full((batch, extra), pad_token_id, jnp.int32), input_ids], 1)
+    mask = jnp.concatenate([jnp.zeros((batch, extra), jnp.int32), attention_mask], 1)
+    return ids, mask
+
+
+def cache_requests(model, config, shape, max_new_tokens: int, assistant) -> list[CacheRequest]:
+    """The KV caches a call allocates, as :func:`prefill` sizes them (``shape`` is the padded
+    ``[B, P]`` of the prompt), for the memory check before anything is allocated."""
+    batch, prompt_length = shape
+    quantized = is_quantized(config)
+    if assisted.is_assisted(config, assistant):
+        width = (
+            config.num_assistant_tokens
+            if assistant is not None
+            else config.prompt_lookup_num_tokens
+        )
+        sizes = assisted.cache_lengths(prompt_length, max_new_tokens, batch, int(width))
+        requests = [CacheRequest(model, batch, sizes[0], quantized)]
+        if assistant is not None:
+            requests.append(CacheRequest(assistant, batch, sizes[1], quantized))
+        return requests
+    copies = config.num_beams if config.num_beams > 1 else config.num_return_sequences
+    return [CacheRequest(model, batch * copies, prompt_length + max_new_tokens, quantized)]

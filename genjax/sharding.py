@@ -17,7 +17,9 @@ Because each sharded weight is split along the axis its matmul contracts or prod
 partitioner computes attention heads and MLP columns locally and inserts one reduction after the
 row-parallel projections; no weight matrix is ever gathered whole (``tests/test_sharding.py``
 checks the compiled program for it). A rule naming an axis the mesh lacks replicates that
-logical axis, so a ``("data",)`` mesh gives pure data parallelism.
+logical axis, so a ``("data",)`` mesh gives pure data parallelism. Int8 params
+(:mod:`genjax.quantize`) keep their kernel's axes; a ``kernel_scale`` [out] follows the kernel's
+output axis and an ``embedding_scale`` [V] the table's rows.
 
 The state of a generate call follows the same rules (:class:`Layout`): every ``[B, ...]`` array
 of the loop carry (token buffer, positions, mask, finished flags, recorded scores, beam scores

@@ -64,6 +64,7 @@ def from_pretrained(
     token: str | bool | None = None,
     *,
     ignore_config_keys: Iterable[str] = (),
+    quantize: str | None = None,
 ) -> tuple[Any, PyTree]:
     """Loads a model and its params from a local folder or a Hugging Face Hub id.
 
@@ -85,15 +86,19 @@ def from_pretrained(
         token: a Hub token, for gated or private repos.
         ignore_config_keys: config.json keys you vouch do not change the forward pass, for
             checkpoints whose config carries keys genjax does not know.
+        quantize: None for float weights, or ``"int8"``: weight-only int8 linear layers with
+            per-output-channel scales (:func:`genjax.quantize.quantize_params`, applied after
+            loading in ``dtype``; activations stay ``dtype``).
 
     Returns:
         ``(model, params)``: a hashable model (see ``genjax.models.Model``) and a nested dict of
-        jax arrays of ``dtype``.
+        jax arrays of ``dtype`` (int8 kernels and float32 scales with ``quantize``).
 
     Raises:
         CheckpointError: missing files, missing/unexpected/misshapen tensors, pickle-only
             checkpoints, or a failed download.
-        UnsupportedError: an architecture, rope type or config key genjax does not implement.
+        UnsupportedError: an architecture, rope type, config key or ``quantize`` mode genjax
+            does not implement.
 
     Example:
         >>> model, params = from_pretrained("HuggingFaceTB/SmolLM2-135M")  # doctest: +SKIP
@@ -101,13 +106,22 @@ def from_pretrained(
         49152
     """
     dtype = _canonical_dtype(dtype)
-    folder = _resolve(name_or_path, revision, local_files_only, cache_dir, token)
     from genjax import checkpoints  # lazy: checkpoints builds on this module
+    from genjax import quantize as quantization
 
+    if quantize is not None:
+        quantization.check_mode(quantize, "quantize")  # before any download or read
+    folder = _resolve(name_or_path, revision, local_files_only, cache_dir, token)
     if checkpoints.is_checkpoint(folder):  # an orbax folder written by genjax.checkpoints
-        return checkpoints.restore(folder, dtype=dtype, ignore_config_keys=ignore_config_keys)
-    model = from_config(os.path.join(folder, "config.json"), dtype, ignore_config_keys)
-    return model, load_params(model, folder)
+        model, params = checkpoints.restore(
+            folder, dtype=dtype, ignore_config_keys=ignore_config_keys
+        )
+    else:
+        model = from_config(os.path.join(folder, "config.json"), dtype, ignore_config_keys)
+        params = load_params(model, folder)
+    if quantize is not None:
+        params = quantization.quantize_params(model, params, quantize)
+    return model, params
 
 
 def resolve(
@@ -236,6 +250,14 @@ def save_params(model: Any, params: PyTree, folder: str | os.PathLike, dtype: An
     folder = os.fspath(folder)
     if not os.path.isdir(folder):
         raise CheckpointError(f"folder must be an existing directory, got {folder!r}.")
+    from genjax.quantize import is_quantized
+
+    if is_quantized(params):
+        raise UnsupportedError(
+            "save_params writes float Hugging Face tensors; these params are int8-quantized "
+            "(genjax.quantize). Save the float params and quantize after loading "
+            "(from_pretrained(..., quantize='int8'))."
+        )
     stored = None if dtype is None else _canonical_dtype(dtype)
     tensors = {}
     for path, leaf in _flatten(params):

@@ -1,0 +1,245 @@
+"""Weight-only int8 quantization of the built-in models' linear layers.
+
+``quantize_params(model, params, "int8")`` stores every linear kernel float[in, out] as
+``kernel`` int8[in, out] plus ``kernel_scale`` float32[out]: symmetric, one scale per output
+channel, ``scale = max_i |w[i, j]| / 127`` and ``q = round(w / scale)`` in [-127, 127], so each
+weight is off by at most ``scale / 2``. The model object does not change: its dense layers see
+``kernel_scale`` in the params and compute ``(x @ q) * scale (+ bias)`` with float activations
+(``genjax.models.layers.Dense``), so the quantized params plug into ``generate``, ``jax.jit`` and
+a mesh (``kernel_scale`` shards like the kernel's output axis) unchanged.
+
+What is quantized:
+
+* every ``kernel`` (attention q/k/v/o, GPT-2's fused ``c_attn`` and ``c_proj``, the MLP, and an
+  untied ``lm_head``: it is a linear layer, and usually the largest one);
+* the embedding table that doubles as the output head when ``tie_word_embeddings`` (Llama's
+  ``embed_tokens``, GPT-2's ``wte``), with one scale per vocabulary row (``embedding_scale``
+  float32[V]), which is the head's output channel: the head is read whole every decode step,
+  the lookup reads one row, dequantized with the same scale. ``tied_head=False`` keeps it float.
+* not: norms, biases, an untied input embedding or GPT-2's position table (a decode step reads
+  one row of each, so int8 would save memory but no bandwidth, and cost lookup precision).
+
+Speed: int8 weights cost a quarter of float32's memory traffic only where the compiler fuses the
+int8-to-float conversion into the matrix product (XLA's GPU GEMM fusion is meant to; not
+measured here). XLA on CPU does not: it writes each converted matrix to memory before the
+product, so on CPU int8 decoding is slower than float32 (0.42x GPT-2 small, 0.56x the SmolLM
+shape at batch 1, ``bench/quantize.py``) and saves memory only. The conversion is kept inside the
+decode loop on purpose (``layers._keep_in_loop``): XLA would otherwise hoist it out of the
+``while_loop`` and hold a float copy of every matrix for the whole call.
+
+Static or traced: the mode and which leaves are quantized are static (the params' structure);
+the int8 values and scales are ordinary traced arrays.
+
+References:
+    Dettmers et al. 2022, "LLM.int8(): 8-bit Matrix Multiplication for Transformers at Scale"
+    (vector-wise absmax quantization); the per-channel symmetric int8 weight-only scheme is the
+    one of TensorRT-LLM's and gpt-fast's ``int8`` weight-only modes.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from genjax.errors import InputError, UnsupportedError
+from genjax.typing import Array, PyTree
+
+MODES = ("int8",)
+"""The supported values of ``mode`` (``from_pretrained``'s ``quantize``)."""
+
+_QMAX = 127  # symmetric: -128 is never used, so that -q is representable too
+
+
+def check_mode(mode: Any, argument: str = "mode") -> str:
+    """Returns ``mode`` if genjax implements it, else raises naming ``argument``.
+
+    Raises:
+        UnsupportedError: e.g. ``"int4"``, or anything not in :data:`MODES`.
+
+    Example:
+        >>> check_mode("int8")
+        'int8'
+    """
+    if mode not in MODES:
+        raise UnsupportedError(
+            f"{argument}={mode!r} is not supported; supported modes: {', '.join(map(repr, MODES))} "
+            f"(weight-only int8 with one float32 scale per output channel). Pass {argument}=None "
+            "for float weights."
+        )
+    return mode
+
+
+@functools.partial(jax.jit, static_argnames="axis")
+def quantize_weight(weight: Array, axis: int = 0) -> tuple[Array, Array]:
+    """Symmetric absmax int8 quantization with one scale per channel.
+
+    Args:
+        weight: float[..., in, ...]; ``axis`` is the one reduced over (the input features of a
+            kernel [in, out]: ``axis=0``; the feature axis of an embedding table [V, D]:
+            ``axis=1``). Traced.
+        axis: the axis that shares one scale (static).
+
+    Returns:
+        ``(q, scale)``: int8 of ``weight``'s shape, and float32 with ``axis`` removed, such that
+        ``|weight - q * scale| <= scale / 2`` elementwise (in float32). An all-zero channel gets
+        scale 1 and zeros.
+
+    Example:
+        >>> q, scale = quantize_weight(jnp.array([[1.0, -0.5], [-2.0, 0.25]]))
+        >>> q.tolist(), scale.tolist()
+        ([[64, -127], [-127, 64]], [0.015748031437397003, 0.003937007859349251])
+    """
+    w = jnp.asarray(weight, jnp.float32)
+    absmax = jnp.max(jnp.abs(w), axis=axis)
+    scale = jnp.where(absmax > 0, absmax / _QMAX, 1.0)
+    q = jnp.clip(jnp.round(w / jnp.expand_dims(scale, axis)), -_QMAX, _QMAX)
+    return q.astype(jnp.int8), scale
+
+
+@functools.partial(jax.jit, static_argnames=("axis", "dtype"))
+def dequantize_weight(q: Array, scale: Array, axis: int = 0, dtype: Any = jnp.float32) -> Array:
+    """``q * scale`` with ``scale`` broadcast along ``axis`` (the inverse of quantize_weight).
+
+    Example:
+        >>> dequantize_weight(*quantize_weight(jnp.array([[1.0], [-2.0]]))).ravel().tolist()
+        [1.0078740119934082, -2.0]
+    """
+    return (q.astype(jnp.float32) * jnp.expand_dims(scale, axis)).astype(dtype)
+
+
+def is_quantized(params: PyTree) -> bool:
+    """True when ``params`` holds quantized leaves (``kernel_scale`` or ``embedding_scale``)."""
+    return any(
+        _leaf_name(path) in ("kernel_scale", "embedding_scale")
+        for path, _ in jax.tree_util.tree_leaves_with_path(params)
+    )
+
+
+def quantize_params(
+    model: Any, params: PyTree, mode: str = "int8", *, tied_head: bool = True
+) -> PyTree:
+    """Returns ``params`` with every linear kernel in weight-only int8 (see the module docstring).
+
+    Args:
+        model: the built-in model the params belong to (its ``tie_word_embeddings`` decides
+            whether an embedding table is also the output head). It is not changed: the same
+            model runs float and quantized params.
+        params: its float parameter tree.
+        mode: ``"int8"`` (static).
+        tied_head: also quantize an embedding table that is the tied output head, per row.
+
+    Returns:
+        A new tree: ``kernel`` int8[in, out] with a sibling ``kernel_scale`` float32[out]; a tied
+        head table ``embedding`` int8[V, D] with ``embedding_scale`` float32[V]; every other leaf
+        as given. Sharded inputs give outputs on the same devices (the arithmetic is elementwise
+        or a reduction over the kernel's input axis).
+
+    Raises:
+        UnsupportedError: ``mode`` is not in :data:`MODES`.
+        InputError: ``params`` are already quantized, or a kernel is not a float matrix.
+
+    Example:
+        >>> qparams = genjax.quantize_params(model, params, "int8")  # doctest: +SKIP
+        >>> out = genjax.generate(model, qparams, input_ids, config)  # doctest: +SKIP
+    """
+    check_mode(mode)
+    if not isinstance(params, Mapping):
+        raise InputError(
+            f"params must be the nested dict of a built-in model, got {type(params).__name__}."
+        )
+    if is_quantized(params):
+        raise InputError(
+            "params are already quantized (they hold kernel_scale/embedding_scale leaves); "
+            "quantize the float params once."
+        )
+    head = _tied_head_table(model) if tied_head else None
+    targets = dict(_targets(params, (), head))  # path -> the axis that shares one scale
+    matrices = {path: _get(params, path) for path in targets}
+    quantized = _quantize_all(matrices, tuple(targets.items()))
+    return _rebuild(params, (), quantized)
+
+
+def _targets(tree: Mapping, prefix: tuple[str, ...], head: str | None):
+    """Yields (path, axis) of every matrix to quantize, checking that each is a float matrix."""
+    for key, value in tree.items():
+        path = (*prefix, str(key))
+        if isinstance(value, Mapping):
+            yield from _targets(value, path, head)
+        elif key == "kernel" or path == (head, "embedding"):
+            _check_float_matrix(path, value)
+            yield path, 0 if key == "kernel" else 1
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _quantize_all(matrices: dict, axes: tuple) -> dict:
+    """One compiled program for every matrix (eager ops would compile per op and shape)."""
+    axis_of = dict(axes)
+    return {path: quantize_weight(w, axis_of[path]) for path, w in matrices.items()}
+
+
+def _get(tree: Mapping, path: tuple[str, ...]) -> Any:
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def _rebuild(tree: Mapping, prefix: tuple[str, ...], quantized: dict) -> dict:
+    """``tree`` with each quantized leaf ``name`` replaced by int8 and ``name_scale`` added."""
+    out = {}
+    for key, value in tree.items():
+        path = (*prefix, str(key))
+        if isinstance(value, Mapping):
+            out[key] = _rebuild(value, path, quantized)
+        elif path in quantized:
+            out[key], out[f"{key}_scale"] = quantized[path]
+        else:
+            out[key] = value
+    return out
+
+
+def _check_float_matrix(path: tuple[str, ...], value: Any) -> None:
+    if jnp.ndim(value) != 2 or not jnp.issubdtype(jnp.result_type(value), jnp.floating):
+        raise InputError(
+            f"params[{'/'.join(path)!r}] must be a float matrix to quantize, got "
+            f"{jnp.result_type(value)}{list(jnp.shape(value))}."
+        )
+
+
+def _tied_head_table(model: Any) -> str | None:
+    """The top-level name of the embedding table that is also the output head, if any."""
+    config = getattr(model, "config", None)
+    if not getattr(config, "tie_word_embeddings", False):
+        return None
+    from genjax.models.gpt2 import GPT2Model  # lazy: models import layers, not this module
+
+    return "wte" if isinstance(model, GPT2Model) else "embed_tokens"
+
+
+def _leaf_name(path) -> str:
+    last = path[-1]
+    return str(getattr(last, "key", getattr(last, "idx", last)))
+
+
+def param_bytes(params: PyTree) -> int:
+    """The bytes of every array in ``params`` (a float32 model: 4 per weight; int8: about 1).
+
+    Example:
+        >>> param_bytes({"kernel": jnp.zeros((2, 3), jnp.int8)})
+        6
+    """
+    return sum(int(x.size) * jnp.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(params))
+
+
+__all__ = [
+    "MODES",
+    "check_mode",
+    "dequantize_weight",
+    "is_quantized",
+    "param_bytes",
+    "quantize_params",
+    "quantize_weight",
+]

@@ -1,0 +1,194 @@
+"""Weight-only int8 (``genjax.quantize``): the rounding bound, the int8 layers computing exactly
+the dequantized model, the logit error and greedy agreement against float32, errors, and a mesh."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec
+
+import genjax
+import genjax.bundled
+from genjax import quantize as Q
+from genjax.errors import InputError, UnsupportedError
+from genjax.testing import write_random_checkpoint
+
+SHAPE = (4, 32)  # [B, T] of every forward pass, so that the tests share compiled programs
+NEW = 24  # new tokens per row in the greedy test
+ARCHS = {
+    "llama": {},
+    "llama_tied": {"tie_word_embeddings": True},
+    "gpt2": {},  # tied wte head
+}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """name -> (model, float params, int8 params), from tiny random HF checkpoints."""
+    models = {}
+    for name, overrides in ARCHS.items():
+        folder = tmp_path_factory.mktemp(name)
+        write_random_checkpoint(folder, name.split("_")[0], seed=3, **overrides)
+        model, params = genjax.models.from_pretrained(folder)
+        models[name] = (model, params, genjax.quantize_params(model, params, "int8"))
+    return models
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _jit_forward(model, params, ids, mask):
+    positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
+    return model.apply(params, ids, positions, model.init_cache(*ids.shape), mask)[0]
+
+
+def _forward(model, params, ids, mask=None):
+    """float32[B, T, V] logits of one full forward pass: one program per model and param
+    structure (float and int8), shared by the tests."""
+    mask = np.ones(ids.shape, np.int32) if mask is None else mask
+    return np.asarray(_jit_forward(model, params, jnp.asarray(ids, jnp.int32), jnp.asarray(mask)))
+
+
+def _paths(tree) -> dict:
+    """ "/"-joined path -> leaf."""
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    return {"/".join(k.key for k in path): x for path, x in leaves}
+
+
+def _ids(vocab, shape=SHAPE, seed=0):
+    return np.random.default_rng(seed).integers(0, vocab, shape)
+
+
+def test_round_trip_error_is_at_most_half_a_step_per_channel():
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((64, 5)).astype(np.float32)
+    w[:, 1] *= 1e-3  # a small channel keeps its own fine scale
+    w[7, 2] = 40.0  # an outlier only coarsens its own channel
+    w[:, 3] = 0.0  # an all-zero channel
+    q, scale = Q.quantize_weight(w)
+    q, scale = np.asarray(q), np.asarray(scale)
+    assert q.dtype == np.int8 and scale.dtype == np.float32 and scale.shape == (5,)
+    assert np.abs(q).max() <= 127
+    np.testing.assert_allclose(scale, np.where(w.any(0), np.abs(w).max(0) / 127, 1.0), rtol=1e-6)
+    error = np.abs(w - np.asarray(Q.dequantize_weight(q, scale)))
+    assert np.all(error <= scale / 2 * (1 + 1e-5))  # round to nearest: half a step per channel
+    top = np.abs(w).argmax(0)
+    np.testing.assert_allclose(np.abs(q[top, range(5)])[[0, 1, 2, 4]], 127)  # absmax exact
+    np.testing.assert_array_equal(q[:, 3], 0)
+    # Per row (axis=1), as a tied embedding head is quantized.
+    q_rows, row_scale = Q.quantize_weight(w.T, axis=1)
+    np.testing.assert_array_equal(np.asarray(q_rows), q.T)
+    np.testing.assert_array_equal(np.asarray(row_scale), scale)
+
+
+def test_which_leaves_are_quantized(tiny):
+    for name, (_, params, qparams) in tiny.items():
+        flat = _paths(qparams)
+        for path, x in _paths(params).items():
+            if path.endswith("/kernel"):
+                assert flat[path].dtype == jnp.int8 and flat[path].shape == x.shape
+                assert flat[path + "_scale"].shape == (x.shape[1],)
+            elif path in ("embed_tokens/embedding", "wte/embedding") and name != "llama":
+                assert flat[path].dtype == jnp.int8, path  # the tied head, per vocab row
+                assert flat[path + "_scale"].shape == (x.shape[0],)
+            else:  # norms, biases, untied input table, GPT-2 positions: as they were
+                assert flat[path] is x, path
+    model, params, _ = tiny["gpt2"]
+    kept = genjax.quantize_params(model, params, tied_head=False)
+    assert kept["wte"]["embedding"] is params["wte"]["embedding"]
+    assert Q.is_quantized(kept) and not Q.is_quantized(params)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])  # tied heads: GPT-2's wte, Llama's same Embed
+def test_int8_layers_compute_the_dequantized_model(tiny, name):
+    """int8 params give the logits of the float model whose weights are ``q * scale``: every
+    dense layer and the tied head/lookup use the scales on the right axis."""
+    model, _, qparams = tiny[name]
+
+    def dequantize(tree):
+        out = {}
+        for key, value in tree.items():
+            if isinstance(value, dict):
+                out[key] = dequantize(value)
+            elif key in ("kernel", "embedding") and key + "_scale" in tree:
+                out[key] = Q.dequantize_weight(
+                    value, tree[key + "_scale"], 0 if key == "kernel" else 1
+                )
+            elif not key.endswith("_scale"):
+                out[key] = value
+        return out
+
+    ids = _ids(model.vocab_size)
+    np.testing.assert_allclose(
+        _forward(model, qparams, ids), _forward(model, dequantize(qparams), ids), atol=2e-5
+    )
+
+
+def test_logits_stay_close_to_float32(tiny):
+    """Each weight moves by at most half a step, 1/254 of its channel's absmax, with random
+    signs, so each layer's output moves by a fraction of a percent and the errors of the layers
+    and the head add up: these random 2-layer models measure 1.5% (Llama) and 1.0% (GPT-2) of
+    max |logit| (the full-size bench shapes: 2-4%). 4% leaves margin for this fixed input
+    without hiding a scale on the wrong axis (which moves logits by tens of percent)."""
+    for name in ("llama", "gpt2"):
+        model, params, qparams = tiny[name]
+        ids = _ids(model.vocab_size)
+        ref, got = _forward(model, params, ids), _forward(model, qparams, ids)
+        assert np.abs(got - ref).max() <= 0.04 * np.abs(ref).max(), name
+        assert np.abs(got - ref).max() > 0, name  # the int8 path did run
+
+
+def test_greedy_generate_mostly_agrees_with_float32(tiny):
+    """int8 params go through ``generate`` unchanged; its cached decoding picks the int8 model's
+    full-forward argmax at every step; and float32 picks the same next token at nearly every
+    position of that continuation (teacher forced, so one early flip does not count against
+    every later token). Measured 95 of 96 (99%; 98-100% over seeds and both architectures): a
+    flip needs a near tie that the ~1% logit error breaks, so 90% leaves margin while a wrong
+    scale (logits off by tens of percent) fails it."""
+    model, params, qparams = tiny["llama"]
+    prompt = SHAPE[1] - NEW
+    ids = _ids(model.vocab_size, (SHAPE[0], prompt))
+    config = genjax.GenerationConfig(max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+    mask = np.ones(ids.shape, np.int32)  # (random ids may hold pad_token_id)
+    seqs = np.asarray(genjax.generate(model, qparams, ids, config, attention_mask=mask).sequences)
+    new = seqs[:, prompt:]
+    window = slice(prompt - 1, -1)  # the logits that chose each new token
+    np.testing.assert_array_equal(_forward(model, qparams, seqs)[:, window].argmax(-1), new)
+    agreement = np.mean(_forward(model, params, seqs)[:, window].argmax(-1) == new)
+    assert agreement >= 0.9, agreement
+
+
+def test_unsupported_modes_and_double_quantization_raise(tiny, tmp_path):
+    model, params, qparams = tiny["llama"]
+    with pytest.raises(UnsupportedError, match=r"mode='int4'.*'int8'"):
+        genjax.quantize_params(model, params, "int4")
+    # Checked before anything is read: a missing folder is not reached.
+    with pytest.raises(UnsupportedError, match=r"quantize='nf4'.*quantize=None"):
+        genjax.models.from_pretrained("/no/such/folder", quantize="nf4")
+    with pytest.raises(InputError, match="already quantized"):
+        genjax.quantize_params(model, qparams)
+    with pytest.raises(InputError, match="params must be the nested dict"):
+        genjax.quantize_params(model, [params])
+    with pytest.raises(UnsupportedError, match="int8-quantized"):
+        genjax.models.save_params(model, qparams, tmp_path)
+
+
+def test_sharded_int8_params_equal_one_device(tiny):
+    """Scales shard like their kernel's output axis (column-parallel: on ``model``;
+    row-parallel: replicated), and the sharded forward gives the single-device logits."""
+    model, _, qparams = tiny["llama"]
+    mesh = genjax.sharding.make_mesh((2, 4))
+    sharded = genjax.sharding.shard_params(qparams, mesh)
+    layer = sharded["layers"]["0"]
+    assert layer["self_attn"]["q_proj"]["kernel"].sharding.spec == PartitionSpec(None, "model")
+    assert layer["self_attn"]["q_proj"]["kernel_scale"].sharding.spec == PartitionSpec("model")
+    assert layer["mlp"]["down_proj"]["kernel_scale"].sharding.spec == PartitionSpec(None)
+    axes = genjax.sharding.logical_axes(qparams)
+    assert axes["layers/0/mlp/up_proj/kernel_scale"] == ("mlp",)
+    assert axes["lm_head/kernel_scale"] == ("vocab",)
+    ids = _ids(model.vocab_size)
+    np.testing.assert_allclose(
+        _forward(model, sharded, ids), _forward(model, qparams, ids), atol=1e-5
+    )

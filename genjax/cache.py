@@ -1,7 +1,7 @@
 """Key/value caches as immutable pytrees, preallocated to their final length.
 
 A cache holds the keys and values of every layer for ``S`` sequence slots, and the index of the
-next slot to write. Models read a layer's full ``[B, S, K, H]`` block and write the ``T`` new
+next slot to write. Models read a layer's full ``[B, K, S, H]`` block and write the ``T`` new
 slots of a call at ``index``; ``advance`` moves the index once every layer has written.
 
 Static or traced:
@@ -35,11 +35,11 @@ class KVCache:
     Example:
         >>> cache = KVCache.create(num_layers=2, batch=1, length=16, num_kv_heads=2, head_dim=4)
         >>> cache.keys.shape
-        (2, 1, 16, 2, 4)
+        (2, 1, 2, 16, 4)
     """
 
-    keys: Array  # float[L, B, S, K, H]
-    values: Array  # float[L, B, S, K, H]
+    keys: Array  # float[L, B, K, S, H]: heads before slots, as attention reads them
+    values: Array  # float[L, B, K, S, H]
     index: Array  # int32[]: the first slot not yet written
 
     @classmethod
@@ -53,7 +53,7 @@ class KVCache:
         dtype: jnp.dtype = jnp.float32,
     ) -> KVCache:
         """Returns an empty cache of ``length`` slots, filled with zeros, index 0."""
-        shape = (num_layers, batch, length, num_kv_heads, head_dim)
+        shape = (num_layers, batch, num_kv_heads, length, head_dim)
         return cls(
             keys=jnp.zeros(shape, dtype),
             values=jnp.zeros(shape, dtype),
@@ -63,7 +63,7 @@ class KVCache:
     @property
     def length(self) -> int:
         """The number of slots ``S`` (static)."""
-        return self.keys.shape[2]
+        return self.keys.shape[3]
 
     def update_layer(
         self, layer: int, new_keys: Array, new_values: Array
@@ -76,15 +76,15 @@ class KVCache:
             new_values: float[B, T, K, H].
 
         Returns:
-            ``(keys, values, cache)``: the layer's full float[B, S, K, H] keys and values after the
+            ``(keys, values, cache)``: the layer's full float[B, K, S, H] keys and values after the
             write, and the cache holding them.
         """
-        start = (layer, 0, self.index, 0, 0)
+        start = (layer, 0, 0, self.index, 0)
         keys = jax.lax.dynamic_update_slice(
-            self.keys, new_keys[None].astype(self.keys.dtype), start
+            self.keys, heads_first(new_keys)[None].astype(self.keys.dtype), start
         )
         values = jax.lax.dynamic_update_slice(
-            self.values, new_values[None].astype(self.values.dtype), start
+            self.values, heads_first(new_values)[None].astype(self.values.dtype), start
         )
         return keys[layer], values[layer], self.replace(keys=keys, values=values)
 
@@ -129,7 +129,7 @@ def gather_beams(x: Array, beams: Array) -> Array:
     """Reorders the rows of a per-layer cache array ``[L, B*M, ...]`` within each prompt.
 
     Args:
-        x: any array whose axes 0 and 1 are layers and rows ``B*M`` (keys ``[L, B*M, S, K, H]``,
+        x: any array whose axes 0 and 1 are layers and rows ``B*M`` (keys ``[L, B*M, K, S, H]``,
             or a quantized cache's scales ``[L, B*M, S, K]``).
         beams: int32[B, M]: row ``b * M + m`` takes row ``b * M + beams[b, m]``.
     """
@@ -137,6 +137,11 @@ def gather_beams(x: Array, beams: Array) -> Array:
     x = x.reshape(x.shape[0], batch, num_beams, *x.shape[2:])  # [L, B, M, ...]
     x = jax.vmap(lambda xb, ib: xb[:, ib], in_axes=(1, 0), out_axes=1)(x, beams)
     return x.reshape(x.shape[0], batch * num_beams, *x.shape[3:])
+
+
+def heads_first(x: Array) -> Array:
+    """``[B, T, K, ...]`` -> ``[B, K, T, ...]``: new slots in the cache's axis order."""
+    return jnp.swapaxes(x, 1, 2)
 
 
 def attention_bias(

@@ -57,7 +57,7 @@ def cache_bytes(request: CacheRequest, layout=None) -> int:
     Args:
         request: the cache.
         layout: the call's :class:`~genjax.sharding.Layout` (static), or None for one device.
-            Arrays of rank >= 4 (``[L, B, S, K, ...]``: keys, values, scales) split ``B`` over
+            Arrays of rank >= 4 (``[L, B, K, S, ...]``: keys, values, scales) split ``B`` over
             its ``batch`` axis and ``K`` over its ``kv_heads`` axis (rounded up).
 
     Example:
@@ -72,7 +72,7 @@ def cache_bytes(request: CacheRequest, layout=None) -> int:
         shape = list(shape)
         if len(shape) >= 4:
             shape[1] = -(-shape[1] // data)
-            shape[3] = -(-shape[3] // heads)
+            shape[2] = -(-shape[2] // heads)
         total += math.prod(shape) * itemsize
     return total
 

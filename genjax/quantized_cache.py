@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from genjax.cache import KVCache, gather_beams, repeat_rows
+from genjax.cache import KVCache, gather_beams, heads_first, repeat_rows
 from genjax.errors import GenerationConfigError, UnsupportedError
 from genjax.typing import Array
 
@@ -116,13 +116,13 @@ class QuantizedKVCache:
         >>> cache = QuantizedKVCache.create(
         ...     num_layers=2, batch=1, length=16, num_kv_heads=2, head_dim=4)
         >>> cache.keys.dtype, cache.key_scales.shape
-        (dtype('int8'), (2, 1, 16, 2))
+        (dtype('int8'), (2, 1, 2, 16))
     """
 
-    keys: Array  # int8[L, B, S, K, H]
-    values: Array  # int8[L, B, S, K, H]
-    key_scales: Array  # float[L, B, S, K]: max |key| / 127 per head vector (0 in unwritten slots)
-    value_scales: Array  # float[L, B, S, K]
+    keys: Array  # int8[L, B, K, S, H]
+    values: Array  # int8[L, B, K, S, H]
+    key_scales: Array  # float[L, B, K, S]: max |key| / 127 per head vector (0 in unwritten slots)
+    value_scales: Array  # float[L, B, K, S]
     index: Array  # int32[]: the first slot not yet written
 
     @classmethod
@@ -137,7 +137,7 @@ class QuantizedKVCache:
     ) -> QuantizedKVCache:
         """Returns an empty cache of ``length`` slots, index 0; ``dtype`` is the float dtype
         of the scales and of the blocks ``update_layer`` returns."""
-        shape = (num_layers, batch, length, num_kv_heads, head_dim)
+        shape = (num_layers, batch, num_kv_heads, length, head_dim)
         return cls(
             keys=jnp.zeros(shape, jnp.int8),
             values=jnp.zeros(shape, jnp.int8),
@@ -150,13 +150,13 @@ class QuantizedKVCache:
     def like(cls, cache: KVCache) -> QuantizedKVCache:
         """Returns an empty quantized cache with the shape and float dtype of ``cache`` (a
         :class:`~genjax.cache.KVCache`, or its ``jax.eval_shape``: nothing is read)."""
-        num_layers, batch, length, num_kv_heads, head_dim = cache.keys.shape
+        num_layers, batch, num_kv_heads, length, head_dim = cache.keys.shape
         return cls.create(num_layers, batch, length, num_kv_heads, head_dim, cache.keys.dtype)
 
     @property
     def length(self) -> int:
         """The number of slots ``S`` (static)."""
-        return self.keys.shape[2]
+        return self.keys.shape[3]
 
     @property
     def dtype(self) -> jnp.dtype:
@@ -174,7 +174,7 @@ class QuantizedKVCache:
             new_values: float[B, T, K, H].
 
         Returns:
-            ``(keys, values, cache)``: the layer's full float[B, S, K, H] keys and values after
+            ``(keys, values, cache)``: the layer's full float[B, K, S, H] keys and values after
             the write (dequantized, except the ``T`` new slots, which hold ``new_keys`` and
             ``new_values`` exactly), and the cache holding the codes.
         """
@@ -189,13 +189,13 @@ class QuantizedKVCache:
 
     def _write(self, layer: int, codes: Array, scales: Array, new: Array):
         """Writes ``new`` float[B, T, K, H] into one layer of ``codes``/``scales``; returns
-        them and the layer's dequantized float[B, S, K, H] block with ``new`` in its slots."""
-        new = new.astype(self.dtype)
-        new_codes, new_scales = quantize(new, self.dtype)  # int8[B, T, K, H], float[B, T, K]
-        codes = jax.lax.dynamic_update_slice(codes, new_codes[None], (layer, 0, self.index, 0, 0))
-        scales = jax.lax.dynamic_update_slice(scales, new_scales[None], (layer, 0, self.index, 0))
-        full = dequantize(codes[layer], scales[layer], self.dtype)  # [B, S, K, H]
-        full = jax.lax.dynamic_update_slice(full, new, (0, self.index, 0, 0))
+        them and the layer's dequantized float[B, K, S, H] block with ``new`` in its slots."""
+        new = heads_first(new.astype(self.dtype))  # [B, K, T, H]
+        new_codes, new_scales = quantize(new, self.dtype)  # int8[B, K, T, H], float[B, K, T]
+        codes = jax.lax.dynamic_update_slice(codes, new_codes[None], (layer, 0, 0, self.index, 0))
+        scales = jax.lax.dynamic_update_slice(scales, new_scales[None], (layer, 0, 0, self.index))
+        full = dequantize(codes[layer], scales[layer], self.dtype)  # [B, K, S, H]
+        full = jax.lax.dynamic_update_slice(full, new, (0, 0, self.index, 0))
         return codes, scales, full
 
     def advance(self, num_slots: int | Array) -> QuantizedKVCache:

@@ -23,7 +23,7 @@ output axis and an ``embedding_scale`` [V] the table's rows.
 
 The state of a generate call follows the same rules (:class:`Layout`): every ``[B, ...]`` array
 of the loop carry (token buffer, positions, mask, finished flags, recorded scores, beam scores
-and hypotheses) has its rows on ``batch``; the KV cache ``[L, B, S, K, H]`` has ``B`` on
+and hypotheses) has its rows on ``batch``; the KV cache ``[L, B, K, S, H]`` has ``B`` on
 ``batch`` and ``K`` on ``kv_heads``; scalars (the slot counter, the PRNG key) are replicated.
 
 Five ways to run sharded, all giving the single-device tokens:
@@ -117,8 +117,8 @@ DEFAULT_RULES: Rules = (
     ("positions", None),
 )
 
-CACHE_AXES: tuple[str | None, ...] = (None, "batch", None, "kv_heads", None)
-"""Logical axes of the KV cache's keys and values, float[L, B, S, K, H]."""
+CACHE_AXES: tuple[str | None, ...] = (None, "batch", "kv_heads", None, None)
+"""Logical axes of the KV cache's keys and values, float[L, B, K, S, H]."""
 
 # Parameter path (joined with "/") -> logical axes of the array, first match wins.
 _PARAM_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
@@ -320,7 +320,7 @@ class Layout:
 
     @property
     def cache_spec(self) -> PartitionSpec:
-        """The spec of the cache's keys and values, float[L, B, S, K, H]."""
+        """The spec of the cache's keys and values, float[L, B, K, S, H]."""
         return self.spec(*CACHE_AXES)
 
     def constrain(self, tree: PyTree) -> PyTree:
@@ -329,7 +329,7 @@ class Layout:
         Every array leaf of rank >= 1 has its leading axis on ``batch`` and its other axes
         replicated; scalars (counters, the PRNG key) are replicated; a :class:`KVCache` follows
         :data:`CACHE_AXES` (a :class:`~genjax.quantized_cache.QuantizedKVCache` too, its scales
-        ``[L, B, S, K]`` likewise). Works inside ``jax.jit`` (``with_sharding_constraint``).
+        ``[L, B, K, S]`` likewise). Works inside ``jax.jit`` (``with_sharding_constraint``).
 
         Args:
             tree: e.g. a :class:`~genjax.decoding.sampling.DecodeState`, a
@@ -345,7 +345,7 @@ class Layout:
                     values=jax.lax.with_sharding_constraint(x.values, cache),
                     index=jax.lax.with_sharding_constraint(x.index, replicated),
                 )
-                if isinstance(x, QuantizedKVCache):  # scales [L, B, S, K]: as keys, less H
+                if isinstance(x, QuantizedKVCache):  # scales [L, B, K, S]: as keys, less H
                     scales = self.sharding(*CACHE_AXES[:-1])
                     x = x.replace(
                         key_scales=jax.lax.with_sharding_constraint(x.key_scales, scales),

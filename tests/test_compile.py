@@ -66,11 +66,15 @@ SAMPLING = GenerationConfig(
 
 @functools.cache
 def _setup():
-    """A one-layer random Llama and a left-padded batch of two 9-token prompts."""
+    """A two-layer random Llama and a left-padded batch of two 9-token prompts.
+
+    Two layers, not one: with one layer the attention reads the layer's block straight out of
+    the loop carry (the block is the whole cache), and XLA copies the cache to allow the in-place
+    write; with more layers each step reads a slice of the carry and writes in place."""
     import tempfile
 
     path = tempfile.mkdtemp(prefix="genjax-compile-")
-    write_random_checkpoint(path, "llama", num_hidden_layers=1)
+    write_random_checkpoint(path, "llama", num_hidden_layers=2)
     model, params = genjax.models.from_pretrained(path)
     ids = np.random.default_rng(0).integers(1, model.vocab_size, (2, 9)).astype(np.int32)
     mask = np.ones_like(ids)

@@ -140,12 +140,13 @@ def test_update_returns_new_slots_exactly_and_rows_move_with_their_scales():
     new = np.random.default_rng(1).normal(size=(2, batch, 3, 2, 8)).astype(np.float32)
     beams = np.array([[2, 2, 0], [1, 0, 1], [0, 0, 0], [2, 1, 0]], np.int32)  # [B, M]
     out = jax.tree.map(np.asarray, _cache_ops(new, beams))
-    np.testing.assert_array_equal(out["keys"][:, 1:4], new[0])  # the call's own slots: exact
-    np.testing.assert_array_equal(out["values"][:, 1:4], new[1])
-    stored = out["stored"]
-    np.testing.assert_allclose(stored[1, :, 1:4], new[0], atol=np.max(np.abs(new)) / 254)
+    new_keys, new_values = new[0].swapaxes(1, 2), new[1].swapaxes(1, 2)  # [B, K, T, H]
+    np.testing.assert_array_equal(out["keys"][:, :, 1:4], new_keys)  # the call's own slots: exact
+    np.testing.assert_array_equal(out["values"][:, :, 1:4], new_values)
+    stored = out["stored"]  # [L, B, K, S, H]
+    np.testing.assert_allclose(stored[1, :, :, 1:4], new_keys, atol=np.max(np.abs(new)) / 254)
     assert not np.any(stored[0])  # the other layer is untouched
-    np.testing.assert_array_equal(out["later"][:, 1:4], stored[1, :, 1:4])  # now dequantized
+    np.testing.assert_array_equal(out["later"][:, :, 1:4], stored[1, :, :, 1:4])  # dequantized
     np.testing.assert_array_equal(out["repeated"], np.repeat(stored, num_beams, axis=1))
     rows = (np.arange(batch)[:, None] * num_beams + beams).reshape(-1)
     np.testing.assert_array_equal(out["gathered"], out["repeated"][:, rows])

@@ -214,8 +214,8 @@ def attention(
 
     Args:
         queries: dtype[B, T, N, H].
-        keys: dtype[B, S, K, H].
-        values: dtype[B, S, K, H].
+        keys: dtype[B, K, S, H] (the cache's axis order: no transpose per step).
+        values: dtype[B, K, S, H].
         bias: float32[B, 1, T, S], from :func:`genjax.cache.attention_bias`.
         scale: the score multiplier (static), usually ``H ** -0.5``.
         upcast_scores: compute ``Q K^T`` in float32 (GPT-2's ``reorder_and_upcast_attn``).
@@ -224,12 +224,12 @@ def attention(
         dtype[B, T, N * H].
     """
     batch, length, num_heads, head_dim = queries.shape
-    num_kv_heads = keys.shape[2]
+    num_kv_heads = keys.shape[1]
     grouped = queries.reshape(batch, length, num_kv_heads, num_heads // num_kv_heads, head_dim)
     if upcast_scores:
         grouped, keys = grouped.astype(jnp.float32), keys.astype(jnp.float32)
-    scores = jnp.einsum("btkgh,bskh->bkgts", grouped, keys) * jnp.asarray(scale, grouped.dtype)
+    scores = jnp.einsum("btkgh,bksh->bkgts", grouped, keys) * jnp.asarray(scale, grouped.dtype)
     scores = scores.astype(jnp.float32) + bias[:, :, None]  # [B, K, G, T, S]
     weights = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
-    out = jnp.einsum("bkgts,bskh->btkgh", weights, values)
+    out = jnp.einsum("bkgts,bksh->btkgh", weights, values)
     return out.reshape(batch, length, num_heads * head_dim).astype(queries.dtype)

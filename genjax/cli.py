@@ -294,6 +294,9 @@ def _run_generate(args) -> int:
     run = _Run(model, params, config, tokenizer, jax.random.key(args.seed), args.chat)
 
     if len(prompts) == 1 and not args.json and resolved.num_beams == 1 and copies == 1:
+        if not args.chat:  # the prompt, then its continuation as it streams (a chat shows the reply)
+            sys.stdout.write(prompts[0])
+            sys.stdout.flush()
         run(prompts, streamer=TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True))
         return 0
     style = "json" if args.json else "headed" if len(prompts) * copies > 1 else "plain"

@@ -157,6 +157,27 @@ TINY_CORPUS = ("def fibonacci(n):\n    return n", "hello world, hello tokens") *
 """The text :func:`tiny_bpe_tokenizer` learns from by default."""
 
 
+def left_padded_batch(
+    batch: int, length: int, vocab_size: int, seed: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
+    """Random prompts with some left padding, for tests: ``(ids, mask)``, both int32[B, P].
+
+    Ids are drawn from ``[3, vocab_size)``; rows 1, 4 and 6 (those that exist) start with 2, 1
+    and 3 padding slots, which hold id 0 and mask 0.
+
+    Example:
+        >>> ids, mask = left_padded_batch(8, 5, vocab_size=101)
+        >>> mask[1].tolist()
+        [0, 0, 1, 1, 1]
+    """
+    ids = np.random.default_rng(seed).integers(3, vocab_size, (batch, length)).astype(np.int32)
+    mask = np.ones_like(ids)
+    for row, padding in ((1, 2), (4, 1), (6, 3)):
+        if row < batch:
+            mask[row, :padding] = 0
+    return np.where(mask == 1, ids, 0), mask
+
+
 def tiny_bpe_tokenizer(corpus=TINY_CORPUS, vocab_size: int = 300):
     """Returns a byte-level BPE ``tokenizers.Tokenizer`` trained on ``corpus``, with the special
     tokens ``<pad>``, ``<s>``, ``</s>`` at ids 0, 1, 2 (no post-processor: add one if needed).

@@ -1,4 +1,4 @@
-"""Shared test settings: 8 virtual CPU devices, set before JAX starts."""
+"""Shared test settings: 8 virtual CPU devices, set before JAX starts; shared fixtures."""
 
 import os
 
@@ -8,5 +8,18 @@ os.environ["XLA_FLAGS"] = (
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
+
+
+@pytest.fixture(scope="module")
+def fast_compiles():
+    """LLVM at -O0 (``jax_disable_most_optimizations``) for the rest of a module: about half of
+    XLA's CPU compile time, while SPMD partitioning and the HLO passes still run (so the
+    collectives, copies and loop carries tests look for are an optimized build's). A module opts
+    in with ``pytestmark = pytest.mark.usefixtures("fast_compiles")``."""
+    previous = jax.config.values["jax_disable_most_optimizations"]
+    jax.config.update("jax_disable_most_optimizations", True)
+    yield
+    jax.config.update("jax_disable_most_optimizations", previous)

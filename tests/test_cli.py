@@ -100,7 +100,7 @@ def test_one_prompt_streams_the_text_generate_gives(folder, loaded, capsys):
     [(ids, text)] = _expected(loaded, ["def fib"], config)
     code, out, err = _run(capsys, "generate", "def fib", "--model", folder)
     assert (code, err) == (0, "")
-    assert out == text + "\n" and len(ids) == 6
+    assert out == "def fib" + text + "\n" and len(ids) == 6  # the prompt, then the new text
 
     # --stop: a stop string taken from that text ends the row where generate ends it.
     # (Random weights write odd bytes: take the first whole character after the first token.)

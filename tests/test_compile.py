@@ -36,13 +36,7 @@ def _on_event(event, duration, **kwargs):
 jax.monitoring.register_event_duration_secs_listener(_on_event)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _fast_compiles():
-    """LLVM at -O0 (as in test_sharding): half the compile time; the HLO passes still run."""
-    previous = jax.config.values["jax_disable_most_optimizations"]
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", previous)
+pytestmark = pytest.mark.usefixtures("fast_compiles")  # LLVM at -O0: see conftest.py
 
 
 @contextlib.contextmanager

@@ -88,15 +88,7 @@ def test_generate_refuses_a_cache_that_cannot_fit_and_gives_the_figure(checkpoin
         genjax.generate(model, params, ids, config, mesh=sharding.make_mesh((2, 4)))
 
 
-@pytest.fixture
-def _fast_compiles():
-    previous = jax.config.values["jax_disable_most_optimizations"]
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", previous)
-
-
-@pytest.mark.usefixtures("_fast_compiles")
+@pytest.mark.usefixtures("fast_compiles")
 def test_bfloat16_generate_on_a_mesh_equals_one_device_and_scores_are_float32(checkpoint):
     model, params = genjax.models.from_pretrained(checkpoint, dtype="bfloat16")
     assert {leaf.dtype for leaf in jax.tree.leaves(params)} == {np.dtype("bfloat16")}

@@ -20,7 +20,6 @@ import sys
 import time
 from pathlib import Path
 
-import jax
 import numpy as np
 import pytest
 
@@ -92,13 +91,7 @@ def _run_two_processes(checkpoint: Path, folder: Path) -> list[dict]:
     return [json.loads((folder / f"out{rank}.json").read_text()) for rank in range(2)]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _fast_compiles():
-    """LLVM at -O0 (as in tests/test_sharding.py and in the two processes): faster compiles."""
-    previous = jax.config.values["jax_disable_most_optimizations"]
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", previous)
+pytestmark = pytest.mark.usefixtures("fast_compiles")  # LLVM at -O0: see conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ import genjax
 from genjax.cache import KVCache
 from genjax.errors import GenerationConfigError, UnsupportedError
 from genjax.quantized_cache import QuantizedKVCache, check_cache_options, dequantize, quantize
-from genjax.testing import write_random_checkpoint
+from genjax.testing import left_padded_batch, write_random_checkpoint
 
 BATCH, PROMPT, NEW = 8, 5, 24
 QUANTIZED = {"cache_implementation": "quantized", "cache_config": {"nbits": 8}}
@@ -30,12 +30,7 @@ BEAM = genjax.GenerationConfig(
 )  # = tests/test_sharding.py's BEAM
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _fast_compiles():
-    previous = jax.config.values["jax_disable_most_optimizations"]
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", previous)
+pytestmark = pytest.mark.usefixtures("fast_compiles")  # LLVM at -O0: see conftest.py
 
 
 @pytest.fixture(scope="module")
@@ -56,11 +51,7 @@ def llama(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def inputs():
-    rng = np.random.default_rng(0)
-    ids = rng.integers(3, 101, (BATCH, PROMPT)).astype(np.int32)
-    mask = np.ones_like(ids)
-    mask[1, :2] = mask[4, :1] = mask[6, :3] = 0  # left padding
-    return np.where(mask == 1, ids, 0), mask
+    return left_padded_batch(BATCH, PROMPT, 101)
 
 
 @pytest.fixture(scope="module")

@@ -17,19 +17,13 @@ from jax.sharding import PartitionSpec as P
 import genjax
 from genjax import sharding
 from genjax.errors import ShardingError
-from genjax.testing import write_random_checkpoint
+from genjax.testing import left_padded_batch, write_random_checkpoint
 
 BATCH, PROMPT, NEW = 8, 5, 4
 GREEDY = genjax.GenerationConfig(max_new_tokens=NEW, pad_token_id=0, output_scores=True)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _fast_compiles():
-    """LLVM at -O0 (as in tests/test_sharding.py): about half the CPU compile time."""
-    previous = jax.config.values["jax_disable_most_optimizations"]
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", previous)
+pytestmark = pytest.mark.usefixtures("fast_compiles")  # LLVM at -O0: see conftest.py
 
 
 @pytest.fixture(scope="module")
@@ -47,11 +41,7 @@ def llama(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def inputs():
-    rng = np.random.default_rng(0)
-    ids = rng.integers(3, 101, (BATCH, PROMPT)).astype(np.int32)
-    mask = np.ones_like(ids)
-    mask[1, :2] = mask[4, :1] = mask[6, :3] = 0  # left padding
-    return np.where(mask == 1, ids, 0), mask
+    return left_padded_batch(BATCH, PROMPT, 101)
 
 
 @pytest.fixture(scope="module")

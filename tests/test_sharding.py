@@ -26,7 +26,7 @@ from genjax.cache import KVCache
 from genjax.decoding.sampling import DecodeRules, DecodeState, decode, greedy_chooser
 from genjax.errors import InputError, ShardingError
 from genjax.stopping import stopping_rules
-from genjax.testing import write_random_checkpoint
+from genjax.testing import left_padded_batch, write_random_checkpoint
 
 BATCH, PROMPT, NEW = 8, 5, 4
 GREEDY = genjax.GenerationConfig(max_new_tokens=NEW, pad_token_id=0, output_scores=True)
@@ -35,12 +35,7 @@ BEAM = GREEDY.replace(num_beams=2, num_return_sequences=2)
 ATOL = 1e-4  # absolute, on scores of magnitude up to ~50 (float32 sums over D = 512)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _fast_compiles():
-    previous = jax.config.values["jax_disable_most_optimizations"]
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", previous)
+pytestmark = pytest.mark.usefixtures("fast_compiles")  # LLVM at -O0: see conftest.py
 
 
 @pytest.fixture(scope="module")
@@ -64,11 +59,7 @@ def models(tmp_path_factory):
 
 
 def _inputs(vocab: int):
-    rng = np.random.default_rng(0)
-    ids = rng.integers(3, vocab, (BATCH, PROMPT)).astype(np.int32)
-    mask = np.ones_like(ids)
-    mask[1, :2] = mask[4, :1] = mask[6, :3] = 0  # left padding
-    return np.where(mask == 1, ids, 0), mask
+    return left_padded_batch(BATCH, PROMPT, vocab)
 
 
 def _counting(scores, context):

@@ -294,7 +294,8 @@ def _run_generate(args) -> int:
     run = _Run(model, params, config, tokenizer, jax.random.key(args.seed), args.chat)
 
     if len(prompts) == 1 and not args.json and resolved.num_beams == 1 and copies == 1:
-        if not args.chat:  # the prompt, then its continuation as it streams (a chat shows the reply)
+        # The prompt, then its continuation as it streams; a chat shows the reply alone.
+        if not args.chat:
             sys.stdout.write(prompts[0])
             sys.stdout.flush()
         run(prompts, streamer=TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True))

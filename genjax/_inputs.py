@@ -212,21 +212,22 @@ def as_int32(x) -> Array:
     return jax.device_put(np.asarray(x, np.int32))
 
 
-def pad_left(input_ids: Array, attention_mask: Array, pad_token_id: Array, extra: int):
-    """Left-pads int32[B, P] ids and mask with ``extra`` masked slots (with numpy when all are
-    concrete, so a new prompt shape compiles nothing)."""
-    if not extra:
+def pad_prompt(
+    input_ids: Array, attention_mask: Array, pad_token_id: Array, left: int, right: int = 0
+):
+    """Pads int32[B, P] ids and mask with ``left`` and ``right`` masked slots (static counts)
+    holding ``pad_token_id``: int32[B, left + P + right] each. With numpy when all are
+    concrete, so a new prompt shape compiles nothing."""
+    if not left and not right:
         return input_ids, attention_mask
+    widths = ((0, 0), (left, right))
     if not any(isinstance(x, jax.core.Tracer) for x in (input_ids, attention_mask, pad_token_id)):
-        widths = ((0, 0), (extra, 0))
         pad = int(np.asarray(pad_token_id))
         ids = np.pad(np.asarray(input_ids, np.int32), widths, constant_values=pad)
         mask = np.pad(np.asarray(attention_mask, np.int32), widths)
         return jax.device_put(ids), jax.device_put(mask)
-    batch = input_ids.shape[0]
-    ids = jnp.concatenate([jnp.full((batch, extra), pad_token_id, jnp.int32), input_ids], 1)
-    mask = jnp.concatenate([jnp.zeros((batch, extra), jnp.int32), attention_mask], 1)
-    return ids, mask
+    ids = jnp.pad(input_ids.astype(jnp.int32), widths, constant_values=pad_token_id)
+    return ids, jnp.pad(attention_mask.astype(jnp.int32), widths)
 
 
 def cache_requests(model, config, shape, max_new_tokens: int, assistant) -> list[CacheRequest]:

@@ -41,8 +41,8 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from genjax._inputs import pad_prompt
 from genjax.errors import InputError, UnsupportedError
 from genjax.typing import Array
 
@@ -75,19 +75,12 @@ class FixedSlots:
             ``(tokens int32[B, S], mask int32[B, S], offset, prompt_end)``: ``offset = o`` and
             ``prompt_end = e`` are Python ints; ``mask`` is 0 outside the prompt.
         """
-        batch, prompt_length = input_ids.shape
+        prompt_length = input_ids.shape[1]
         offset = -prompt_length % self.chunk
         prompt_end = offset + prompt_length
-        widths = ((0, 0), (offset, self.buffer_length - prompt_end))
-        if isinstance(input_ids, jax.core.Tracer) or isinstance(attention_mask, jax.core.Tracer):
-            tokens = jnp.full((batch, self.buffer_length), pad_token_id, jnp.int32)
-            tokens = jax.lax.dynamic_update_slice(tokens, input_ids.astype(jnp.int32), (0, offset))
-            mask = jnp.pad(attention_mask.astype(jnp.int32), widths)
-            return tokens, mask, offset, prompt_end
-        pad = int(np.asarray(pad_token_id))
-        tokens = np.pad(np.asarray(input_ids, np.int32), widths, constant_values=pad)
-        mask = np.pad(np.asarray(attention_mask, np.int32), widths)
-        return jax.device_put(tokens), jax.device_put(mask), offset, prompt_end
+        right = self.buffer_length - prompt_end
+        tokens, mask = pad_prompt(input_ids, attention_mask, pad_token_id, offset, right)
+        return tokens, mask, offset, prompt_end
 
     def prefill(self, model, params, tokens, mask, prompt_end, cache, *, keep_one: bool):
         """Runs the prompt through ``model`` ``C`` slots at a time into ``cache``.

@@ -67,7 +67,7 @@ from genjax._inputs import (
     effective_config,
     infer_attention_mask,
     num_new_tokens,
-    pad_left,
+    pad_prompt,
     stop_string_table_for,
 )
 from genjax.config import GenerationConfig
@@ -255,7 +255,7 @@ def generate(
         max_new_tokens, cache_new = slots.max_steps, 0
     elif not isinstance(input_ids, jax.core.Tracer):
         offset = policy.length(prompt_length) - prompt_length
-        input_ids, attention_mask = pad_left(input_ids, attention_mask, pad_token_id, offset)
+        input_ids, attention_mask = pad_prompt(input_ids, attention_mask, pad_token_id, offset)
     check_fits(cache_requests(model, resolved, input_ids.shape, cache_new, assistant_model), layout)
     if mesh is not None:  # concrete arrays only; inside a user's jit the constraints place them
         params = layout.place_params(params)

@@ -6,6 +6,7 @@ A genjax checkpoint is a folder that needs nothing else to run::
       config.json               the Hugging Face model config (architecture, sizes)
       generation_config.json    when the source had one
       tokenizer.json, ...       the tokenizer files, when the source had them
+      genjax_checkpoint.json    the layout of the stored params (``LAYOUT``)
       params/                   an orbax-checkpoint (``StandardCheckpointer``) of the params
 
 ``restore`` reads ``params/`` straight into device buffers, split across a mesh when given
@@ -47,6 +48,12 @@ from genjax.typing import PyTree
 
 PARAMS_DIR = "params"
 """The subfolder holding the orbax checkpoint of the parameter tree."""
+
+LAYOUT_FILE = "genjax_checkpoint.json"
+LAYOUT = {"kernel_layout": "out_in"}
+"""How the stored params are laid out: every dense ``kernel`` is [out, in] (``layers.Dense``).
+Checkpoints written before this file existed hold kernels [in, out] and are refused: a square
+kernel would otherwise load transposed without any shape error."""
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -270,6 +277,17 @@ def _check_checkpoint(directory: str) -> str:
         raise CheckpointError(
             f"{directory!r} is not a genjax checkpoint: it has no {' and no '.join(missing)}.{hint}"
         )
+    found = None
+    if os.path.isfile(os.path.join(directory, LAYOUT_FILE)):
+        with open(os.path.join(directory, LAYOUT_FILE), encoding="utf-8") as f:
+            found = json.load(f)
+    if found != LAYOUT:
+        raise CheckpointError(
+            f"{directory!r} was written by an older genjax (its {LAYOUT_FILE} is "
+            f"{'missing' if found is None else found}, expected {LAYOUT}): it stores dense kernels "
+            "[in, out], and genjax now stores them [out, in]. Convert the Hugging Face checkpoint "
+            "again with genjax.checkpoints.convert or `genjax convert`."
+        )
     params_dir = os.path.join(directory, PARAMS_DIR)
     if not os.path.isfile(os.path.join(params_dir, "_CHECKPOINT_METADATA")):
         raise CheckpointError(
@@ -353,9 +371,10 @@ def _read_model_config(model_config) -> dict[str, Any]:
 
 
 def _write_files(folder: str, config: dict, generation_config, tokenizer_folder) -> None:
-    with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as f:
-        json.dump(config, f, indent=2, sort_keys=True)
-        f.write("\n")
+    for name, content in (("config.json", config), (LAYOUT_FILE, LAYOUT)):
+        with open(os.path.join(folder, name), "w", encoding="utf-8") as f:
+            json.dump(content, f, indent=2, sort_keys=True)
+            f.write("\n")
     if isinstance(generation_config, GenerationConfig):
         generation_config.save_pretrained(folder)
     elif generation_config is not None:

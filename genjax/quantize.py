@@ -1,12 +1,12 @@
 """Weight-only int8 quantization of the built-in models' linear layers.
 
-``quantize_params(model, params, "int8")`` stores every linear kernel float[in, out] as
-``kernel`` int8[in, out] plus ``kernel_scale`` float32[out]: symmetric, one scale per output
-channel, ``scale = max_i |w[i, j]| / 127`` and ``q = round(w / scale)`` in [-127, 127], so each
-weight is off by at most ``scale / 2``. The model object does not change: its dense layers see
-``kernel_scale`` in the params and compute ``(x @ q) * scale (+ bias)`` with float activations
+``quantize_params(model, params, "int8")`` stores every linear kernel float[out, in] as
+``kernel`` int8[out, in] plus ``kernel_scale`` float32[out]: symmetric, one scale per output
+channel (row), ``scale = max_j |w[i, j]| / 127`` and ``q = round(w / scale)`` in [-127, 127], so
+each weight is off by at most ``scale / 2``. The model object does not change: its dense layers
+see ``kernel_scale`` in the params and compute ``(x @ q.T) * scale (+ bias)`` with float activations
 (``genjax.models.layers.Dense``), so the quantized params plug into ``generate``, ``jax.jit`` and
-a mesh (``kernel_scale`` shards like the kernel's output axis) unchanged.
+a mesh (``kernel_scale`` shards like the kernel's rows, its output axis) unchanged.
 
 What is quantized:
 
@@ -74,13 +74,12 @@ def check_mode(mode: Any, argument: str = "mode") -> str:
 
 
 @functools.partial(jax.jit, static_argnames="axis")
-def quantize_weight(weight: Array, axis: int = 0) -> tuple[Array, Array]:
+def quantize_weight(weight: Array, axis: int = 1) -> tuple[Array, Array]:
     """Symmetric absmax int8 quantization with one scale per channel.
 
     Args:
-        weight: float[..., in, ...]; ``axis`` is the one reduced over (the input features of a
-            kernel [in, out]: ``axis=0``; the feature axis of an embedding table [V, D]:
-            ``axis=1``). Traced.
+        weight: float[..., in, ...]; ``axis`` is the one reduced over: the input features, the
+            last axis of both a kernel [out, in] and an embedding table [V, D]. Traced.
         axis: the axis that shares one scale (static).
 
     Returns:
@@ -91,7 +90,7 @@ def quantize_weight(weight: Array, axis: int = 0) -> tuple[Array, Array]:
     Example:
         >>> q, scale = quantize_weight(jnp.array([[1.0, -0.5], [-2.0, 0.25]]))
         >>> q.tolist(), scale.tolist()
-        ([[64, -127], [-127, 64]], [0.015748031437397003, 0.003937007859349251])
+        ([[127, -64], [-127, 16]], [0.007874015718698502, 0.015748031437397003])
     """
     w = jnp.asarray(weight, jnp.float32)
     absmax = jnp.max(jnp.abs(w), axis=axis)
@@ -101,11 +100,11 @@ def quantize_weight(weight: Array, axis: int = 0) -> tuple[Array, Array]:
 
 
 @functools.partial(jax.jit, static_argnames=("axis", "dtype"))
-def dequantize_weight(q: Array, scale: Array, axis: int = 0, dtype: Any = jnp.float32) -> Array:
+def dequantize_weight(q: Array, scale: Array, axis: int = 1, dtype: Any = jnp.float32) -> Array:
     """``q * scale`` with ``scale`` broadcast along ``axis`` (the inverse of quantize_weight).
 
     Example:
-        >>> dequantize_weight(*quantize_weight(jnp.array([[1.0], [-2.0]]))).ravel().tolist()
+        >>> dequantize_weight(*quantize_weight(jnp.array([[1.0, -2.0]]))).ravel().tolist()
         [1.0078740119934082, -2.0]
     """
     return (q.astype(jnp.float32) * jnp.expand_dims(scale, axis)).astype(dtype)
@@ -133,7 +132,7 @@ def quantize_params(
         tied_head: also quantize an embedding table that is the tied output head, per row.
 
     Returns:
-        A new tree: ``kernel`` int8[in, out] with a sibling ``kernel_scale`` float32[out]; a tied
+        A new tree: ``kernel`` int8[out, in] with a sibling ``kernel_scale`` float32[out]; a tied
         head table ``embedding`` int8[V, D] with ``embedding_scale`` float32[V]; every other leaf
         as given. Sharded inputs give outputs on the same devices (the arithmetic is elementwise
         or a reduction over the kernel's input axis).
@@ -157,28 +156,27 @@ def quantize_params(
             "quantize the float params once."
         )
     head = _tied_head_table(model) if tied_head else None
-    targets = dict(_targets(params, (), head))  # path -> the axis that shares one scale
-    matrices = {path: _get(params, path) for path in targets}
-    quantized = _quantize_all(matrices, tuple(targets.items()))
+    matrices = {path: _get(params, path) for path in _targets(params, (), head)}
+    quantized = _quantize_all(matrices)
     return _rebuild(params, (), quantized)
 
 
 def _targets(tree: Mapping, prefix: tuple[str, ...], head: str | None):
-    """Yields (path, axis) of every matrix to quantize, checking that each is a float matrix."""
+    """Yields the path of every matrix to quantize, checking that each is a float matrix."""
     for key, value in tree.items():
         path = (*prefix, str(key))
         if isinstance(value, Mapping):
             yield from _targets(value, path, head)
         elif key == "kernel" or path == (head, "embedding"):
             _check_float_matrix(path, value)
-            yield path, 0 if key == "kernel" else 1
+            yield path
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _quantize_all(matrices: dict, axes: tuple) -> dict:
-    """One compiled program for every matrix (eager ops would compile per op and shape)."""
-    axis_of = dict(axes)
-    return {path: quantize_weight(w, axis_of[path]) for path, w in matrices.items()}
+@jax.jit
+def _quantize_all(matrices: dict) -> dict:
+    """One compiled program for every matrix (eager ops would compile per op and shape); each
+    matrix is [out, in] and gets one scale per row."""
+    return {path: quantize_weight(w, 1) for path, w in matrices.items()}
 
 
 def _get(tree: Mapping, path: tuple[str, ...]) -> Any:

@@ -6,8 +6,8 @@ parallelism on ``data``:
 
     logical axis   meaning                          default mesh axis
     batch          rows of a call (B)               data
-    heads          query heads, N * H columns       model   (q/k/v column-parallel in)
-    kv_heads       key/value heads, K * H columns   model
+    heads          query heads, N * H features      model   (q/k/v column-parallel in)
+    kv_heads       key/value heads, K * H features  model
     mlp            MLP width F                      model   (up column-parallel, down row-parallel)
     embed          model width D                    None
     vocab          vocabulary V                     None    ("model" for vocab-parallel logits)
@@ -18,8 +18,8 @@ partitioner computes attention heads and MLP columns locally and inserts one red
 row-parallel projections; no weight matrix is ever gathered whole (``tests/test_sharding.py``
 checks the compiled program for it). A rule naming an axis the mesh lacks replicates that
 logical axis, so a ``("data",)`` mesh gives pure data parallelism. Int8 params
-(:mod:`genjax.quantize`) keep their kernel's axes; a ``kernel_scale`` [out] follows the kernel's
-output axis and an ``embedding_scale`` [V] the table's rows.
+(:mod:`genjax.quantize`) keep their kernel's axes; a ``kernel_scale`` [out] follows the axis of
+the kernel's rows (kernels are [out, in]) and an ``embedding_scale`` [V] the table's rows.
 
 The state of a generate call follows the same rules (:class:`Layout`): every ``[B, ...]`` array
 of the loop carry (token buffer, positions, mask, finished flags, recorded scores, beam scores
@@ -123,23 +123,23 @@ CACHE_AXES: tuple[str | None, ...] = (None, "batch", "kv_heads", None, None)
 # Parameter path (joined with "/") -> logical axes of the array, first match wins.
 _PARAM_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     # Llama family
-    (r"self_attn/q_proj/kernel$", ("embed", "heads")),
+    (r"self_attn/q_proj/kernel$", ("heads", "embed")),
     (r"self_attn/q_proj/bias$", ("heads",)),
-    (r"self_attn/[kv]_proj/kernel$", ("embed", "kv_heads")),
+    (r"self_attn/[kv]_proj/kernel$", ("kv_heads", "embed")),
     (r"self_attn/[kv]_proj/bias$", ("kv_heads",)),
-    (r"self_attn/o_proj/kernel$", ("heads", "embed")),
-    (r"mlp/(gate|up)_proj/kernel$", ("embed", "mlp")),
+    (r"self_attn/o_proj/kernel$", ("embed", "heads")),
+    (r"mlp/(gate|up)_proj/kernel$", ("mlp", "embed")),
     (r"mlp/(gate|up)_proj/bias$", ("mlp",)),
-    (r"mlp/down_proj/kernel$", ("mlp", "embed")),
+    (r"mlp/down_proj/kernel$", ("embed", "mlp")),
     (r"embed_tokens/embedding$", ("vocab", "embed")),
-    (r"lm_head/kernel$", ("embed", "vocab")),
-    # GPT-2 (c_attn is one fused [D, 3D] q|k|v matrix: split it on its output columns)
-    (r"attn/c_attn/kernel$", ("embed", "heads")),
+    (r"lm_head/kernel$", ("vocab", "embed")),
+    # GPT-2 (c_attn is one fused [3D, D] q|k|v matrix: split it on its output rows)
+    (r"attn/c_attn/kernel$", ("heads", "embed")),
     (r"attn/c_attn/bias$", ("heads",)),
-    (r"attn/c_proj/kernel$", ("heads", "embed")),
-    (r"mlp/c_fc/kernel$", ("embed", "mlp")),
+    (r"attn/c_proj/kernel$", ("embed", "heads")),
+    (r"mlp/c_fc/kernel$", ("mlp", "embed")),
     (r"mlp/c_fc/bias$", ("mlp",)),
-    (r"mlp/c_proj/kernel$", ("mlp", "embed")),
+    (r"mlp/c_proj/kernel$", ("embed", "mlp")),
     (r"wte/embedding$", ("vocab", "embed")),
     (r"wpe/embedding$", ("positions", "embed")),
 )
@@ -185,10 +185,8 @@ def _param_name(path) -> str:
 
 def _axes_of(name: str, ndim: int) -> tuple[str | None, ...]:
     # int8 params (genjax.quantize): a kernel's float32[out] scales shard like its output axis,
-    # an embedding table's float32[V] row scales like its rows.
-    if name.endswith("/kernel_scale"):
-        return _axes_of(name[: -len("_scale")], 2)[1:]
-    if name.endswith("/embedding_scale"):
+    # an embedding table's float32[V] row scales like its rows; both are the matrix's first axis.
+    if name.endswith(("/kernel_scale", "/embedding_scale")):
         return _axes_of(name[: -len("_scale")], 2)[:1]
     for pattern, names in _PARAM_AXES:
         if re.search(pattern, name):
@@ -203,7 +201,7 @@ def logical_axes(params: PyTree) -> dict[str, tuple[str | None, ...]]:
 
     Example:
         >>> logical_axes(params)["layers/0/mlp/up_proj/kernel"]
-        ('embed', 'mlp')
+        ('mlp', 'embed')
     """
     leaves = jax.tree_util.tree_leaves_with_path(params)
     return {_param_name(p): _axes_of(_param_name(p), np.ndim(x)) for p, x in leaves}

@@ -42,7 +42,13 @@ def test_convert_restores_identical_params_and_tokens(hf_folder, converted):
     assert restored_model == model
     assert_trees_equal(restored, params)
     files = sorted(os.listdir(converted))
-    assert files == ["config.json", "generation_config.json", "params", "tokenizer_config.json"]
+    assert files == [
+        "config.json",
+        "generation_config.json",
+        checkpoints.LAYOUT_FILE,
+        "params",
+        "tokenizer_config.json",
+    ]
     assert not [f for f in os.listdir(os.path.dirname(converted)) if f.startswith(".")]
 
     config = genjax.GenerationConfig.from_pretrained(converted)
@@ -65,7 +71,7 @@ def test_restore_into_shards_and_dtype(hf_folder, converted):
     for leaf, sharding in zip(jax.tree.leaves(sharded), jax.tree.leaves(expected), strict=True):
         assert leaf.sharding == sharding and leaf.dtype == np.dtype("bfloat16")
     kernel = sharded["layers"]["0"]["mlp"]["up_proj"]["kernel"]
-    assert kernel.addressable_shards[0].data.shape == (32, 16)  # F=64 split 4 ways
+    assert kernel.addressable_shards[0].data.shape == (16, 32)  # [F, D], F=64 split 4 ways
     cast = jax.tree.map(lambda x: np.asarray(x).astype("bfloat16"), params)
     assert_trees_equal(jax.tree.map(np.asarray, sharded), cast)
 
@@ -80,7 +86,7 @@ def test_save_refuses_to_overwrite_and_replaces_with_overwrite(hf_folder, tmp_pa
     target = tmp_path / "ckpt"
     target.mkdir()  # an empty folder may be written into
     checkpoints.save(target, params, model_config=hf_folder)
-    assert sorted(os.listdir(target)) == ["config.json", "params"]
+    assert sorted(os.listdir(target)) == ["config.json", checkpoints.LAYOUT_FILE, "params"]
     with pytest.raises(CheckpointError, match="already exists and is not empty"):
         checkpoints.save(target, params, model_config=hf_folder)
     doubled = jax.tree.map(lambda x: 2 * x, params)
@@ -127,16 +133,26 @@ def test_restore_errors_name_the_path_and_what_is_missing(hf_folder, converted, 
         checkpoints.restore(tmp_path / "absent")
     with pytest.raises(CheckpointError, match=r"has no config.json and no params/.*safetensors"):
         checkpoints.restore(_copy_safetensors(hf_folder, tmp_path))
+    layout = json.dumps(checkpoints.LAYOUT)
     broken = tmp_path / "broken"
     os.makedirs(broken / "params")
     (broken / "config.json").write_text((hf_folder / "config.json").read_text())
+    (broken / checkpoints.LAYOUT_FILE).write_text(layout)
     with pytest.raises(CheckpointError, match="not a complete orbax checkpoint"):
         checkpoints.restore(broken)
+    # A checkpoint from before kernels were stored [out, in]: refused, never loaded transposed.
+    old = tmp_path / "old"
+    os.makedirs(old)
+    os.symlink(os.path.join(converted, "params"), old / "params")
+    (old / "config.json").write_text((hf_folder / "config.json").read_text())
+    with pytest.raises(CheckpointError, match=r"older genjax .*missing.*Convert the Hugging Face"):
+        checkpoints.restore(old)
     other = tmp_path / "other"
     os.makedirs(other)
     os.symlink(os.path.join(converted, "params"), other / "params")
     config = json.loads((hf_folder / "config.json").read_text())
     (other / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
+    (other / checkpoints.LAYOUT_FILE).write_text(layout)
     with pytest.raises(CheckpointError, match=str(other) + r".*missing arrays \['layers/2/"):
         checkpoints.restore(other)
 

@@ -128,23 +128,23 @@ def test_loading_round_trip(tmp_path, model_type):
     if model_type == "gpt2":
         layer = params["h"]["1"]
         np.testing.assert_array_equal(
-            layer["attn"]["c_attn"]["kernel"], stored["transformer.h.1.attn.c_attn.weight"]
-        )
+            layer["attn"]["c_attn"]["kernel"], stored["transformer.h.1.attn.c_attn.weight"].T
+        )  # GPT-2's Conv1D stores [in, out]; genjax kernels are [out, in]
         np.testing.assert_array_equal(layer["ln_2"]["scale"], stored["transformer.h.1.ln_2.weight"])
         np.testing.assert_array_equal(params["wpe"]["embedding"], stored["transformer.wpe.weight"])
     else:
         layer = params["layers"]["1"]
         np.testing.assert_array_equal(
             layer["self_attn"]["k_proj"]["kernel"],
-            stored["model.layers.1.self_attn.k_proj.weight"].T,
+            stored["model.layers.1.self_attn.k_proj.weight"],
         )
         np.testing.assert_array_equal(
-            layer["mlp"]["down_proj"]["kernel"], stored["model.layers.1.mlp.down_proj.weight"].T
+            layer["mlp"]["down_proj"]["kernel"], stored["model.layers.1.mlp.down_proj.weight"]
         )
         np.testing.assert_array_equal(
             params["embed_tokens"]["embedding"], stored["model.embed_tokens.weight"]
         )
-        np.testing.assert_array_equal(params["lm_head"]["kernel"], stored["lm_head.weight"].T)
+        np.testing.assert_array_equal(params["lm_head"]["kernel"], stored["lm_head.weight"])
         if model_type == "qwen2":
             np.testing.assert_array_equal(
                 layer["self_attn"]["q_proj"]["bias"], stored["model.layers.1.self_attn.q_proj.bias"]

@@ -63,24 +63,24 @@ def _ids(vocab, shape=SHAPE, seed=0):
 
 def test_round_trip_error_is_at_most_half_a_step_per_channel():
     rng = np.random.default_rng(0)
-    w = rng.standard_normal((64, 5)).astype(np.float32)
-    w[:, 1] *= 1e-3  # a small channel keeps its own fine scale
-    w[7, 2] = 40.0  # an outlier only coarsens its own channel
-    w[:, 3] = 0.0  # an all-zero channel
+    w = rng.standard_normal((5, 64)).astype(np.float32)  # a kernel [out, in]
+    w[1] *= 1e-3  # a small channel keeps its own fine scale
+    w[2, 7] = 40.0  # an outlier only coarsens its own channel
+    w[3] = 0.0  # an all-zero channel
     q, scale = Q.quantize_weight(w)
     q, scale = np.asarray(q), np.asarray(scale)
     assert q.dtype == np.int8 and scale.dtype == np.float32 and scale.shape == (5,)
     assert np.abs(q).max() <= 127
-    np.testing.assert_allclose(scale, np.where(w.any(0), np.abs(w).max(0) / 127, 1.0), rtol=1e-6)
+    np.testing.assert_allclose(scale, np.where(w.any(1), np.abs(w).max(1) / 127, 1.0), rtol=1e-6)
     error = np.abs(w - np.asarray(Q.dequantize_weight(q, scale)))
-    assert np.all(error <= scale / 2 * (1 + 1e-5))  # round to nearest: half a step per channel
-    top = np.abs(w).argmax(0)
-    np.testing.assert_allclose(np.abs(q[top, range(5)])[[0, 1, 2, 4]], 127)  # absmax exact
-    np.testing.assert_array_equal(q[:, 3], 0)
-    # Per row (axis=1), as a tied embedding head is quantized.
-    q_rows, row_scale = Q.quantize_weight(w.T, axis=1)
-    np.testing.assert_array_equal(np.asarray(q_rows), q.T)
-    np.testing.assert_array_equal(np.asarray(row_scale), scale)
+    assert np.all(error <= scale[:, None] / 2 * (1 + 1e-5))  # round to nearest: half a step
+    top = np.abs(w).argmax(1)
+    np.testing.assert_allclose(np.abs(q[range(5), top])[[0, 1, 2, 4]], 127)  # absmax exact
+    np.testing.assert_array_equal(q[3], 0)
+    # Another axis (axis=0) shares a scale along the columns instead.
+    q_cols, col_scale = Q.quantize_weight(w.T, axis=0)
+    np.testing.assert_array_equal(np.asarray(q_cols), q.T)
+    np.testing.assert_array_equal(np.asarray(col_scale), scale)
 
 
 def test_which_leaves_are_quantized(tiny):
@@ -89,7 +89,7 @@ def test_which_leaves_are_quantized(tiny):
         for path, x in _paths(params).items():
             if path.endswith("/kernel"):
                 assert flat[path].dtype == jnp.int8 and flat[path].shape == x.shape
-                assert flat[path + "_scale"].shape == (x.shape[1],)
+                assert flat[path + "_scale"].shape == (x.shape[0],)  # [out, in]: per row
             elif path in ("embed_tokens/embedding", "wte/embedding") and name != "llama":
                 assert flat[path].dtype == jnp.int8, path  # the tied head, per vocab row
                 assert flat[path + "_scale"].shape == (x.shape[0],)
@@ -113,9 +113,7 @@ def test_int8_layers_compute_the_dequantized_model(tiny, name):
             if isinstance(value, dict):
                 out[key] = dequantize(value)
             elif key in ("kernel", "embedding") and key + "_scale" in tree:
-                out[key] = Q.dequantize_weight(
-                    value, tree[key + "_scale"], 0 if key == "kernel" else 1
-                )
+                out[key] = Q.dequantize_weight(value, tree[key + "_scale"])
             elif not key.endswith("_scale"):
                 out[key] = value
         return out
@@ -182,7 +180,7 @@ def test_sharded_int8_params_equal_one_device(tiny):
     mesh = genjax.sharding.make_mesh((2, 4))
     sharded = genjax.sharding.shard_params(qparams, mesh)
     layer = sharded["layers"]["0"]
-    assert layer["self_attn"]["q_proj"]["kernel"].sharding.spec == PartitionSpec(None, "model")
+    assert layer["self_attn"]["q_proj"]["kernel"].sharding.spec == PartitionSpec("model", None)
     assert layer["self_attn"]["q_proj"]["kernel_scale"].sharding.spec == PartitionSpec("model")
     assert layer["mlp"]["down_proj"]["kernel_scale"].sharding.spec == PartitionSpec(None)
     axes = genjax.sharding.logical_axes(qparams)

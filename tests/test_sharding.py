@@ -122,13 +122,13 @@ def test_layout_follows_the_rules_and_replicates_kv_heads_that_do_not_divide(mod
     assert wide.cache_spec == P(None, "data", None, None, None)
     placed = wide.place_params(params)
     attention = placed["layers"]["0"]["self_attn"]
-    assert attention["q_proj"]["kernel"].sharding.spec == P(None, "model")
+    assert attention["q_proj"]["kernel"].sharding.spec == P("model", None)
     assert attention["k_proj"]["kernel"].sharding.spec == P(None, None)
     assert wide.place_params(placed) is placed  # already on the mesh: left alone
     # A ("data",) mesh: rules naming "model" replicate, so this is pure data parallelism.
     data_only = sharding.layout_for(model, sharding.make_mesh((8,), ("data",)))
     assert data_only.cache_spec == P(None, "data", None, None, None)
-    assert sharding.logical_axes(params)["layers/0/mlp/down_proj/kernel"] == ("mlp", "embed")
+    assert sharding.logical_axes(params)["layers/0/mlp/down_proj/kernel"] == ("embed", "mlp")
 
 
 def test_uneven_sizes_raise_clear_errors(models):

@@ -48,7 +48,7 @@ Built-in architectures
 ----------------------
 ``LlamaModel`` (model_type llama, mistral, qwen2) and ``GPT2Model`` (gpt2). Their parameters are
 nested dicts whose paths mirror the HF state-dict names (``params["layers"]["0"]["self_attn"]
-["q_proj"]["kernel"]`` is ``model.layers.0.self_attn.q_proj.weight`` transposed); the modules
+["q_proj"]["kernel"]`` is ``model.layers.0.self_attn.q_proj.weight``, [out, in]); the modules
 ``llama`` and ``gpt2`` list each tree and which ``config.json`` keys they handle, ignore or
 reject.
 """

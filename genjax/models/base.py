@@ -142,7 +142,7 @@ class ModelBase:
 
         Example:
             >>> model.hf_tensor_name(("layers", "0", "mlp", "up_proj", "kernel"))  # doctest: +SKIP
-            ('layers.0.mlp.up_proj.weight', True)
+            ('layers.0.mlp.up_proj.weight', False)
         """
         name = ".".join((*path[:-1], _LEAF_TO_HF[path[-1]]))
         return name, self._hf_transposed(path)

@@ -1,19 +1,20 @@
 """GPT-2: learned position embeddings, pre-norm LayerNorm blocks, fused q/k/v projection.
 
 Parameter tree (HF name = path joined by dots, ``kernel``/``scale``/``embedding`` -> ``weight``,
-prefix ``transformer.`` except ``lm_head``). GPT-2's ``Conv1D`` weights are already [in, out], so
-they load as they are; only an untied ``lm_head`` is transposed::
+prefix ``transformer.`` except ``lm_head``). Every ``kernel`` is [out, in] (see
+``layers.Dense``): GPT-2's ``Conv1D`` weights, stored [in, out], are transposed at load and save;
+an untied ``lm_head`` (an ``nn.Linear``) loads as it is::
 
     wte/embedding                 [V, D]
     wpe/embedding                 [P, D]      (P = n_positions, indexed by position ids)
     h/<i>/ln_1/{scale,bias}       [D]
-    h/<i>/attn/c_attn/kernel      [D, 3D]     (+ bias [3D]; q, k, v in that order)
+    h/<i>/attn/c_attn/kernel      [3D, D]     (+ bias [3D]; q, k, v in that order)
     h/<i>/attn/c_proj/kernel      [D, D]      (+ bias [D])
     h/<i>/ln_2/{scale,bias}       [D]
-    h/<i>/mlp/c_fc/kernel         [D, F]      (+ bias [F])
-    h/<i>/mlp/c_proj/kernel       [F, D]      (+ bias [D])
+    h/<i>/mlp/c_fc/kernel         [F, D]      (+ bias [F])
+    h/<i>/mlp/c_proj/kernel       [D, F]      (+ bias [D])
     ln_f/{scale,bias}             [D]
-    lm_head/kernel                [D, V]      (only when tie_word_embeddings is false)
+    lm_head/kernel                [V, D]      (only when tie_word_embeddings is false)
 
 config.json keys (besides ``_hf.IGNORED_KEYS``):
 
@@ -272,4 +273,4 @@ class GPT2Model(ModelBase):
         return _GPT2LM(self.config)
 
     def _hf_transposed(self, path: tuple[str, ...]) -> bool:
-        return path[0] == "lm_head"
+        return path[-1] == "kernel" and path[0] != "lm_head"  # the Conv1D weights

@@ -6,20 +6,20 @@ gated MLP. They differ only in config: biases (Qwen2: q/k/v projections), the sl
 ``use_sliding_window``), tied embeddings (SmolLM, Llama 3.2).
 
 Parameter tree (HF name = path joined by dots, ``kernel``/``scale``/``embedding`` -> ``weight``,
-prefix ``model.`` except ``lm_head``; every ``kernel`` is the HF weight transposed, [in, out])::
+prefix ``model.`` except ``lm_head``; every ``kernel`` is the HF weight as stored, [out, in])::
 
     embed_tokens/embedding                     [V, D]
     layers/<i>/input_layernorm/scale           [D]
-    layers/<i>/self_attn/q_proj/kernel         [D, N*H]   (+ bias [N*H])
-    layers/<i>/self_attn/k_proj/kernel         [D, K*H]   (+ bias [K*H])
-    layers/<i>/self_attn/v_proj/kernel         [D, K*H]   (+ bias [K*H])
-    layers/<i>/self_attn/o_proj/kernel         [N*H, D]   (+ bias [D])
+    layers/<i>/self_attn/q_proj/kernel         [N*H, D]   (+ bias [N*H])
+    layers/<i>/self_attn/k_proj/kernel         [K*H, D]   (+ bias [K*H])
+    layers/<i>/self_attn/v_proj/kernel         [K*H, D]   (+ bias [K*H])
+    layers/<i>/self_attn/o_proj/kernel         [D, N*H]   (+ bias [D])
     layers/<i>/post_attention_layernorm/scale  [D]
-    layers/<i>/mlp/gate_proj/kernel            [D, F]     (+ bias [F])
-    layers/<i>/mlp/up_proj/kernel              [D, F]     (+ bias [F])
-    layers/<i>/mlp/down_proj/kernel            [F, D]     (+ bias [D])
+    layers/<i>/mlp/gate_proj/kernel            [F, D]     (+ bias [F])
+    layers/<i>/mlp/up_proj/kernel              [F, D]     (+ bias [F])
+    layers/<i>/mlp/down_proj/kernel            [D, F]     (+ bias [D])
     norm/scale                                 [D]
-    lm_head/kernel                             [D, V]     (absent when tie_word_embeddings)
+    lm_head/kernel                             [V, D]     (absent when tie_word_embeddings)
 
 config.json keys, by model_type (``_hf.IGNORED_KEYS`` lists the ones every architecture ignores):
 
@@ -377,4 +377,4 @@ class LlamaModel(ModelBase):
         return _LlamaLM(self.config)
 
     def _hf_transposed(self, path: tuple[str, ...]) -> bool:
-        return path[-1] == "kernel"
+        return False  # every tensor is stored as HF stores it

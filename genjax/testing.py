@@ -7,6 +7,7 @@ that loading them checks ``genjax.models``' own name mapping rather than repeati
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any
 
@@ -176,6 +177,31 @@ def left_padded_batch(
         if row < batch:
             mask[row, :padding] = 0
     return np.where(mask == 1, ids, 0), mask
+
+
+def chi_square_p_value(counts: np.ndarray, expected: np.ndarray) -> float:
+    """Pearson's chi-square goodness-of-fit p-value of observed ``counts`` against ``expected``
+    counts (same shape, same total), for tests of sampling distributions.
+
+    Cells expected fewer than 5 times are merged into one; the p-value comes from the
+    Wilson-Hilferty normal approximation of the chi-square distribution. A count in a cell whose
+    expected count is 0 (an impossible outcome) gives 0.
+
+    Example:
+        >>> round(chi_square_p_value(np.array([480, 520]), np.array([500.0, 500.0])), 2)
+        0.2
+    """
+    counts, expected = np.ravel(counts), np.ravel(expected)
+    if counts[expected == 0].sum() > 0:
+        return 0.0
+    small = expected < 5
+    counts = np.append(counts[~small], counts[small].sum())
+    expected = np.append(expected[~small], expected[small].sum())
+    keep = expected > 0
+    stat = float((((counts - expected) ** 2)[keep] / expected[keep]).sum())
+    dof = int(keep.sum()) - 1
+    z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
+    return 0.5 * math.erfc(z / math.sqrt(2))
 
 
 def tiny_bpe_tokenizer(corpus=TINY_CORPUS, vocab_size: int = 300):

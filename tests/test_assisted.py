@@ -9,7 +9,6 @@ speculative sampling draws from the target's processed distribution.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +21,7 @@ from genjax import processors as P
 from genjax.cache import KVCache
 from genjax.decoding import assisted
 from genjax.errors import GenerationConfigError, InputError, UnsupportedError
-from genjax.testing import write_random_checkpoint
+from genjax.testing import chi_square_p_value, write_random_checkpoint
 
 # Three left-padded prompts of different lengths, so rows sit at different positions.
 IDS = np.array([[0, 0, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14], [0, 3, 4, 5, 3, 4]], np.int32)
@@ -290,21 +289,6 @@ def _exact_joint(model, params):
     return p1[:, None, None, None] * p2[:, :, None, None] * p3[:, :, :, None] * p4
 
 
-def _chi_square_p_value(counts, expected):
-    """Pearson's chi-square p-value (Wilson-Hilferty), cells with expected < 5 merged."""
-    counts, expected = counts.ravel(), expected.ravel()
-    if counts[expected == 0].sum() > 0:
-        return 0.0  # a continuation the target cannot produce (outside its top-k) was sampled
-    small = expected < 5
-    counts = np.append(counts[~small], counts[small].sum())
-    expected = np.append(expected[~small], expected[small].sum())
-    keep = expected > 0
-    stat = float((((counts - expected) ** 2)[keep] / expected[keep]).sum())
-    dof = int(keep.sum()) - 1
-    z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
-    return 0.5 * math.erfc(z / math.sqrt(2))
-
-
 def _sampled_p_values(small_pair, samples=8192, seed=0):
     (model, params), (draft, draft_params) = small_pair
     ids = np.repeat(PROMPT, samples, 0)
@@ -323,7 +307,7 @@ def _sampled_p_values(small_pair, samples=8192, seed=0):
     joint = _exact_joint(model, params) * samples
     pairs = [(0, 1), (1, 2), (2, 3)]
     sums = [tuple(a for a in range(4) if a not in pair) for pair in pairs]
-    return [_chi_square_p_value(counts.sum(s), joint.sum(s)) for s in sums], out
+    return [chi_square_p_value(counts.sum(s), joint.sum(s)) for s in sums], out
 
 
 def test_speculative_sampling_draws_from_the_target_distribution(small_pair):

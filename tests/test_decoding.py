@@ -11,9 +11,11 @@ from genjax.decoding.sampling import (
     DecodeState,
     decode,
     greedy_chooser,
+    sample,
     sampling_chooser,
 )
 from genjax.stopping import stop_string_table, stopping_rules
+from genjax.testing import chi_square_p_value
 
 VOCAB = 8
 # The most likely token after t is TABLE[t]: 1 -> 2 -> 3 -> 4 -> 5 -> 1 ...; 6 and 7 -> 1.
@@ -170,3 +172,33 @@ def test_max_time_with_a_fake_clock_stops_after_the_token_that_overran():
     assert int(state.length) == 2 + 5 and clock.reads == 1 + 3
     state = _run([1], new_tokens=8, eos=[7], max_time=1e6)
     assert int(state.length) == 2 + 8
+
+
+_sample = jax.jit(sample)
+
+
+def _draws(scores, rows=8192, seed=0):
+    """Counts float[V] of ``rows`` draws of ``sample`` from one row of scores float32[V]."""
+    tokens = _sample(jax.random.key(seed), jnp.tile(jnp.asarray(scores)[None], (rows, 1)))
+    return np.bincount(np.asarray(tokens), minlength=len(scores))
+
+
+def test_sample_follows_softmax_over_the_prefix_and_over_the_whole_vocabulary():
+    """``sample`` draws over the 256 largest scores when every row keeps at most 256 tokens, and
+    over the whole vocabulary otherwise; both follow softmax(scores) (chi-square), and the
+    prefix path never draws a removed token."""
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal(1024).astype(np.float32)
+    truncated = np.where(logits >= np.sort(logits)[-40], logits, -np.inf)  # 40 tokens kept
+    for scores in (truncated, logits):
+        probs = np.asarray(jax.nn.softmax(jnp.asarray(scores)))
+        counts = _draws(scores)
+        assert counts[~np.isfinite(scores)].sum() == 0
+        assert chi_square_p_value(counts, probs * counts.sum()) > 1e-3
+    # The test can fail: the draws are far from a flat distribution over the kept tokens.
+    kept = np.isfinite(truncated)
+    flat = kept / kept.sum() * counts.sum()
+    assert chi_square_p_value(_draws(truncated), flat) < 1e-6
+    # A batch whose rows keep different numbers of tokens draws every row correctly.
+    mixed = jnp.stack([jnp.asarray(truncated), jnp.asarray(logits)])
+    assert np.isfinite(truncated[int(_sample(jax.random.key(1), mixed)[0])])

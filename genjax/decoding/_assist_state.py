@@ -14,6 +14,7 @@ from flax import struct
 
 from genjax.cache import KVCache
 from genjax.config import TRACED_FIELDS
+from genjax.decoding.sampling import sample
 from genjax.processors import LogitsContext, from_config
 from genjax.stopping import StoppingRules, finished_rows
 from genjax.typing import Array, PyTree
@@ -240,7 +241,7 @@ def clamp_positions(rules: AssistRules, positions: Array) -> Array:
 def choose(rules: AssistRules, scores: Array, key: Array) -> Array:
     """int32[...]: argmax, or a sample from ``softmax(scores)`` when sampling."""
     if rules.do_sample:
-        return jax.random.categorical(key, scores, axis=-1).astype(jnp.int32)
+        return sample(key, scores)
     return jnp.argmax(scores, axis=-1).astype(jnp.int32)
 
 

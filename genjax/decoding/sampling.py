@@ -39,6 +39,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from genjax._processor_base import NEG_INF
+from genjax._warpers import PREFIX
 from genjax.cache import KVCache
 from genjax.processors import LogitsContext, Processor
 from genjax.stopping import StoppingRules, finished_rows, should_continue, start_timer
@@ -97,8 +99,38 @@ def greedy_chooser() -> TokenChooser:
 
 
 def sampling_chooser() -> TokenChooser:
-    """Draws a token from ``softmax(scores)`` for each row."""
-    return lambda scores, key: jax.random.categorical(key, scores, axis=-1).astype(jnp.int32)
+    """Draws a token from ``softmax(scores)`` for each row (see :func:`sample`)."""
+    return lambda scores, key: sample(key, scores)
+
+
+def sample(key: Array, scores: Array) -> Array:
+    """int32[...]: one draw from ``softmax(scores)`` over the last axis of float32[..., V].
+
+    Drawing Gumbel noise for every token of a large vocabulary is the costly part of sampling on
+    a CPU (about 30 ms per step for 8 x 50257 scores, against 2 ms for an argmax). After top-k,
+    top-p or another truncation most scores are -inf, and those tokens have probability 0: when
+    every row keeps at most ``PREFIX`` (256) tokens, the draw runs over the row's ``PREFIX``
+    largest scores only, which hold all of its kept tokens, so the distribution is exactly the
+    same. Otherwise (no truncation, or a wider one) a ``lax.cond`` draws over the whole
+    vocabulary. The same key gives the same tokens on both paths only in distribution, not
+    draw for draw; it always gives the same tokens for the same scores.
+    """
+    vocab = scores.shape[-1]
+    if vocab <= PREFIX:
+        return jax.random.categorical(key, scores, axis=-1).astype(jnp.int32)
+    rows = scores.reshape(-1, vocab)  # float32[R, V]
+    kept = jnp.sum(rows > NEG_INF, axis=-1)  # int32[R]
+
+    def over_prefix(rows: Array) -> Array:
+        values, indices = jax.lax.top_k(rows, PREFIX)  # [R, PREFIX], descending
+        picked = jax.random.categorical(key, values, axis=-1)
+        return jnp.take_along_axis(indices, picked[:, None], axis=-1)[:, 0]
+
+    def over_vocabulary(rows: Array) -> Array:
+        return jax.random.categorical(key, rows, axis=-1)
+
+    tokens = jax.lax.cond(jnp.all(kept <= PREFIX), over_prefix, over_vocabulary, rows)
+    return tokens.astype(jnp.int32).reshape(scores.shape[:-1])
 
 
 def _record(buffer: Array | None, values: Array, step: Array) -> Array | None:

@@ -4,6 +4,11 @@ A cache holds the keys and values of every layer for ``S`` sequence slots, and t
 next slot to write. Models read a layer's full ``[B, K, S, H]`` block and write the ``T`` new
 slots of a call at ``index``; ``advance`` moves the index once every layer has written.
 
+Each layer has its own arrays (a tuple of ``L`` blocks, not one stacked ``[L, ...]`` array): a
+layer's block is then a whole buffer that attention reads in place after the write. Slicing a
+layer out of a stacked array copies it on XLA:CPU, every layer of every step; at batch 32 those
+copies cost about as much as the attention itself.
+
 Static or traced:
     Static: the number of layers, the batch size, the cache length ``S``, the number of key/value
     heads, the head dimension and the dtype (they are array shapes).
@@ -34,12 +39,12 @@ class KVCache:
 
     Example:
         >>> cache = KVCache.create(num_layers=2, batch=1, length=16, num_kv_heads=2, head_dim=4)
-        >>> cache.keys.shape
-        (2, 1, 2, 16, 4)
+        >>> len(cache.keys), cache.keys[0].shape
+        (2, (1, 2, 16, 4))
     """
 
-    keys: Array  # float[L, B, K, S, H]: heads before slots, as attention reads them
-    values: Array  # float[L, B, K, S, H]
+    keys: tuple[Array, ...]  # L x float[B, K, S, H]: heads before slots, as attention reads them
+    values: tuple[Array, ...]  # L x float[B, K, S, H]
     index: Array  # int32[]: the first slot not yet written
 
     @classmethod
@@ -53,17 +58,22 @@ class KVCache:
         dtype: jnp.dtype = jnp.float32,
     ) -> KVCache:
         """Returns an empty cache of ``length`` slots, filled with zeros, index 0."""
-        shape = (num_layers, batch, num_kv_heads, length, head_dim)
+        shape = (batch, num_kv_heads, length, head_dim)
         return cls(
-            keys=jnp.zeros(shape, dtype),
-            values=jnp.zeros(shape, dtype),
+            keys=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+            values=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
             index=jnp.zeros((), jnp.int32),
         )
 
     @property
     def length(self) -> int:
         """The number of slots ``S`` (static)."""
-        return self.keys.shape[3]
+        return self.keys[0].shape[2]
+
+    @property
+    def batch(self) -> int:
+        """The number of rows ``B`` (static)."""
+        return self.keys[0].shape[0]
 
     def update_layer(
         self, layer: int, new_keys: Array, new_values: Array
@@ -79,14 +89,17 @@ class KVCache:
             ``(keys, values, cache)``: the layer's full float[B, K, S, H] keys and values after the
             write, and the cache holding them.
         """
-        start = (layer, 0, 0, self.index, 0)
-        keys = jax.lax.dynamic_update_slice(
-            self.keys, heads_first(new_keys)[None].astype(self.keys.dtype), start
-        )
+        start = (0, 0, self.index, 0)
+        keys, values = self.keys[layer], self.values[layer]
+        keys = jax.lax.dynamic_update_slice(keys, heads_first(new_keys).astype(keys.dtype), start)
         values = jax.lax.dynamic_update_slice(
-            self.values, heads_first(new_values)[None].astype(self.values.dtype), start
+            values, heads_first(new_values).astype(values.dtype), start
         )
-        return keys[layer], values[layer], self.replace(keys=keys, values=values)
+        cache = self.replace(
+            keys=replace_layer(self.keys, layer, keys),
+            values=replace_layer(self.values, layer, values),
+        )
+        return keys, values, cache
 
     def advance(self, num_slots: int | Array) -> KVCache:
         """Returns the cache with ``index`` moved forward by ``num_slots``."""
@@ -94,14 +107,17 @@ class KVCache:
 
     def gather_rows(self, rows: Array) -> KVCache:
         """Returns the cache with batch rows reordered or repeated by ``rows`` (int32[B'])."""
-        return self.replace(keys=self.keys[:, rows], values=self.values[:, rows])
+        return self.replace(
+            keys=tuple(x[rows] for x in self.keys), values=tuple(x[rows] for x in self.values)
+        )
 
     def repeat_rows(self, count: int) -> KVCache:
         """Returns the cache with each row repeated ``count`` (static) times in place: row ``b``
         becomes rows ``b * count .. b * count + count - 1``. A broadcast and reshape, so rows
         sharded over devices stay where they are (unlike :meth:`gather_rows`)."""
         return self.replace(
-            keys=repeat_rows(self.keys, count), values=repeat_rows(self.values, count)
+            keys=tuple(repeat_rows(x, count) for x in self.keys),
+            values=tuple(repeat_rows(x, count) for x in self.values),
         )
 
     def gather_beams(self, beams: Array) -> KVCache:
@@ -114,29 +130,35 @@ class KVCache:
         prompt every device gathers its own rows and nothing moves between devices.
         """
         return self.replace(
-            keys=gather_beams(self.keys, beams), values=gather_beams(self.values, beams)
+            keys=tuple(gather_beams(x, beams) for x in self.keys),
+            values=tuple(gather_beams(x, beams) for x in self.values),
         )
 
 
+def replace_layer(blocks: tuple[Array, ...], layer: int, block: Array) -> tuple[Array, ...]:
+    """``blocks`` with entry ``layer`` (a Python int) replaced by ``block``."""
+    return (*blocks[:layer], block, *blocks[layer + 1 :])
+
+
 def repeat_rows(x: Array, count: int) -> Array:
-    """Repeats each row of a per-layer cache array ``[L, B, ...]`` ``count`` (static) times in
-    place: ``[L, B * count, ...]``, row ``b`` becoming rows ``b * count .. b * count + count - 1``.
+    """Repeats each row of one layer's cache array ``[B, ...]`` ``count`` (static) times in
+    place: ``[B * count, ...]``, row ``b`` becoming rows ``b * count .. b * count + count - 1``.
     """
-    return x if count == 1 else jnp.repeat(x, count, axis=1)
+    return x if count == 1 else jnp.repeat(x, count, axis=0)
 
 
 def gather_beams(x: Array, beams: Array) -> Array:
-    """Reorders the rows of a per-layer cache array ``[L, B*M, ...]`` within each prompt.
+    """Reorders the rows of one layer's cache array ``[B*M, ...]`` within each prompt.
 
     Args:
-        x: any array whose axes 0 and 1 are layers and rows ``B*M`` (keys ``[L, B*M, K, S, H]``,
-            or a quantized cache's scales ``[L, B*M, S, K]``).
+        x: any array whose axis 0 is the rows ``B*M`` (keys ``[B*M, K, S, H]``, or a quantized
+            cache's scales ``[B*M, K, S]``).
         beams: int32[B, M]: row ``b * M + m`` takes row ``b * M + beams[b, m]``.
     """
     batch, num_beams = beams.shape
-    x = x.reshape(x.shape[0], batch, num_beams, *x.shape[2:])  # [L, B, M, ...]
-    x = jax.vmap(lambda xb, ib: xb[:, ib], in_axes=(1, 0), out_axes=1)(x, beams)
-    return x.reshape(x.shape[0], batch * num_beams, *x.shape[3:])
+    x = x.reshape(batch, num_beams, *x.shape[1:])  # [B, M, ...]
+    x = jax.vmap(lambda xb, ib: xb[ib])(x, beams)
+    return x.reshape(batch * num_beams, *x.shape[2:])
 
 
 def heads_first(x: Array) -> Array:

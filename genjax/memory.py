@@ -57,8 +57,8 @@ def cache_bytes(request: CacheRequest, layout=None) -> int:
     Args:
         request: the cache.
         layout: the call's :class:`~genjax.sharding.Layout` (static), or None for one device.
-            Arrays of rank >= 4 (``[L, B, K, S, ...]``: keys, values, scales) split ``B`` over
-            its ``batch`` axis and ``K`` over its ``kv_heads`` axis (rounded up).
+            Each layer's arrays (``[B, K, S, ...]``: keys, values, scales) split ``B`` over its
+            ``batch`` axis and ``K`` over its ``kv_heads`` axis (rounded up).
 
     Example:
         >>> # float32, L=2, K=2, H=8: 2 (keys, values) x 2 x 1 x 16 x 2 x 8 x 4 bytes, + 4 (index)
@@ -70,9 +70,9 @@ def cache_bytes(request: CacheRequest, layout=None) -> int:
     total = 0
     for shape, itemsize in _leaf_shapes(request):
         shape = list(shape)
-        if len(shape) >= 4:
-            shape[1] = -(-shape[1] // data)
-            shape[2] = -(-shape[2] // heads)
+        if len(shape) >= 3:
+            shape[0] = -(-shape[0] // data)
+            shape[1] = -(-shape[1] // heads)
         total += math.prod(shape) * itemsize
     return total
 

@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from genjax.cache import KVCache, gather_beams, heads_first, repeat_rows
+from genjax.cache import KVCache, gather_beams, heads_first, repeat_rows, replace_layer
 from genjax.errors import GenerationConfigError, UnsupportedError
 from genjax.typing import Array
 
@@ -115,14 +115,14 @@ class QuantizedKVCache:
     Example:
         >>> cache = QuantizedKVCache.create(
         ...     num_layers=2, batch=1, length=16, num_kv_heads=2, head_dim=4)
-        >>> cache.keys.dtype, cache.key_scales.shape
-        (dtype('int8'), (2, 1, 2, 16))
+        >>> cache.keys[0].dtype, len(cache.key_scales), cache.key_scales[0].shape
+        (dtype('int8'), 2, (1, 2, 16))
     """
 
-    keys: Array  # int8[L, B, K, S, H]
-    values: Array  # int8[L, B, K, S, H]
-    key_scales: Array  # float[L, B, K, S]: max |key| / 127 per head vector (0 in unwritten slots)
-    value_scales: Array  # float[L, B, K, S]
+    keys: tuple[Array, ...]  # L x int8[B, K, S, H], one block per layer as in KVCache
+    values: tuple[Array, ...]  # L x int8[B, K, S, H]
+    key_scales: tuple[Array, ...]  # L x float[B, K, S]: max |key| / 127 per head vector (0 unused)
+    value_scales: tuple[Array, ...]  # L x float[B, K, S]
     index: Array  # int32[]: the first slot not yet written
 
     @classmethod
@@ -137,12 +137,13 @@ class QuantizedKVCache:
     ) -> QuantizedKVCache:
         """Returns an empty cache of ``length`` slots, index 0; ``dtype`` is the float dtype
         of the scales and of the blocks ``update_layer`` returns."""
-        shape = (num_layers, batch, num_kv_heads, length, head_dim)
+        shape = (batch, num_kv_heads, length, head_dim)
+        layers = range(num_layers)
         return cls(
-            keys=jnp.zeros(shape, jnp.int8),
-            values=jnp.zeros(shape, jnp.int8),
-            key_scales=jnp.zeros(shape[:-1], dtype),
-            value_scales=jnp.zeros(shape[:-1], dtype),
+            keys=tuple(jnp.zeros(shape, jnp.int8) for _ in layers),
+            values=tuple(jnp.zeros(shape, jnp.int8) for _ in layers),
+            key_scales=tuple(jnp.zeros(shape[:-1], dtype) for _ in layers),
+            value_scales=tuple(jnp.zeros(shape[:-1], dtype) for _ in layers),
             index=jnp.zeros((), jnp.int32),
         )
 
@@ -150,18 +151,25 @@ class QuantizedKVCache:
     def like(cls, cache: KVCache) -> QuantizedKVCache:
         """Returns an empty quantized cache with the shape and float dtype of ``cache`` (a
         :class:`~genjax.cache.KVCache`, or its ``jax.eval_shape``: nothing is read)."""
-        num_layers, batch, num_kv_heads, length, head_dim = cache.keys.shape
-        return cls.create(num_layers, batch, length, num_kv_heads, head_dim, cache.keys.dtype)
+        batch, num_kv_heads, length, head_dim = cache.keys[0].shape
+        return cls.create(
+            len(cache.keys), batch, length, num_kv_heads, head_dim, cache.keys[0].dtype
+        )
 
     @property
     def length(self) -> int:
         """The number of slots ``S`` (static)."""
-        return self.keys.shape[3]
+        return self.keys[0].shape[2]
+
+    @property
+    def batch(self) -> int:
+        """The number of rows ``B`` (static)."""
+        return self.keys[0].shape[0]
 
     @property
     def dtype(self) -> jnp.dtype:
         """The float dtype of the scales and of the blocks ``update_layer`` returns (static)."""
-        return self.key_scales.dtype
+        return self.key_scales[0].dtype
 
     def update_layer(
         self, layer: int, new_keys: Array, new_values: Array
@@ -178,23 +186,29 @@ class QuantizedKVCache:
             the write (dequantized, except the ``T`` new slots, which hold ``new_keys`` and
             ``new_values`` exactly), and the cache holding the codes.
         """
-        keys, key_scales, full_keys = self._write(layer, self.keys, self.key_scales, new_keys)
+        keys, key_scales, full_keys = self._write(
+            self.keys[layer], self.key_scales[layer], new_keys
+        )
         values, value_scales, full_values = self._write(
-            layer, self.values, self.value_scales, new_values
+            self.values[layer], self.value_scales[layer], new_values
         )
         cache = self.replace(
-            keys=keys, values=values, key_scales=key_scales, value_scales=value_scales
+            keys=replace_layer(self.keys, layer, keys),
+            values=replace_layer(self.values, layer, values),
+            key_scales=replace_layer(self.key_scales, layer, key_scales),
+            value_scales=replace_layer(self.value_scales, layer, value_scales),
         )
         return full_keys, full_values, cache
 
-    def _write(self, layer: int, codes: Array, scales: Array, new: Array):
-        """Writes ``new`` float[B, T, K, H] into one layer of ``codes``/``scales``; returns
-        them and the layer's dequantized float[B, K, S, H] block with ``new`` in its slots."""
+    def _write(self, codes: Array, scales: Array, new: Array):
+        """Writes ``new`` float[B, T, K, H] into one layer's ``codes`` int8[B, K, S, H] and
+        ``scales`` float[B, K, S]; returns them and the layer's dequantized float[B, K, S, H]
+        block with ``new`` in its slots."""
         new = heads_first(new.astype(self.dtype))  # [B, K, T, H]
         new_codes, new_scales = quantize(new, self.dtype)  # int8[B, K, T, H], float[B, K, T]
-        codes = jax.lax.dynamic_update_slice(codes, new_codes[None], (layer, 0, 0, self.index, 0))
-        scales = jax.lax.dynamic_update_slice(scales, new_scales[None], (layer, 0, 0, self.index))
-        full = dequantize(codes[layer], scales[layer], self.dtype)  # [B, K, S, H]
+        codes = jax.lax.dynamic_update_slice(codes, new_codes, (0, 0, self.index, 0))
+        scales = jax.lax.dynamic_update_slice(scales, new_scales, (0, 0, self.index))
+        full = dequantize(codes, scales, self.dtype)  # [B, K, S, H]
         full = jax.lax.dynamic_update_slice(full, new, (0, 0, self.index, 0))
         return codes, scales, full
 
@@ -203,16 +217,17 @@ class QuantizedKVCache:
         return self.replace(index=self.index + jnp.asarray(num_slots, jnp.int32))
 
     def _map_rows(self, fn) -> QuantizedKVCache:
+        """Applies ``fn`` to every layer's codes and scales (arrays whose axis 0 is the rows)."""
         return self.replace(
-            keys=fn(self.keys),
-            values=fn(self.values),
-            key_scales=fn(self.key_scales),
-            value_scales=fn(self.value_scales),
+            keys=tuple(map(fn, self.keys)),
+            values=tuple(map(fn, self.values)),
+            key_scales=tuple(map(fn, self.key_scales)),
+            value_scales=tuple(map(fn, self.value_scales)),
         )
 
     def gather_rows(self, rows: Array) -> QuantizedKVCache:
         """Returns the cache with batch rows reordered or repeated by ``rows`` (int32[B'])."""
-        return self._map_rows(lambda x: x[:, rows])
+        return self._map_rows(lambda x: x[rows])
 
     def repeat_rows(self, count: int) -> QuantizedKVCache:
         """Returns the cache with each row repeated ``count`` (static) times in place, as

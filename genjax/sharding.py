@@ -23,7 +23,7 @@ the kernel's rows (kernels are [out, in]) and an ``embedding_scale`` [V] the tab
 
 The state of a generate call follows the same rules (:class:`Layout`): every ``[B, ...]`` array
 of the loop carry (token buffer, positions, mask, finished flags, recorded scores, beam scores
-and hypotheses) has its rows on ``batch``; the KV cache ``[L, B, K, S, H]`` has ``B`` on
+and hypotheses) has its rows on ``batch``; each layer's KV cache ``[B, K, S, H]`` has ``B`` on
 ``batch`` and ``K`` on ``kv_heads``; scalars (the slot counter, the PRNG key) are replicated.
 
 Five ways to run sharded, all giving the single-device tokens:
@@ -117,8 +117,8 @@ DEFAULT_RULES: Rules = (
     ("positions", None),
 )
 
-CACHE_AXES: tuple[str | None, ...] = (None, "batch", "kv_heads", None, None)
-"""Logical axes of the KV cache's keys and values, float[L, B, K, S, H]."""
+CACHE_AXES: tuple[str | None, ...] = ("batch", "kv_heads", None, None)
+"""Logical axes of each layer's KV-cache keys and values, float[B, K, S, H]."""
 
 # Parameter path (joined with "/") -> logical axes of the array, first match wins.
 _PARAM_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
@@ -297,7 +297,7 @@ class Layout:
     Example:
         >>> layout = layout_for(model, make_mesh((2, 4)))
         >>> layout.cache_spec
-        PartitionSpec(None, 'data', None, 'model', None)
+        PartitionSpec('data', 'model', None, None)
     """
 
     mesh: Mesh | AbstractMesh
@@ -318,7 +318,7 @@ class Layout:
 
     @property
     def cache_spec(self) -> PartitionSpec:
-        """The spec of the cache's keys and values, float[L, B, K, S, H]."""
+        """The spec of each layer's cache keys and values, float[B, K, S, H]."""
         return self.spec(*CACHE_AXES)
 
     def constrain(self, tree: PyTree) -> PyTree:
@@ -327,7 +327,7 @@ class Layout:
         Every array leaf of rank >= 1 has its leading axis on ``batch`` and its other axes
         replicated; scalars (counters, the PRNG key) are replicated; a :class:`KVCache` follows
         :data:`CACHE_AXES` (a :class:`~genjax.quantized_cache.QuantizedKVCache` too, its scales
-        ``[L, B, K, S]`` likewise). Works inside ``jax.jit`` (``with_sharding_constraint``).
+        ``[B, K, S]`` likewise). Works inside ``jax.jit`` (``with_sharding_constraint``).
 
         Args:
             tree: e.g. a :class:`~genjax.decoding.sampling.DecodeState`, a
@@ -343,7 +343,7 @@ class Layout:
                     values=jax.lax.with_sharding_constraint(x.values, cache),
                     index=jax.lax.with_sharding_constraint(x.index, replicated),
                 )
-                if isinstance(x, QuantizedKVCache):  # scales [L, B, K, S]: as keys, less H
+                if isinstance(x, QuantizedKVCache):  # scales [B, K, S]: as keys, less H
                     scales = self.sharding(*CACHE_AXES[:-1])
                     x = x.replace(
                         key_scales=jax.lax.with_sharding_constraint(x.key_scales, scales),

@@ -199,7 +199,7 @@ def test_decoding_loops_update_the_cache_in_place_without_copies():
     programs = genjax.warmup(model, params, GREEDY, 2, (9,), prompt_buckets=BUCKETS)
     programs += genjax.warmup(model, params, GREEDY, 2, (9,), max_cache_len=MAX_CACHE_LEN)
     for program, slots in zip(programs, (BUCKETS + 12, MAX_CACHE_LEN + 15), strict=True):
-        keys = jax.eval_shape(lambda s=slots: model.init_cache(2, s)).keys
+        keys = jax.eval_shape(lambda s=slots: model.init_cache(2, s)).keys[0]  # one layer
         cache = f"f32[{','.join(map(str, keys.shape))}]"
         lines = _loop_lines(program.compiled.as_text())
         writes = [line for line in lines if "dynamic-update-slice(" in line and cache in line]

@@ -172,8 +172,8 @@ def test_bfloat16_checkpoint_and_dtypes(tmp_path):
     model16, params16 = from_pretrained(tmp_path, dtype="bfloat16")
     assert model16.dtype == jnp.bfloat16
     assert all(leaf.dtype == jnp.bfloat16 for leaf in jax.tree_util.tree_leaves(params16))
-    assert model16.init_cache(1, 4).keys.dtype == jnp.bfloat16
-    assert model16.init_cache(1, 4, dtype=jnp.float32).keys.dtype == jnp.float32
+    assert model16.init_cache(1, 4).keys[0].dtype == jnp.bfloat16
+    assert model16.init_cache(1, 4, dtype=jnp.float32).keys[0].dtype == jnp.float32
     tokens, mask = _batch(model.vocab_size)
     full32, _ = _full_forward(model, params, tokens, mask)
     full16, _ = _full_forward(model16, params16, tokens, mask)

@@ -113,8 +113,9 @@ def _cache_ops(new, beams):
     later, _, _ = cache.advance(3).update_layer(1, new[0][:, :1], new[1][:, :1])
     repeated = cache.repeat_rows(beams.shape[1])
 
-    def dequantized(c):
-        return dequantize(c.keys, c.key_scales, jnp.float32)
+    def dequantized(c):  # float32[L, B, K, S, H]
+        pairs = zip(c.keys, c.key_scales, strict=True)
+        return jnp.stack([dequantize(k, s, jnp.float32) for k, s in pairs])
 
     return {
         "keys": keys,

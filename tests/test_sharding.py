@@ -116,10 +116,10 @@ def _assert_rows_on_data(out, mesh):
 def test_layout_follows_the_rules_and_replicates_kv_heads_that_do_not_divide(models):
     model, params = models["llama"]
     layout = sharding.layout_for(model, sharding.make_mesh((2, 4)), batch=8)
-    assert layout.cache_spec == P(None, "data", "model", None, None)
+    assert layout.cache_spec == P("data", "model", None, None)
     # 4 KV heads on an 8-way model axis: the cache and k/v projections fall back to replicated.
     wide = sharding.layout_for(model, sharding.make_mesh((1, 8)))
-    assert wide.cache_spec == P(None, "data", None, None, None)
+    assert wide.cache_spec == P("data", None, None, None)
     placed = wide.place_params(params)
     attention = placed["layers"]["0"]["self_attn"]
     assert attention["q_proj"]["kernel"].sharding.spec == P("model", None)
@@ -127,7 +127,7 @@ def test_layout_follows_the_rules_and_replicates_kv_heads_that_do_not_divide(mod
     assert wide.place_params(placed) is placed  # already on the mesh: left alone
     # A ("data",) mesh: rules naming "model" replicate, so this is pure data parallelism.
     data_only = sharding.layout_for(model, sharding.make_mesh((8,), ("data",)))
-    assert data_only.cache_spec == P(None, "data", None, None, None)
+    assert data_only.cache_spec == P("data", None, None, None)
     assert sharding.logical_axes(params)["layers/0/mlp/down_proj/kernel"] == ("embed", "mlp")
 
 
@@ -199,14 +199,14 @@ def test_decode_loop_constrains_its_carry_every_step():
     tokens = jnp.zeros((batch, length), jnp.int32).at[:, 1].set(jnp.arange(batch) % 5)
     state = run(tokens)
     for x, spec in [
-        (state.cache.keys, P(None, "data", "model")),
-        (state.cache.values, P(None, "data", "model")),
+        (state.cache.keys[0], P("data", "model")),
+        (state.cache.values[0], P("data", "model")),
         (state.tokens, P("data")),
         (state.finished, P("data")),
     ]:
         assert x.sharding.is_equivalent_to(NamedSharding(mesh, spec), x.ndim), x.sharding
     np.testing.assert_array_equal(state.tokens[:, 2:], (tokens[:, 1:2] + jnp.arange(1, 5)) % 5)
-    np.testing.assert_array_equal(state.cache.keys[0, :, 0, 4, 0], state.tokens[:, 4])
+    np.testing.assert_array_equal(state.cache.keys[0][:, 0, 4, 0], state.tokens[:, 4])
 
 
 def _all_gathers(hlo: str) -> list[tuple[int, ...]]:
@@ -261,13 +261,13 @@ def test_jit_under_set_mesh_keeps_carry_sharded_and_gathers_no_weight(
     if arch == "llama" and strategy == "greedy":
         assert gathers == []  # heads split, KV heads split, rows split: nothing to gather
 
-    # The cache [L, B*M, K, S, H] is carried as per-device blocks [L, B*M/2, K/4, S, H].
+    # Each layer's cache [B*M, K, S, H] is carried as per-device blocks [B*M/2, K/4, S, H].
     copies = config.with_defaults().num_beams
     layers, kv_heads, head_dim = model.num_layers, model.num_kv_heads, model.head_dim
-    block = f"f32[{layers},{BATCH * copies // 2},{kv_heads // 4},{PROMPT + NEW},{head_dim}]"
-    whole = f"f32[{layers},{BATCH * copies},{kv_heads},{PROMPT + NEW},{head_dim}]"
+    block = f"f32[{BATCH * copies // 2},{kv_heads // 4},{PROMPT + NEW},{head_dim}]"
+    whole = f"f32[{BATCH * copies},{kv_heads},{PROMPT + NEW},{head_dim}]"
     carries = _while_carries(hlo)
-    assert any(c.count(block) == 2 for c in carries), carries
+    assert any(c.count(block) == 2 * layers for c in carries), carries
     assert not any(whole in c for c in carries), carries
 
 

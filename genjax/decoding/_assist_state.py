@@ -65,9 +65,9 @@ class AssistState:
     tokens: Array  # int32[B, S + T]: per row padding, prompt, committed tokens, then pad
     lengths: Array  # int32[B]: filled slots per row; the newest token is not in either cache
     positions: Array  # int32[B]: position id of the newest token
-    cache: KVCache  # target keys/values [L, B, K, C, H]; index = next slot to write
+    cache: KVCache  # target keys/values L x [B, K, C, H]; index = next slot to write
     cache_mask: Array  # int32[B, C]: 0 on padding and holes
-    draft_cache: KVCache | None  # draft keys/values [L', B, D, K', H'], or None (prompt lookup)
+    draft_cache: KVCache | None  # draft keys/values L' x [B, K', D, H'], or None (lookup)
     draft_mask: Array | None  # int32[B, D]
     draft_behind: Array  # bool[B]: the token before the newest is missing from the draft cache
     finished: Array  # bool[B]: rows a stopping rule has finished

@@ -168,7 +168,7 @@ def _check_inputs(tokens: Array, positions: Array, cache: KVCache, attention_mas
             f"attention_mask must be [B, S] = {(batch, cache.length)} (every cache slot), got "
             f"shape {attention_mask.shape}."
         )
-    if cache.keys.shape[1] != batch:
-        raise InputError(f"the cache holds {cache.keys.shape[1]} rows, but tokens have {batch}.")
+    if cache.batch != batch:
+        raise InputError(f"the cache holds {cache.batch} rows, but tokens have {batch}.")
     if not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise InputError(f"tokens must be integers, got dtype {tokens.dtype}.")

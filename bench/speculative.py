@@ -1,9 +1,10 @@
 """What assisted generation buys: plain greedy vs speculative greedy vs prompt lookup.
 
 On the bundled pair (``genjax.bundled.path("genjax-tiny")`` as target, ``"genjax-tiny-draft"``
-as draft), or with ``--random`` on random Llamas written by ``genjax.testing`` (a target of
-``--layers`` layers and a 1-layer draft sharing its embeddings and first layer, so they agree
-often), this times greedy generation of ``--new-tokens`` tokens at batch 1 and 8:
+as draft, or the folder ``--draft`` names), or with ``--random`` on random Llamas written by
+``genjax.testing`` (a target of ``--layers`` layers and a 1-layer draft sharing its embeddings
+and first layer, so they agree often), this times greedy generation of ``--new-tokens`` tokens
+at each batch size of ``--batches``:
 
 * ``plain``: ordinary greedy decoding of the target;
 * ``draft``: speculative greedy decoding with the draft (``--candidates`` per round);
@@ -17,7 +18,8 @@ checked to be equal). Every variant is compiled first, then the variants run int
 tokens/s (new tokens of all rows over the whole call, prefill included), the ratio to ``plain``
 and the acceptance rate (accepted candidates / new tokens after the first).
 
-Run:  python bench/speculative.py [--random] [--runs 5] [--new-tokens 128] [--candidates 4]
+Run:  python bench/speculative.py [--random] [--draft FOLDER] [--runs 5] [--new-tokens 128]
+      [--candidates 4] [--batches 1,8]
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import jax
 import numpy as np
 
 import genjax
+import genjax.bundled
 import genjax.testing
 
 
@@ -41,7 +44,7 @@ def _models(args):
     if not args.random:
         from genjax import bundled
 
-        target_path, draft_path = bundled.path("genjax-tiny"), bundled.path("genjax-tiny-draft")
+        target_path, draft_path = bundled.path("genjax-tiny"), args.draft
         model, params = genjax.models.from_pretrained(target_path)
         draft, draft_params = genjax.models.from_pretrained(draft_path)
         return model, params, draft, draft_params, genjax.tokenizer.from_pretrained(target_path)
@@ -88,6 +91,11 @@ def _time(fn):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--random", action="store_true", help="random models, not the bundled")
+    parser.add_argument(
+        "--draft",
+        default=genjax.bundled.path("genjax-tiny-draft"),
+        help="the draft Hugging Face folder (default: the bundled draft); not with --random",
+    )
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--candidates", type=int, default=4)
@@ -95,6 +103,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--width", type=int, default=256)
     args = parser.parse_args()
+    if args.random and args.draft != parser.get_default("draft"):
+        parser.error("--draft names a folder for the bundled target; --random builds its own draft")
     model, params, draft, draft_params, tok = _models(args)
     config = genjax.GenerationConfig(
         max_new_tokens=args.new_tokens,

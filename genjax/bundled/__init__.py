@@ -6,7 +6,8 @@ Two Hugging Face folders (``config.json``, ``model.safetensors``, ``tokenizer.js
 * ``genjax-tiny``: the default model of the ``genjax`` command, a small Llama trained on the
   Python standard library's source code (it writes Python-looking text).
 * ``genjax-tiny-draft``: a much smaller model with the same tokenizer, the draft model for
-  speculative decoding.
+  speculative decoding, distilled from ``genjax-tiny`` (trained on its next-token
+  distributions) so that it proposes the target's greedy token more often.
 
 They load with ``genjax.models.from_pretrained(genjax.bundled.path("genjax-tiny"))`` and with
 transformers' ``AutoModelForCausalLM.from_pretrained`` on the same folder.

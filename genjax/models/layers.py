@@ -140,10 +140,12 @@ class Dense(nn.Module):
     ``nn.Linear.weight`` (and of the embedding table that doubles as a tied output head), plus
     ``bias`` dtype[out] when ``use_bias``.
 
-    Why [out, in] and not flax's [in, out]: XLA on CPU multiplies a few rows of activations by a
-    [out, in] matrix 1.2-1.9x faster than by the same matrix stored [in, out] (batch 8-32 decode
-    steps and assisted verification passes; ``bench/run.py``), while one row (batch-1 decoding)
-    runs at about the same speed. On GPU and TPU the layout makes no difference.
+    Why [out, in] and not flax's [in, out]: XLA on CPU multiplies 8 or 32 rows of activations by
+    an [out, in] matrix 1.2-1.9x faster than by the same matrix stored [in, out] (GPT-2 and
+    SmolLM matrix shapes, weights not in cache), and whole decode steps at batch 8-32 got
+    1.2-1.3x faster. One row (batch-1 decoding) runs at about the same speed, except a large
+    output head (SmolLM's 49152 x 576: 1.3-1.6x slower alone). GPU and TPU matrix units take
+    either operand order, so the choice is made for CPUs (not measured on accelerators).
 
     With weight-only int8 params (:mod:`genjax.quantize`) ``kernel`` is int8[out, in] and a
     sibling ``kernel_scale`` float32[out] holds one scale per output channel. Which path runs is

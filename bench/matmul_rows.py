@@ -1,0 +1,93 @@
+"""How the cost of one linear layer grows with the number of activation rows, on this backend.
+
+Speculative decoding verifies ``G + 1`` tokens in one target pass, beam search runs ``beams`` rows,
+and batched decoding runs ``batch`` rows; each is worth it only if a matrix product with a few
+rows costs little more than with one row. This script measures exactly that: for each weight
+matrix of a model shape, the time of ``x @ W.T`` with ``x`` float32[M, in] and ``W``
+float32[out, in] (genjax's ``[out, in]`` layout, ``layers.linear``), and with the same matrix
+stored ``[in, out]`` (``x @ W``), for M = 1, 2, 3, 5, 8, 16, 32. Each product runs ``--repeats``
+times inside one ``lax.fori_loop`` (one compiled program, no dispatch per product), the weight
+staying the same, so the figures are for a matrix that fits in the CPU cache when it is small
+and streams from memory when it is not, as in decoding.
+
+Shapes:
+    ``tiny``: the bundled ``genjax-tiny`` target (Llama, width 256, MLP 704, vocab 4096) and
+        its draft's head (vocab 4096 x width 96): the speculative-decoding pair.
+    ``gpt2``: GPT-2 small (768 wide, MLP 3072, fused qkv 2304, vocab 50257).
+    ``smollm``: the SmolLM-135M shape (576 wide, MLP 1536, vocab 49152).
+
+Run:  python bench/matmul_rows.py [--shapes tiny gpt2] [--rows 1 2 5 8] [--repeats 100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SHAPES = {
+    "tiny": [("q_proj/o_proj", 256, 256), ("k/v_proj", 128, 256), ("gate/up", 704, 256),
+             ("down", 256, 704), ("head", 4096, 256), ("draft head", 4096, 96)],
+    "gpt2": [("c_attn", 2304, 768), ("c_proj", 768, 768), ("c_fc", 3072, 768),
+             ("mlp c_proj", 768, 3072), ("head", 50257, 768)],
+    "smollm": [("q/o_proj", 576, 576), ("k/v_proj", 192, 576), ("gate/up", 1536, 576),
+               ("down", 576, 1536), ("head", 49152, 576)],
+}  # fmt: skip
+_OUT_IN = (((1,), (1,)), ((), ()))  # x[M, in] . W[out, in] over `in`
+_IN_OUT = (((1,), (0,)), ((), ()))  # x[M, in] . W[in, out] over `in`
+
+
+def _per_product_s(numbers, weight: jax.Array, rows: int, repeats: int) -> float:
+    """Median seconds of one ``x @ W`` product with ``rows`` rows, over 5 timed loops."""
+
+    @jax.jit
+    def loop(x, weight):
+        def body(i, carry):
+            # The carry feeds the next product, so XLA cannot hoist or drop any of them.
+            y = jax.lax.dot_general(x + carry, weight, numbers)
+            return carry + y[0, 0] * 1e-9
+
+        return jax.lax.fori_loop(0, repeats, body, jnp.float32(0))
+
+    x = jnp.ones((rows, weight.shape[1] if numbers is _OUT_IN else weight.shape[0]), jnp.float32)
+    jax.block_until_ready(loop(x, weight))
+    samples = []
+    for _ in range(5):
+        start = time.perf_counter()
+        jax.block_until_ready(loop(x, weight))
+        samples.append((time.perf_counter() - start) / repeats)
+    return statistics.median(samples)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=["tiny", "gpt2"])
+    parser.add_argument("--rows", nargs="+", type=int, default=[1, 2, 3, 5, 8, 16, 32])
+    parser.add_argument("--repeats", type=int, default=100, help="products per timed loop")
+    args = parser.parse_args()
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform}; float32; microseconds per")
+    print("product, [out, in] layout / [in, out] layout; (x N): [out, in] time over its time")
+    print(f"with M={args.rows[0]} rows")
+    rng = np.random.default_rng(0)
+    for shape in args.shapes:
+        print(f"\n== {shape} ==")
+        print(f"{'matrix':>12} {'[out, in]':>12} " + " ".join(f"{f'M={m}':>21}" for m in args.rows))
+        for name, out_features, in_features in SHAPES[shape]:
+            weight = rng.standard_normal((out_features, in_features), np.float32)
+            out_in = jnp.asarray(weight)
+            in_out = jnp.asarray(np.ascontiguousarray(weight.T))
+            cells, one = [], None
+            for rows in args.rows:
+                a = _per_product_s(_OUT_IN, out_in, rows, args.repeats) * 1e6
+                b = _per_product_s(_IN_OUT, in_out, rows, args.repeats) * 1e6
+                one = one or a
+                cells.append(f"{a:7.0f}/{b:<7.0f}(x{a / one:4.1f})")
+            print(f"{name:>12} {f'{out_features}x{in_features}':>12} " + " ".join(cells))
+
+
+if __name__ == "__main__":
+    main()

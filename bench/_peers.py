@@ -1,7 +1,8 @@
 """The libraries under test, each in a process of its own.
 
 For every case the suite starts one fresh worker process per library (``genjax``, ``torch``
-with its default dynamic cache, ``torch-static`` with ``cache_implementation="static"``). A
+with its default dynamic cache, ``torch-static`` with ``cache_implementation="static"``, and on
+request ``flax446``, transformers 4.46 Flax run by another interpreter: ``_flax_peer.py``). A
 worker imports only its own library and loads the checkpoint once; the parent then drives the
 workers in turn over a pipe, so runs interleave (genjax run, torch run, torch-static run, repeat)
 while each process's resident memory belongs to one library and one case only. Idle workers
@@ -23,8 +24,10 @@ from collections.abc import Callable
 import _machine
 import numpy as np
 
-LIBS = ("genjax", "torch", "torch-static")
+LIBS = ("genjax", "torch", "torch-static", "flax446")
+DEFAULT_LIBS = ("genjax", "torch", "torch-static")  # flax446 needs its own venv: opt in
 TORCH_LIBS = ("torch", "torch-static")
+FLAX_LIB = "flax446"  # transformers 4.46.3 Flax, in another interpreter (bench/_flax_peer.py)
 PAD_TOKEN_ID = 0
 
 
@@ -44,9 +47,18 @@ class PeerError(Exception):
 class Peer:
     """The parent's handle on one worker process; ``call`` sends an op and waits for its reply."""
 
-    def __init__(self, lib: str, folder: str | None):
-        context = multiprocessing.get_context("spawn")  # no state inherited from the parent
+    def __init__(self, lib: str, folder: str | None, python: str | None = None):
+        """Starts the worker; ``python`` is the Flax venv's interpreter, used for ``flax446``
+        only (that worker is a subprocess of that interpreter, see ``_flax_peer.start``)."""
         self.lib = lib
+        if lib == FLAX_LIB:
+            import _flax_peer
+
+            self._conn, self._process = _flax_peer.start(folder, _flax_peer.python_path(python))
+            self._plain = _flax_peer.plain
+            return
+        self._plain = None
+        context = multiprocessing.get_context("spawn")  # no state inherited from the parent
         self._conn, child = context.Pipe()
         self._process = context.Process(
             target=serve, args=(child, lib, folder), name=f"bench-{lib}", daemon=True
@@ -56,7 +68,7 @@ class Peer:
 
     def send(self, op: str, **kwargs) -> None:
         """Asks the worker to run ``op``; collect the answer with :meth:`receive`."""
-        self._conn.send((op, kwargs))
+        self._conn.send((op, self._plain(kwargs) if self._plain else kwargs))
 
     def receive(self):
         """The result of the last op sent; raises :class:`PeerError` if it failed."""
@@ -90,7 +102,7 @@ class Peer:
 
 def serve(conn, lib: str, folder: str | None) -> None:
     """The worker's main loop: answer ops from the parent until ``close``."""
-    if lib == "genjax":  # leave accelerator memory to the torch workers on the same device
+    if lib in ("genjax", FLAX_LIB):  # leave accelerator memory to the other workers
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     runner = None
     while True:
@@ -99,7 +111,7 @@ def serve(conn, lib: str, folder: str | None) -> None:
             return
         try:
             if op == "load":
-                runner = (GenjaxRunner if lib == "genjax" else TorchRunner)(folder, lib)
+                runner = _runner_class(lib)(folder, lib)
                 result = runner.info()
             elif op == "device_bandwidth":
                 result = _machine.device_bandwidth()
@@ -111,6 +123,14 @@ def serve(conn, lib: str, folder: str | None) -> None:
             conn.send(("error", _error_kind(error), f"{type(error).__name__}: {error}"))
         else:
             conn.send(("ok", result))
+
+
+def _runner_class(lib: str) -> type[Runner]:
+    if lib == FLAX_LIB:  # only ever imported in the Flax venv's interpreter
+        from _flax_peer import FlaxRunner
+
+        return FlaxRunner
+    return GenjaxRunner if lib == "genjax" else TorchRunner
 
 
 def _error_kind(error: Exception) -> str:

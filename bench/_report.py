@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 
-from _peers import TORCH_LIBS
+from _peers import FLAX_LIB, TORCH_LIBS
 
 
 def summarize(raw: dict, batch: int, new_tokens: int) -> dict:
@@ -48,14 +48,16 @@ def speed(summary: dict) -> float:
     return 1e3 / summary["ttft_ms"]["median"]
 
 
-def ratio(libs: dict) -> dict | None:
-    """genjax speed over the best transformers speed (>1: genjax is faster), or None."""
+def ratio(libs: dict, against: tuple[str, ...] = TORCH_LIBS) -> dict | None:
+    """genjax speed over the best speed among ``against`` (default the transformers PyTorch
+    variants; ``("flax446",)`` for the Flax peer); >1: genjax is faster. None when genjax or
+    all of ``against`` were not measured."""
     genjax = libs.get("genjax", {}).get("summary")
-    torch = {lib: libs[lib]["summary"] for lib in TORCH_LIBS if libs.get(lib, {}).get("summary")}
-    if not genjax or not torch:
+    peers = {lib: libs[lib]["summary"] for lib in against if libs.get(lib, {}).get("summary")}
+    if not genjax or not peers:
         return None
-    best = max(torch, key=lambda lib: speed(torch[lib]))
-    return dict(value=speed(genjax) / speed(torch[best]), against=best)
+    best = max(peers, key=lambda lib: speed(peers[lib]))
+    return dict(value=speed(genjax) / speed(peers[best]), against=best)
 
 
 def bandwidth_fractions(case: dict, checkpoint: dict, bandwidth: dict) -> dict | None:
@@ -128,6 +130,7 @@ COLUMNS = (
     ("compile s", 9, ">"),
     ("peak RSS MB", 11, ">"),
     ("vs torch", 17, "<"),
+    (f"vs {FLAX_LIB}", 10, ">"),  # printed only when some case measured the Flax peer
 )
 
 
@@ -147,10 +150,12 @@ def format_shape(result: dict, bandwidth: dict) -> str:
         f"== {result['title']}: {checkpoint['layers']} layers, "
         f"{checkpoint['params'] / 1e6:.1f} M params (float32) ==",
         _devices(result["cases"]),
-        _line([name for name, _, _ in COLUMNS]),
     ]
+    flax = any(case.get("ratio_flax446") for case in result["cases"].values())
+    columns = COLUMNS if flax else COLUMNS[:-1]
+    lines.append(_line([name for name, _, _ in columns]))
     for name, case in result["cases"].items():
-        lines.extend(_case_lines(name, case))
+        lines.extend(_case_lines(name, case, flax))
     fractions = result.get("bandwidth_fraction")
     if fractions:
         lines.extend(_bandwidth_lines(fractions, bandwidth))
@@ -167,7 +172,7 @@ def _devices(cases: dict) -> str:
     return "devices: " + "; ".join(f"{lib} on {device}" for lib, device in devices.items())
 
 
-def _case_lines(name: str, case: dict) -> list[str]:
+def _case_lines(name: str, case: dict, flax: bool = False) -> list[str]:
     lines = []
     for index, (lib, result) in enumerate(case["libs"].items()):
         label = name if index == 0 else ""
@@ -176,9 +181,11 @@ def _case_lines(name: str, case: dict) -> list[str]:
             lines.append(f"{label:<11}  {lib:<12}  {error['kind']}: {_short(error['message'])}")
             continue
         summary = result["summary"]
-        versus = ""
+        versus = versus_flax = ""
         if lib == "genjax" and case.get("ratio"):
             versus = f"{case['ratio']['value']:.2f}x {case['ratio']['against']}"
+        if lib == "genjax" and case.get("ratio_flax446"):
+            versus_flax = f"{case['ratio_flax446']['value']:.2f}x"
         cells = [
             label,
             lib,
@@ -189,6 +196,8 @@ def _case_lines(name: str, case: dict) -> list[str]:
             _num(summary["peak_rss_mb"]),
             versus,
         ]
+        if flax:
+            cells.append(versus_flax)
         lines.append(_line(cells))
     return lines
 

@@ -8,7 +8,9 @@ decoding reaches; ``--json`` writes every number and the environment.
 
 Run:  python bench/run.py [--quick] [--json out.json] [--shapes gpt2 smollm]
                           [--cases greedy_b1 ...] [--runs 3] [--libs genjax torch torch-static]
-Needs the `parity` extra (torch, transformers). See bench/README.md for the columns.
+                          [--flax-python PATH]
+Needs the `parity` extra (torch, transformers); `--libs ... flax446` also needs the venv that
+bench/setup_flax_peer.sh makes. See bench/README.md for the columns.
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _cases  # noqa: E402
+import _flax_peer  # noqa: E402
 import _machine  # noqa: E402
 import _report  # noqa: E402
-from _peers import LIBS, Peer, PeerError  # noqa: E402
+from _peers import DEFAULT_LIBS, FLAX_LIB, LIBS, Peer, PeerError  # noqa: E402
 
 NEW_TOKENS = 128
 QUICK_LAYERS = 2
@@ -44,7 +47,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", metavar="PATH", help="also write every number here")
     parser.add_argument("--shapes", nargs="+", choices=list(_cases.SHAPES), default=None)
     parser.add_argument("--cases", nargs="+", choices=list(_cases.CASES), default=None)
-    parser.add_argument("--libs", nargs="+", choices=LIBS, default=list(LIBS))
+    parser.add_argument(
+        "--libs",
+        nargs="+",
+        choices=LIBS,
+        default=list(DEFAULT_LIBS),
+        help=f"default: {' '.join(DEFAULT_LIBS)}; {FLAX_LIB} (transformers 4.46.3 Flax) needs "
+        "bench/setup_flax_peer.sh",
+    )
+    parser.add_argument(
+        "--flax-python",
+        metavar="PATH",
+        help=f"python of the {FLAX_LIB} venv (default ${_flax_peer.PYTHON_ENV}, else "
+        ".flax-peer-venv/bin/python)",
+    )
     parser.add_argument("--runs", type=int, default=None, help="measured runs (default 3)")
     parser.add_argument("--new-tokens", type=int, default=None, help="default 128")
     parser.add_argument("--layers", type=int, default=None, help="default: the full depth")
@@ -58,6 +74,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.layers = QUICK_LAYERS
     if args.runs < 1 or args.new_tokens < 2 or (args.layers is not None and args.layers < 1):
         parser.error("--runs and --layers must be at least 1, --new-tokens at least 2")
+    args.flax_python = _flax_peer.python_path(args.flax_python)
+    args.flax_versions = None
+    if FLAX_LIB in args.libs:
+        try:
+            args.flax_versions = _flax_peer.check_python(args.flax_python)
+        except _flax_peer.FlaxPeerSetupError as error:
+            parser.error(str(error))
     return args
 
 
@@ -99,7 +122,7 @@ def run_case(case: _cases.Case, folder: str, checkpoint: dict, args) -> dict:
     new_tokens = case.tokens(args.new_tokens)
     ids = _cases.prompt_ids(case, checkpoint["vocab_size"])
     results = {lib: {} for lib in args.libs}
-    peers = {lib: Peer(lib, folder) for lib in args.libs}
+    peers = {lib: Peer(lib, folder, args.flax_python) for lib in args.libs}
     try:
         live = _load(peers, results)
         live = _warm_up(peers, results, live, case, ids, new_tokens)
@@ -118,6 +141,7 @@ def run_case(case: _cases.Case, folder: str, checkpoint: dict, args) -> dict:
         strategy=case.sampling(),
         libs=results,
         ratio=_report.ratio(results),
+        ratio_flax446=_report.ratio(results, against=(FLAX_LIB,)),
     )
 
 
@@ -211,6 +235,12 @@ def main(argv: list[str] | None = None) -> int:
             libs=args.libs,
         ),
     )
+    if args.flax_versions:
+        report["environment"]["flax446"] = dict(
+            python=args.flax_python,
+            versions=args.flax_versions,
+            call="jax.jit(model.generate) with params, prompts, mask and key as arguments",
+        )
     report["bandwidth"] = measure_bandwidth(args.libs)
     report["shapes"] = {}
     _print_header(report)
@@ -251,6 +281,10 @@ def _print_header(report: dict) -> None:
         f"prompt 32 (prefill512: 512), {settings['new_tokens']} new tokens, "
         f"median (min-max) of {settings['runs']} run(s); ratio = genjax / best torch speed"
     )
+    flax = env.get(FLAX_LIB)
+    if flax:
+        pinned = ", ".join(f"{k} {v}" for k, v in flax["versions"].items())
+        print(f"{FLAX_LIB}: {pinned} ({flax['call']}); vs {FLAX_LIB} = genjax / its speed")
 
 
 def _write_json(path: str, report: dict) -> None:

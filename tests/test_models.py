@@ -8,6 +8,7 @@ import dataclasses
 import json
 import os
 
+import flax
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -592,6 +593,29 @@ def test_apply_validates_shapes(tmp_path):
         model.apply(params, tokens, tokens[:, :1], cache, jnp.ones((2, 8), jnp.int32))
     with pytest.raises(InputError, match="logits_to_keep"):
         model.apply(params, tokens, tokens, cache, jnp.ones((2, 8), jnp.int32), logits_to_keep=-1)
+
+
+def test_apply_names_a_param_of_the_wrong_shape(tmp_path):
+    """The layers check stored shapes themselves (no initializer trace): a kernel from another
+    width is named with both shapes, for a Dense kernel, a norm scale and the embedding."""
+    model, params = _load(tmp_path, "llama")
+    cache = model.init_cache(1, 4)
+    tokens, mask = jnp.zeros((1, 2), jnp.int32), jnp.ones((1, 4), jnp.int32)
+    for path in (
+        ("layers", "0", "mlp", "up_proj", "kernel"),
+        ("layers", "1", "input_layernorm", "scale"),
+        ("embed_tokens", "embedding"),
+    ):
+        broken = jax.tree_util.tree_map(lambda x: x, params)
+        parent = broken
+        for name in path[:-1]:
+            parent = parent[name]
+        good = parent[path[-1]]
+        parent[path[-1]] = jnp.zeros(good.shape[:-1] + (good.shape[-1] + 1,), good.dtype)
+        wrong = parent[path[-1]].shape
+        with pytest.raises(flax.errors.ScopeParamShapeError, match=path[-2]) as error:
+            model.apply(broken, tokens, tokens, cache, mask)
+        assert str(good.shape) in str(error.value) and str(wrong) in str(error.value)
 
 
 def test_init_params_matches_the_loaded_tree(tmp_path):

@@ -24,6 +24,7 @@ from genjax.models import (
     Model,
     from_config,
     from_pretrained,
+    layers,
 )
 from genjax.models import loading as loading_module
 from genjax.models.rope import RopeConfig, inverse_frequencies
@@ -616,6 +617,30 @@ def test_apply_names_a_param_of_the_wrong_shape(tmp_path):
         with pytest.raises(flax.errors.ScopeParamShapeError, match=path[-2]) as error:
             model.apply(broken, tokens, tokens, cache, mask)
         assert str(good.shape) in str(error.value) and str(wrong) in str(error.value)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_grouped_decode_attention_equals_the_product(dtype):
+    """One query token with G > 1 takes the multiply-and-sum path; it must match the einsum
+    path (taken for T > 1) on the same token, with padding slots masked out."""
+    rng = np.random.default_rng(0)
+    batch, kv_heads, groups, slots, head_dim = 2, 3, 3, 40, 16
+    queries = jnp.asarray(rng.standard_normal((batch, 1, kv_heads * groups, head_dim)), dtype)
+    keys, values = (
+        jnp.asarray(rng.standard_normal((batch, kv_heads, slots, head_dim)), dtype)
+        for _ in range(2)
+    )
+    bias = jnp.asarray(np.where(rng.random((batch, 1, 1, slots)) < 0.3, -1e9, 0.0), jnp.float32)
+    one = layers.attention(queries, keys, values, bias, 0.25)
+    two = layers.attention(
+        jnp.concatenate([queries, queries], 1), keys, values, jnp.concatenate([bias, bias], 2), 0.25
+    )
+    assert one.shape == (batch, 1, kv_heads * groups * head_dim) and one.dtype == dtype
+    tolerance = 1e-6 if dtype == jnp.float32 else 1e-2
+    np.testing.assert_allclose(
+        np.asarray(one, np.float32), np.asarray(two[:, :1], np.float32), atol=tolerance
+    )
+    assert float(jnp.max(jnp.abs(one.astype(jnp.float32)))) > 0.1  # not all zeros
 
 
 def test_init_params_matches_the_loaded_tree(tmp_path):

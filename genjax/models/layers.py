@@ -263,5 +263,33 @@ def attention(
     scores = jnp.einsum("btkgh,bksh->bkgts", grouped, keys) * jnp.asarray(scale, grouped.dtype)
     scores = scores.astype(jnp.float32) + bias[:, :, None]  # [B, K, G, T, S]
     weights = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
-    out = jnp.einsum("bkgts,bksh->btkgh", weights, values)
+    if length == 1 and num_heads > num_kv_heads:
+        out = _grouped_decode_values(weights, values)
+    else:
+        out = jnp.einsum("bkgts,bksh->btkgh", weights, values)
     return out.reshape(batch, length, num_heads * head_dim).astype(queries.dtype)
+
+
+def _grouped_decode_values(weights: Array, values: Array) -> Array:
+    """``einsum("bkgts,bksh->btkgh")`` for one query token (T = 1) and G > 1 query heads per
+    KV head, as a multiply and a sum over S instead of a matrix product.
+
+    As a product, each KV head is a G-row by S matrix times S by H: XLA's CPU library takes its
+    few-row matrix kernel, which is slow (see ``Dense``). The multiply-and-sum reads the values
+    once and ran 2.5-4.2x faster alone (SmolLM's 3 KV heads x 3 groups: b8 with 2048 slots,
+    6.1 -> 2.0 ms per layer and step; b32 with 160 slots, 1.75 -> 0.42 ms), and the same at b1
+    with 160 slots. With G = 1 the product is a matrix-vector product and stays faster, so
+    this path is not taken there. Below float32 the sum runs in float32, as the product
+    accumulates.
+
+    Args:
+        weights: dtype[B, K, G, 1, S], the softmax weights.
+        values: dtype[B, K, S, H].
+
+    Returns:
+        dtype[B, 1, K, G, H].
+    """
+    wide = jnp.promote_types(values.dtype, jnp.float32)
+    products = weights.astype(wide)[..., None] * values.astype(wide)[:, :, None, None]
+    out = jnp.sum(products, axis=-2)  # [B, K, G, 1, H]
+    return out.transpose(0, 3, 1, 2, 4).astype(values.dtype)

@@ -242,11 +242,13 @@ def attention(
     Query head ``n`` reads key/value head ``n // (N // K)``, as HF's ``repeat_kv`` arranges them.
     Scores are ``(Q K^T) * scale`` in the input dtype (float32 with ``upcast_scores``), the bias
     is added in float32, the softmax runs in float32, and the weights are cast back to the value
-    dtype before the weighted sum.
+    dtype before the weighted sum (for one query token and G > 1, a multiply and a sum over the
+    slots: :func:`_grouped_decode_values`).
 
     Args:
         queries: dtype[B, T, N, H].
-        keys: dtype[B, K, S, H] (the cache's axis order: no transpose per step).
+        keys: dtype[B, K, S, H], the cache's axis order (XLA:CPU still copies it to [K, H, S] for
+            the product; storing it that way measured slower).
         values: dtype[B, K, S, H].
         bias: float32[B, 1, T, S], from :func:`genjax.cache.attention_bias`.
         scale: the score multiplier (static), usually ``H ** -0.5``.

@@ -11,10 +11,10 @@ program generate compiles, its inner jit inlined):
     first    the first execution of the compiled program minus the median steady execution
 
 Each repetition starts from ``jax.clear_caches()``, so every stage runs again; the table gives
-the median and min-max over ``--repeats``. Greedy, prompt 32, ``--new-tokens`` (default 128)
-new tokens, float32, the batch sizes given.
+the median and min-max over ``--repeats``. The cases are ``run.py``'s (same prompts and
+sampling settings), float32, ``--new-tokens`` (default 128) new tokens.
 
-Run:  python bench/compile_time.py [--shapes gpt2 smollm] [--batches 1 8] [--repeats 3]
+Run:  python bench/compile_time.py [--shapes smollm] [--cases greedy_b1 sample_b8] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -38,11 +38,14 @@ def _seconds(start: float) -> float:
 
 
 def measure(model, params, ids: np.ndarray, config, steady_runs: int = 2) -> dict[str, float]:
-    """One cold compile of greedy generate on ``ids``, split into stages (seconds)."""
+    """One cold compile of generate on ``ids`` with ``config``, split into stages (seconds)."""
     jax.clear_caches()
-    jitted = jax.jit(lambda params, ids: genjax.generate(model, params, ids, config).sequences)
+    key = jax.random.key(0) if config.do_sample else None
+    jitted = jax.jit(
+        lambda params, ids, key: genjax.generate(model, params, ids, config, key=key).sequences
+    )
     start = time.perf_counter()
-    traced = jitted.trace(params, ids)
+    traced = jitted.trace(params, ids, key)
     times = {"trace": _seconds(start)}
     start = time.perf_counter()
     lowered = traced.lower()
@@ -53,7 +56,7 @@ def measure(model, params, ids: np.ndarray, config, steady_runs: int = 2) -> dic
     runs = []
     for _ in range(1 + steady_runs):
         start = time.perf_counter()
-        jax.block_until_ready(compiled(params, ids))
+        jax.block_until_ready(compiled(params, ids, key))
         runs.append(_seconds(start))
     times["first"] = runs[0] - statistics.median(runs[1:])
     times["total"] = sum(times[stage] for stage in STAGES[:-1])
@@ -63,29 +66,30 @@ def measure(model, params, ids: np.ndarray, config, steady_runs: int = 2) -> dic
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", nargs="+", choices=sorted(_cases.SHAPES), default=["smollm"])
-    parser.add_argument("--batches", nargs="+", type=int, default=[1, 8])
+    parser.add_argument(
+        "--cases", nargs="+", choices=list(_cases.CASES), default=["greedy_b1", "greedy_b8"]
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=128)
     args = parser.parse_args()
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}; seconds, median (min-max) of")
-    print(f"{args.repeats} cold compiles; greedy, prompt 32, {args.new_tokens} new tokens")
-    config = genjax.GenerationConfig(
-        max_new_tokens=args.new_tokens,
-        min_new_tokens=args.new_tokens,
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
-    print(f"{'shape':>8} {'batch':>5} " + " ".join(f"{stage:>17}" for stage in STAGES))
+    print(f"{args.repeats} cold compiles; {args.new_tokens} new tokens unless the case says")
+    print(f"{'shape':>8} {'case':>10} " + " ".join(f"{stage:>17}" for stage in STAGES))
     for name in args.shapes:
         shape = _cases.SHAPES[name]
         with tempfile.TemporaryDirectory(prefix=f"genjax-compile-{name}-") as folder:
             _cases.write_checkpoint(shape, shape.layers, folder)
             model, params = genjax.models.from_pretrained(folder)
-        for batch in args.batches:
-            ids = np.random.default_rng(_cases.SEED).integers(
-                0, shape.config["vocab_size"], (batch, 32), dtype=np.int32
+        for case in _cases.select_cases(args.cases, quick=False):
+            tokens = case.tokens(args.new_tokens)
+            config = genjax.GenerationConfig(
+                max_new_tokens=tokens,
+                min_new_tokens=tokens,
+                eos_token_id=None,
+                pad_token_id=0,
+                **case.sampling(),
             )
+            ids = _cases.prompt_ids(case, shape.config["vocab_size"]).astype(np.int32)
             samples = [measure(model, params, ids, config) for _ in range(args.repeats)]
             cells = []
             for stage in STAGES:
@@ -93,7 +97,10 @@ def main() -> None:
                 cells.append(
                     f"{statistics.median(values):5.2f} ({min(values):.2f}-{max(values):.2f})"
                 )
-            print(f"{name:>8} {batch:>5} " + " ".join(f"{cell:>17}" for cell in cells), flush=True)
+            print(
+                f"{name:>8} {case.name:>10} " + " ".join(f"{cell:>17}" for cell in cells),
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from genjax.cache import KVCache
 from genjax.decoding.sampling import (
     DecodeRules,
     DecodeState,
+    _inverse_cdf,
     decode,
     greedy_chooser,
     sample,
@@ -202,3 +203,17 @@ def test_sample_follows_softmax_over_the_prefix_and_over_the_whole_vocabulary():
     # A batch whose rows keep different numbers of tokens draws every row correctly.
     mixed = jnp.stack([jnp.asarray(truncated), jnp.asarray(logits)])
     assert np.isfinite(truncated[int(_sample(jax.random.key(1), mixed)[0])])
+
+
+def test_inverse_cdf_draws_only_tokens_of_positive_probability():
+    """The whole-vocabulary path maps a uniform number to the token whose cumulative probability
+    first exceeds it; removed tokens are never drawn, even at the ends of the unit interval."""
+    half = np.array([-np.inf, 0.0, -np.inf, 0.0, -np.inf], np.float32)  # tokens 1 and 3, 1/2 each
+    uniforms = np.array([1e-30, 0.49, 0.51, 1 - 2**-24, 1.0], np.float32)
+    tokens = _inverse_cdf(jnp.tile(half, (5, 1)), jnp.asarray(uniforms))
+    np.testing.assert_array_equal(tokens, [1, 1, 3, 3, 3])
+    skewed = np.log(np.array([0.1, 0.2, 0.7], np.float32))  # cumulative 0.1, 0.3, 1.0
+    tokens = _inverse_cdf(jnp.tile(skewed, (4, 1)), jnp.asarray([0.05, 0.15, 0.29, 0.31]))
+    np.testing.assert_array_equal(tokens, [0, 1, 1, 2])
+    nothing = jnp.full((1, 5), -jnp.inf)
+    assert int(_inverse_cdf(nothing, jnp.asarray([0.5]))[0]) == 0

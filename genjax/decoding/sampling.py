@@ -107,30 +107,51 @@ def sample(key: Array, scores: Array) -> Array:
     """int32[...]: one draw from ``softmax(scores)`` over the last axis of float32[..., V].
 
     Drawing Gumbel noise for every token of a large vocabulary is the costly part of sampling on
-    a CPU (about 30 ms per step for 8 x 50257 scores, against 2 ms for an argmax). After top-k,
-    top-p or another truncation most scores are -inf, and those tokens have probability 0: when
-    every row keeps at most ``PREFIX`` (256) tokens, the draw runs over the row's ``PREFIX``
-    largest scores only, which hold all of its kept tokens, so the distribution is exactly the
-    same. Otherwise (no truncation, or a wider one) a ``lax.cond`` draws over the whole
-    vocabulary. The same key gives the same tokens on both paths only in distribution, not
-    draw for draw; it always gives the same tokens for the same scores.
+    a CPU. After top-k, top-p or another truncation most scores are -inf, and those tokens have
+    probability 0: when every row keeps at most ``PREFIX`` (256) tokens, the draw is the
+    Gumbel-max trick over the row's ``PREFIX`` largest scores only, which hold all of its kept
+    tokens, so the distribution is exactly the same. Otherwise (no truncation, or a wider one) a
+    ``lax.cond`` draws over the whole vocabulary by inverting the cumulative distribution with
+    one uniform number per row (:func:`_inverse_cdf`): no noise per token, 3.9 against 9.3 ms
+    for Gumbel-max over 8 x 49152 scores on a 2-core CPU. Both paths read the same uniform
+    numbers, drawn once per step. The same key gives the same tokens on both paths only in
+    distribution, not draw for draw; it always gives the same tokens for the same scores.
     """
     vocab = scores.shape[-1]
     if vocab <= PREFIX:
         return jax.random.categorical(key, scores, axis=-1).astype(jnp.int32)
     rows = scores.reshape(-1, vocab)  # float32[R, V]
     kept = jnp.sum(rows > NEG_INF, axis=-1)  # int32[R]
+    tiny = jnp.finfo(jnp.float32).tiny
+    uniforms = jax.random.uniform(key, (rows.shape[0], PREFIX), minval=tiny)  # (0, 1)[R, PREFIX]
 
     def over_prefix(rows: Array) -> Array:
         values, indices = jax.lax.top_k(rows, PREFIX)  # [R, PREFIX], descending
-        picked = jax.random.categorical(key, values, axis=-1)
+        picked = jnp.argmax(values - jnp.log(-jnp.log(uniforms)), axis=-1)  # Gumbel-max
         return jnp.take_along_axis(indices, picked[:, None], axis=-1)[:, 0]
 
     def over_vocabulary(rows: Array) -> Array:
-        return jax.random.categorical(key, rows, axis=-1)
+        return _inverse_cdf(rows, uniforms[:, 0])
 
     tokens = jax.lax.cond(jnp.all(kept <= PREFIX), over_prefix, over_vocabulary, rows)
     return tokens.astype(jnp.int32).reshape(scores.shape[:-1])
+
+
+def _inverse_cdf(rows: Array, uniform: Array) -> Array:
+    """int32[R]: per row, the first token whose cumulative probability exceeds ``uniform``.
+
+    Inverse transform sampling over float32[R, V] scores with one number in (0, 1) per row:
+    token ``i`` is drawn with probability ``softmax(rows)[i]``. Only tokens of positive
+    probability can be drawn; should rounding leave the uniform's share above every cumulative
+    sum, the last such token is drawn. A row without any finite score draws token 0.
+    """
+    vocab = rows.shape[-1]
+    probs = jnp.exp(rows - jnp.max(rows, axis=-1, keepdims=True))  # unnormalised, 0 at -inf
+    cumulative = jnp.cumsum(probs, axis=-1)  # float32[R, V]
+    positive = probs > 0
+    crossing = positive & (cumulative > uniform[:, None] * cumulative[:, -1:])
+    last = jnp.where(jnp.any(positive, -1), vocab - 1 - jnp.argmax(positive[:, ::-1], -1), 0)
+    return jnp.where(jnp.any(crossing, -1), jnp.argmax(crossing, -1), last)
 
 
 def _record(buffer: Array | None, values: Array, step: Array) -> Array | None:

@@ -8,6 +8,12 @@ compiles them all up front (``jax.jit(...).lower(...).compile()``, which fills t
 makes the compiled programs outlive the process: a second process with the same cache
 directory loads them from disk instead of compiling.
 
+Compiling is not all of a first call's extra time. XLA:CPU builds the runtime of each of its
+library matrix products (YNNPACK) when a program first runs, which adds 2-3 s to the first call
+of a SmolLM-135M-sized program on a 2-core CPU even after :func:`warmup` compiled it.
+``warmup(..., run_once=True)`` also runs each program once on a dummy batch, so that cost is paid
+up front as well.
+
 Example:
     >>> genjax.enable_compile_cache("/tmp/genjax-xla-cache")
     >>> cfg = GenerationConfig(max_new_tokens=64, do_sample=True, top_p=0.9, max_cache_len=512)
@@ -20,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -52,6 +59,7 @@ class WarmupEntry:
             (or an earlier call) already built the same program.
         compiled: the ``jax.stages.Compiled`` program: ``as_text()``, ``memory_analysis()``,
             ``cost_analysis()``.
+        run_seconds: with ``run_once=True``, the time of the dummy run; None otherwise.
     """
 
     batch: int
@@ -59,6 +67,7 @@ class WarmupEntry:
     padded_length: int
     seconds: float
     compiled: jax.stages.Compiled
+    run_seconds: float | None = None
 
 
 def warmup(
@@ -70,6 +79,7 @@ def warmup(
     *,
     key: jax.Array | None = None,
     prompt_buckets=None,
+    run_once: bool = False,
     **generate_kwargs,
 ) -> list[WarmupEntry]:
     """Compiles ahead of time the programs ``generate`` will run, so its first call compiles
@@ -82,6 +92,13 @@ def warmup(
     nothing. Pass the same config, ``prompt_buckets`` and keyword arguments (``mesh``,
     ``logits_processor``...) that the real calls will use: anything static that differs
     compiles a new program at the call.
+
+    With ``run_once=True`` each program also runs once, on a batch of zeros, so the one-off
+    work of a program's first execution (on CPU, building XLA's matrix-product runtimes: seconds
+    for a 135M model) is done before the first real call too. A bucketed program runs the
+    config's ``max_new_tokens`` (a full generation: its length is static); a ``max_cache_len``
+    program runs 2 new tokens, enough to run the decoding loop's body, since its length is
+    traced.
 
     Static or traced: the values of traced config fields (temperature, top_p, EOS ids...) and
     of the key do not matter; their presence does (a config with ``temperature=1.0`` compiles
@@ -97,6 +114,7 @@ def warmup(
             lengths themselves.
         key: a PRNG key like the calls' (any typed key works; one is made when sampling).
         prompt_buckets: the bucket policy of the calls (see :mod:`genjax.buckets`).
+        run_once: also run each program once (see above); False only compiles.
         **generate_kwargs: the other keyword arguments of the calls, including config
             overrides such as ``max_new_tokens=`` or ``max_cache_len=``. ``attention_mask``,
             ``input_ids`` and ``streamer`` are not accepted.
@@ -115,6 +133,8 @@ def warmup(
         [(1, 32, 2.3), (4, 32, 2.4)]
         >>> genjax.generate(model, params, ids, cfg, attention_mask=mask)  # compiles nothing
     """
+    if not isinstance(run_once, bool):
+        raise InputError(f"warmup() needs run_once to be True or False; got {run_once!r}.")
     batch_sizes = _positive_ints("batch_sizes", batch_sizes)
     prompt_lengths = _positive_ints("prompt_lengths", prompt_lengths)
     for name in ("input_ids", "attention_mask", "streamer"):
@@ -139,24 +159,25 @@ def warmup(
             record = []
             token = _generate._AHEAD_OF_TIME.set(record)
             try:
-                _generate.generate(
-                    model,
-                    params,
-                    np.zeros((batch, length), np.int32),
-                    config,
-                    attention_mask=np.ones((batch, length), np.int32),
-                    key=key,
-                    prompt_buckets=prompt_buckets,
-                    **kwargs,
-                )
+                _dummy_call(model, params, config, (batch, length), key, prompt_buckets, kwargs)
             finally:
                 _generate._AHEAD_OF_TIME.reset(token)
             (seconds, compiled), *_ = record
+            run_seconds = None
+            if run_once:
+                if fixed is not None:  # its length is traced: 2 new tokens run the loop body
+                    kwargs["max_new_tokens"] = min(2, fixed - length)
+                start = time.perf_counter()
+                out = _dummy_call(
+                    model, params, config, (batch, length), key, prompt_buckets, kwargs
+                )
+                jax.block_until_ready(out.sequences)
+                run_seconds = time.perf_counter() - start
             if fixed is None:
                 padded = policy.length(length)
             else:
                 padded = fixed + policy.granularity - 1
-            entries.append(WarmupEntry(batch, length, padded, seconds, compiled))
+            entries.append(WarmupEntry(batch, length, padded, seconds, compiled, run_seconds))
     return entries
 
 
@@ -217,6 +238,20 @@ def disable_compile_cache() -> None:
     """Turns the persistent compilation cache off again (the files stay on disk)."""
     jax.config.update("jax_compilation_cache_dir", None)
     compilation_cache.reset_cache()
+
+
+def _dummy_call(model, params, config, shape, key, prompt_buckets, kwargs):
+    """``generate`` on a batch of zeros of ``shape`` (int32[B, P]) with every slot attended."""
+    return _generate.generate(
+        model,
+        params,
+        np.zeros(shape, np.int32),
+        config,
+        attention_mask=np.ones(shape, np.int32),
+        key=key,
+        prompt_buckets=prompt_buckets,
+        **kwargs,
+    )
 
 
 def _positive_ints(name: str, values) -> tuple[int, ...]:

@@ -118,6 +118,24 @@ def test_warmup_compiles_ahead_so_the_first_calls_compile_nothing():
     np.testing.assert_array_equal(out.scores[:, 12:], 0.0)
 
 
+def test_warmup_run_once_runs_each_program_it_compiled_and_compiles_no_other():
+    _, model, params, _, _ = _setup()
+    settings = [dict(prompt_buckets=BUCKETS), dict(max_cache_len=MAX_CACHE_LEN)]
+    compiled_only = [genjax.warmup(model, params, GREEDY, 2, (9,), **kw)[0] for kw in settings]
+    assert [entry.run_seconds for entry in compiled_only] == [None, None]
+    with compiles() as during:
+        ran = [
+            genjax.warmup(model, params, GREEDY, 2, (9,), run_once=True, **kw)[0] for kw in settings
+        ]
+    # The runs reuse the compiled programs (the max_cache_len one with 2 new tokens, its length
+    # being traced); only the small slice that trims the output may be new.
+    assert set(during) <= {"jit(dynamic_slice)"}
+    assert all(entry.run_seconds > 0 for entry in ran)
+    assert [e.compiled.as_text() for e in ran] == [e.compiled.as_text() for e in compiled_only]
+    with pytest.raises(InputError, match="run_once"):
+        genjax.warmup(model, params, GREEDY, run_once="yes")
+
+
 def test_max_cache_len_serves_new_lengths_and_buckets_with_one_program():
     _, _, _, ids, mask = _setup()
     sequences, _ = _reference()

@@ -31,6 +31,18 @@ FLAX_LIB = "flax446"  # transformers 4.46.3 Flax, in another interpreter (bench/
 PAD_TOKEN_ID = 0
 
 
+def genjax_config(genjax, fields: dict, new_tokens: int):
+    """The genjax ``GenerationConfig`` of a case: exactly ``new_tokens`` new tokens (no EOS, so
+    no row stops early), pad id ``PAD_TOKEN_ID``, and the case's sampling ``fields``."""
+    return genjax.GenerationConfig(
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        eos_token_id=None,
+        pad_token_id=PAD_TOKEN_ID,
+        **fields,
+    )
+
+
 class PeerError(Exception):
     """A worker could not do what it was asked.
 
@@ -239,13 +251,7 @@ class GenjaxRunner(Runner):
         return self._jax.default_backend() != "cpu"
 
     def make_call(self, ids, fields, new_tokens):
-        config = self._genjax.GenerationConfig(
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            eos_token_id=None,
-            pad_token_id=PAD_TOKEN_ID,
-            **fields,
-        )
+        config = genjax_config(self._genjax, fields, new_tokens)
         prompts = np.asarray(ids, np.int32)
         key = self._jax.random.key(0)
 

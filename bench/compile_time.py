@@ -25,6 +25,7 @@ import tempfile
 import time
 
 import _cases
+import _peers
 import jax
 import numpy as np
 
@@ -81,14 +82,7 @@ def main() -> None:
             _cases.write_checkpoint(shape, shape.layers, folder)
             model, params = genjax.models.from_pretrained(folder)
         for case in _cases.select_cases(args.cases, quick=False):
-            tokens = case.tokens(args.new_tokens)
-            config = genjax.GenerationConfig(
-                max_new_tokens=tokens,
-                min_new_tokens=tokens,
-                eos_token_id=None,
-                pad_token_id=0,
-                **case.sampling(),
-            )
+            config = _peers.genjax_config(genjax, case.sampling(), case.tokens(args.new_tokens))
             ids = _cases.prompt_ids(case, shape.config["vocab_size"]).astype(np.int32)
             samples = [measure(model, params, ids, config) for _ in range(args.repeats)]
             cells = []

@@ -124,6 +124,29 @@ def test_int8_layers_compute_the_dequantized_model(tiny, name):
     )
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's fusion of one-row products")
+def test_one_row_int8_product_converts_in_place_inside_a_loop():
+    """At batch 1 the int8 matrix is converted where the product reads it: the compiled decode-
+    like loop holds no float copy of the matrix (a float copy is what made int8 decoding 2x
+    slower than float32 on CPU). Several rows may still convert to a buffer first."""
+    out_features, in_features = 1536, 576
+    weight = jnp.ones((out_features, in_features), jnp.int8)
+    scale = jnp.ones((out_features,), jnp.float32)
+    float_copy = out_features * in_features * 4
+
+    def loop(x, weight, scale):
+        def step(_, x):
+            y = genjax.models.layers.linear(x, weight, scale, jnp.float32)
+            return x + jnp.tanh(y[..., :in_features])
+
+        return jax.lax.fori_loop(0, 4, step, x)
+
+    x = jnp.ones((1, 1, in_features), jnp.float32)  # one row, one position: batch-1 decoding
+    compiled = jax.jit(loop).lower(x, weight, scale).compile()
+    # (the values are test_int8_layers_compute_the_dequantized_model's)
+    assert compiled.memory_analysis().temp_size_in_bytes < float_copy // 16
+
+
 def test_logits_stay_close_to_float32(tiny):
     """Each weight moves by at most half a step, 1/254 of its channel's absmax, with random
     signs, so each layer's output moves by a fraction of a percent and the errors of the layers

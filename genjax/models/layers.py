@@ -206,15 +206,19 @@ def linear(x: Array, weight: Array, scale: Array | None, dtype: jnp.dtype) -> Ar
     x = x.astype(dtype)
     if scale is not None:
         x, weight = _keep_in_loop(x, weight)
-    wide = scale is None and jnp.finfo(dtype).bits >= 32
+        # Written as a product with the transposed matrix, not as a dot_general contracting the
+        # weight's last axis: XLA on CPU then fuses the int8 conversion into a one-row product
+        # and reads int8 (SmolLM shape at batch 1: 2.6-3.2x faster than float32 per matrix);
+        # the dot_general spelling converts the whole matrix to memory first.
+        y = jnp.matmul(x, weight.astype(dtype).T, preferred_element_type=jnp.float32)
+        return (y * scale).astype(dtype)
+    wide = jnp.finfo(dtype).bits >= 32
     y = jax.lax.dot_general(
         x,
         weight.astype(dtype),
         (((x.ndim - 1,), (1,)), ((), ())),
         preferred_element_type=None if wide else jnp.float32,
     )
-    if scale is not None:
-        y = y * scale
     return y.astype(dtype)
 
 

@@ -19,13 +19,14 @@ What is quantized:
 * not: norms, biases, an untied input embedding or GPT-2's position table (a decode step reads
   one row of each, so int8 would save memory but no bandwidth, and cost lookup precision).
 
-Speed: int8 weights cost a quarter of float32's memory traffic only where the compiler fuses the
-int8-to-float conversion into the matrix product (XLA's GPU GEMM fusion is meant to; not
-measured here). XLA on CPU does not: it writes each converted matrix to memory before the
-product, so on CPU int8 decoding is slower than float32 (0.42x GPT-2 small, 0.56x the SmolLM
-shape at batch 1, ``bench/quantize.py``) and saves memory only. The conversion is kept inside the
-decode loop on purpose (``layers._keep_in_loop``): XLA would otherwise hoist it out of the
-``while_loop`` and hold a float copy of every matrix for the whole call.
+Speed: int8 weights cost a quarter of float32's memory traffic where the compiler converts them
+inside the matrix product. XLA on CPU does so for one-row products (batch-1 decoding) when the
+product is written ``x @ w.T`` (``layers.linear``): 1.76x float32's speed for GPT-2 small and
+2.25x for the SmolLM shape (``bench/quantize.py``, 128 tokens). With several rows it writes each
+converted matrix to memory first, so batch > 1 and the prefill save memory but not time. The
+conversion is kept inside the decode loop on purpose (``layers._keep_in_loop``): XLA would
+otherwise hoist it out of the ``while_loop`` and hold a float copy of every matrix for the whole
+call. GPU backends: not measured here.
 
 Static or traced: the mode and which leaves are quantized are static (the params' structure);
 the int8 values and scales are ordinary traced arrays.

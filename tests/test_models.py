@@ -643,6 +643,33 @@ def test_grouped_decode_attention_equals_the_product(dtype):
     assert float(jnp.max(jnp.abs(one.astype(jnp.float32)))) > 0.1  # not all zeros
 
 
+@pytest.mark.parametrize("lead", [(1, 1), (3, 1), (8, 1), (2, 8), (17, 1), (4, 9)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_linear_equals_the_plain_product_at_every_row_count(lead, dtype):
+    """2-16 rows take the swapped product on CPU (weight @ x.T, then a transpose); one row and
+    more than 16 the plain one. All must equal x @ w.T, jitted or not."""
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((*lead, 48)), dtype)
+    weight = jnp.asarray(rng.standard_normal((40, 48)), dtype)
+    expected = np.asarray(x, np.float64) @ np.asarray(weight, np.float64).T
+    tolerance = 1e-4 if dtype == jnp.float32 else 0.1
+    for call in (layers.linear, jax.jit(layers.linear, static_argnums=(2, 3))):
+        y = call(x, weight, None, dtype)
+        assert y.shape == (*lead, 40) and y.dtype == dtype
+        np.testing.assert_allclose(np.asarray(y, np.float64), expected, atol=tolerance)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the swapped product is CPU-only")
+def test_linear_with_a_few_rows_multiplies_weight_by_rows_on_cpu():
+    """The compiled CPU program of an 8-row product holds a [out, 8] product, not [8, out]."""
+    x, weight = jnp.ones((8, 1, 48)), jnp.ones((40, 48))
+    hlo = jax.jit(layers.linear, static_argnums=(2, 3)).lower(x, weight, None, jnp.float32)
+    text = hlo.compile().as_text()
+    assert "f32[40,8]" in text and "dot(" in text
+    one_row = jax.jit(layers.linear, static_argnums=(2, 3)).lower(x[:1], weight, None, jnp.float32)
+    assert "f32[40,1]" not in one_row.compile().as_text()
+
+
 def test_init_params_matches_the_loaded_tree(tmp_path):
     model, params = _load(tmp_path, "qwen2")
     fresh = model.init_params(jax.random.key(0))

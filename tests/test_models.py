@@ -643,6 +643,38 @@ def test_grouped_decode_attention_equals_the_product(dtype):
     assert float(jnp.max(jnp.abs(one.astype(jnp.float32)))) > 0.1  # not all zeros
 
 
+@pytest.mark.parametrize("kv_heads, groups", [(3, 3), (4, 1)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("upcast", [False, True])
+def test_prompt_attention_matches_a_float64_reference(kv_heads, groups, dtype, upcast):
+    """T > 1 query tokens take the [G*T, H] x [H, S] layout; it must compute grouped-query
+    attention with a causal, padded bias, in float32 and in bfloat16 (rounded as transformers
+    rounds: scores, weights and output in the input dtype), jitted or not."""
+    rng = np.random.default_rng(2)
+    batch, length, slots, head_dim, scale = 2, 6, 9, 16, 0.25
+    queries = jnp.asarray(rng.standard_normal((batch, length, kv_heads * groups, head_dim)), dtype)
+    keys, values = (
+        jnp.asarray(rng.standard_normal((batch, kv_heads, slots, head_dim)), dtype)
+        for _ in range(2)
+    )
+    visible = np.arange(slots)[None, :] <= np.arange(length)[:, None] + 2  # 2 earlier slots
+    visible = visible[None] & (np.arange(slots) != 1)[None, None]  # slot 1 is padding
+    bias = jnp.asarray(np.where(visible, 0.0, -1e9)[:, None], jnp.float32)  # [1, 1, T, S]
+    bias = jnp.broadcast_to(bias, (batch, 1, length, slots))
+    q, k, v = (np.asarray(a, np.float64) for a in (queries, keys, values))
+    k, v = np.repeat(k, groups, axis=1), np.repeat(v, groups, axis=1)  # [B, N, S, H]
+    scores = np.einsum("btnh,bnsh->bnts", q, k) * scale + np.asarray(bias)
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    expected = np.einsum("bnts,bnsh->btnh", weights, v).reshape(batch, length, -1)
+    tolerance = 1e-5 if dtype == jnp.float32 else 3e-2
+    for call in (layers.attention, jax.jit(layers.attention, static_argnums=(4, 5))):
+        out = call(queries, keys, values, bias, scale, upcast)
+        assert out.shape == (batch, length, kv_heads * groups * head_dim) and out.dtype == dtype
+        np.testing.assert_allclose(np.asarray(out, np.float64), expected, atol=tolerance)
+    assert np.abs(expected).max() > 0.5  # not a trivially small output
+
+
 @pytest.mark.parametrize("lead", [(1, 1), (3, 1), (8, 1), (2, 8), (17, 1), (4, 9)])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_linear_equals_the_plain_product_at_every_row_count(lead, dtype):

@@ -278,13 +278,24 @@ def attention(
     Query head ``n`` reads key/value head ``n // (N // K)``, as HF's ``repeat_kv`` arranges them.
     Scores are ``(Q K^T) * scale`` in the input dtype (float32 with ``upcast_scores``), the bias
     is added in float32, the softmax runs in float32, and the weights are cast back to the value
-    dtype before the weighted sum (for one query token and G > 1, a multiply and a sum over the
-    slots: :func:`_grouped_decode_values`).
+    dtype before the weighted sum.
+
+    Two layouts, chosen by the (static) number of query tokens ``T``:
+
+    * ``T > 1`` (a prompt, a verified draft block): each KV head's ``G * T`` queries form one
+      block of rows, so both products are plain [G*T, H] x [H, S] and [G*T, S] x [S, H] matrix
+      products and the softmax runs over the last axis of their result. Written with the group
+      axis beside the slots instead (as the one-token path is), XLA on CPU computed the scores
+      transposed and copied the [T, S] weights twice per layer: a 512-token GPT-2 prefill spent
+      a quarter of its time in attention, most of it in those copies, and the whole prefill ran
+      1.2x (GPT-2) and 1.1x (SmolLM shape) slower on a 2-core CPU (``bench/run.py``'s
+      prefill512).
+    * ``T = 1`` (a decode step): the scores are [G, S] per KV head; for G > 1 the weighted sum is
+      a multiply and a sum over the slots (:func:`_grouped_decode_values`).
 
     Args:
         queries: dtype[B, T, N, H].
-        keys: dtype[B, K, S, H], the cache's axis order (XLA:CPU still copies it to [K, H, S] for
-            the product; storing it that way measured slower).
+        keys: dtype[B, K, S, H], the cache's axis order.
         values: dtype[B, K, S, H].
         bias: float32[B, 1, T, S], from :func:`genjax.cache.attention_bias`.
         scale: the score multiplier (static), usually ``H ** -0.5``.
@@ -293,19 +304,67 @@ def attention(
     Returns:
         dtype[B, T, N * H].
     """
+    dtype = queries.dtype
     batch, length, num_heads, head_dim = queries.shape
     num_kv_heads = keys.shape[1]
-    grouped = queries.reshape(batch, length, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    groups = num_heads // num_kv_heads
+    grouped = queries.reshape(batch, length, num_kv_heads, groups, head_dim)
     if upcast_scores:
         grouped, keys = grouped.astype(jnp.float32), keys.astype(jnp.float32)
+    if length > 1:
+        return _prompt_attention(grouped, keys, values, bias, scale).astype(dtype)
     scores = jnp.einsum("btkgh,bksh->bkgts", grouped, keys) * jnp.asarray(scale, grouped.dtype)
-    scores = scores.astype(jnp.float32) + bias[:, :, None]  # [B, K, G, T, S]
+    scores = scores.astype(jnp.float32) + bias[:, :, None]  # [B, K, G, 1, S]
     weights = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
-    if length == 1 and num_heads > num_kv_heads:
+    if groups > 1:
         out = _grouped_decode_values(weights, values)
     else:
         out = jnp.einsum("bkgts,bksh->btkgh", weights, values)
-    return out.reshape(batch, length, num_heads * head_dim).astype(queries.dtype)
+    return out.reshape(batch, length, num_heads * head_dim).astype(dtype)
+
+
+def _prompt_attention(
+    grouped: Array, keys: Array, values: Array, bias: Array, scale: float
+) -> Array:
+    """Attention for ``T > 1`` query tokens, each KV head's ``G * T`` queries as one block of rows.
+
+    Both products accumulate in float32 and the results are rounded to the input dtype where the
+    one-token path (and transformers) round them: the scores after the product and after the
+    scale, the softmax weights, the output. The roundings are explicit (``reduce_precision``)
+    because XLA may drop a float32 -> bfloat16 -> float32 conversion pair ("excess precision"),
+    and whether it does depends on fusion, which differs between one device and a mesh; explicit
+    rounding keeps the two bit-identical. In float32 every rounding is a no-op.
+
+    Args:
+        grouped: dtype[B, T, K, G, H], the queries by KV head.
+        keys, values: dtype[B, K, S, H].
+        bias: float32[B, 1, T, S].
+        scale: the score multiplier.
+
+    Returns:
+        dtype[B, T, K * G * H] of ``values``' dtype.
+    """
+    batch, length, num_kv_heads, groups, head_dim = grouped.shape
+    slots = keys.shape[2]
+    rows = grouped.transpose(0, 2, 3, 1, 4).reshape(batch, num_kv_heads, -1, head_dim)
+    scores = jnp.einsum("bkqh,bksh->bkqs", rows, keys, preferred_element_type=jnp.float32)
+    scores = _rounded(scores, rows.dtype) * jnp.asarray(scale, rows.dtype).astype(jnp.float32)
+    scores = _rounded(scores, rows.dtype).reshape(batch, num_kv_heads, groups, length, slots)
+    weights = jax.nn.softmax(scores + bias[:, :, None], axis=-1)  # float32[B, K, G, T, S]
+    weights = _rounded(weights, values.dtype).reshape(batch, num_kv_heads, -1, slots)
+    out = jnp.einsum(
+        "bkqs,bksh->bkqh", weights.astype(values.dtype), values, preferred_element_type=jnp.float32
+    )  # [B, K, G*T, H]
+    out = _rounded(out, values.dtype).reshape(batch, num_kv_heads, groups, length, head_dim)
+    return out.transpose(0, 3, 1, 2, 4).reshape(batch, length, -1).astype(values.dtype)
+
+
+def _rounded(x: Array, dtype: jnp.dtype) -> Array:
+    """float32 ``x`` rounded to the precision of ``dtype`` (unchanged for float32 and wider)."""
+    info = jnp.finfo(dtype)
+    if info.bits >= jnp.finfo(x.dtype).bits:
+        return x
+    return jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
 
 
 def _grouped_decode_values(weights: Array, values: Array) -> Array:

@@ -53,8 +53,13 @@ def start_stopping(config, eos_token_ids, criteria, stop_strings, offset, input_
 def prefill(
     model, params, input_ids, attention_mask, max_new_tokens: int, pad_token_id, quantized=False
 ):
-    """Runs the prompt through the model into a cache sized for all ``S = P + N`` slots
+    """Runs the prompt through the model and returns a cache sized for all ``S = P + N`` slots
     (int8 codes when ``quantized``, static: see :mod:`genjax.quantized_cache`).
+
+    The prompt goes into a cache of its own ``P`` slots, which then grows to ``S``
+    (``with_length``): the prefill's attention reads the ``P`` prompt slots rather than all
+    ``S``, so its cost does not grow with ``max_new_tokens`` (the empty slots it skips are masked
+    out either way, so the result is the same).
 
     Returns:
         ``(logits float32[B, 1 or P, V], cache, cache_mask int32[B, S], tokens int32[B, S])``
@@ -67,13 +72,14 @@ def prefill(
     positions = jnp.maximum(jnp.cumsum(attention_mask, axis=-1) - 1, 0)
     new_slots = jnp.ones((batch, max_new_tokens), jnp.int32)
     cache_mask = jnp.concatenate([attention_mask, new_slots], axis=1)
-    cache = init_cache(model, batch, prompt_length + max_new_tokens, quantized)
+    cache = init_cache(model, batch, prompt_length, quantized)
     if accepts_logits_to_keep(model):  # the last position's logits only: [B, 1, V]
         logits, cache = model.apply(
-            params, input_ids, positions, cache, cache_mask, logits_to_keep=1
+            params, input_ids, positions, cache, attention_mask, logits_to_keep=1
         )
     else:
-        logits, cache = model.apply(params, input_ids, positions, cache, cache_mask)
+        logits, cache = model.apply(params, input_ids, positions, cache, attention_mask)
+    cache = cache.with_length(prompt_length + max_new_tokens)
     tokens = jnp.concatenate([input_ids, new_slots * pad_token_id], axis=1)
     return logits, cache, cache_mask, tokens
 

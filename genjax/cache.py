@@ -101,6 +101,15 @@ class KVCache:
         )
         return keys, values, cache
 
+    def with_length(self, length: int) -> KVCache:
+        """Returns the cache grown to ``length`` (static) slots: the same slots and index, then
+        empty (zero) slots. ``generate`` prefills a prompt into a cache of the prompt's own
+        length, so that its attention reads only those slots, and grows it for decoding."""
+        return self.replace(
+            keys=tuple(grow_slots(x, length) for x in self.keys),
+            values=tuple(grow_slots(x, length) for x in self.values),
+        )
+
     def advance(self, num_slots: int | Array) -> KVCache:
         """Returns the cache with ``index`` moved forward by ``num_slots``."""
         return self.replace(index=self.index + jnp.asarray(num_slots, jnp.int32))
@@ -133,6 +142,14 @@ class KVCache:
             keys=tuple(gather_beams(x, beams) for x in self.keys),
             values=tuple(gather_beams(x, beams) for x in self.values),
         )
+
+
+def grow_slots(block: Array, length: int) -> Array:
+    """``block`` [B, K, S, ...] with zero slots appended on axis 2 up to ``length`` slots."""
+    extra = length - block.shape[2]
+    if extra < 0:
+        raise ValueError(f"cannot shrink a cache of {block.shape[2]} slots to {length}.")
+    return jnp.pad(block, [(0, 0), (0, 0), (0, extra)] + [(0, 0)] * (block.ndim - 3))
 
 
 def replace_layer(blocks: tuple[Array, ...], layer: int, block: Array) -> tuple[Array, ...]:

@@ -45,7 +45,14 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from genjax.cache import KVCache, gather_beams, heads_first, repeat_rows, replace_layer
+from genjax.cache import (
+    KVCache,
+    gather_beams,
+    grow_slots,
+    heads_first,
+    repeat_rows,
+    replace_layer,
+)
 from genjax.errors import GenerationConfigError, UnsupportedError
 from genjax.typing import Array
 
@@ -170,6 +177,16 @@ class QuantizedKVCache:
     def dtype(self) -> jnp.dtype:
         """The float dtype of the scales and of the blocks ``update_layer`` returns (static)."""
         return self.key_scales[0].dtype
+
+    def with_length(self, length: int) -> QuantizedKVCache:
+        """Returns the cache grown to ``length`` (static) slots: the same slots and index, then
+        empty ones (zero codes and scales), as :meth:`genjax.cache.KVCache.with_length`."""
+        return self.replace(
+            keys=tuple(grow_slots(x, length) for x in self.keys),
+            values=tuple(grow_slots(x, length) for x in self.values),
+            key_scales=tuple(grow_slots(x, length) for x in self.key_scales),
+            value_scales=tuple(grow_slots(x, length) for x in self.value_scales),
+        )
 
     def update_layer(
         self, layer: int, new_keys: Array, new_values: Array

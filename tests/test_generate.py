@@ -11,7 +11,10 @@ import pytest
 
 import genjax
 from genjax import GenerationConfig
+from genjax._call import prefill
+from genjax.cache import KVCache
 from genjax.errors import InputError, UnsupportedError
+from genjax.quantized_cache import QuantizedKVCache
 
 FIXTURES = Path(__file__).parent / "fixtures"
 ARCHS = ["llama", "llama3_tied", "qwen2", "mistral", "gpt2"]
@@ -106,6 +109,54 @@ def test_cached_decoding_equals_one_full_forward_pass():
         params, out.sequences, positions, model.init_cache(ids.shape[0], total), full_mask
     )
     np.testing.assert_allclose(out.logits, logits[:, ids.shape[1] - 1 : -1], atol=1e-4)
+
+
+def test_prefill_reads_only_the_prompt_slots_then_grows_the_cache():
+    """The prompt is run through a cache of its own P slots, grown to P + N afterwards: same
+    logits and cache as prefilling into all P + N slots, and no [P, P + N] scores compiled."""
+    model, params, ids, mask = _llama()
+    batch, prompt = ids.shape
+    new = 40
+    slots = prompt + new
+    mask = jnp.asarray(mask, jnp.int32)
+
+    def run(params, ids, mask):
+        return prefill(model, params, ids, mask, new, 0)
+
+    logits, cache, cache_mask, tokens = jax.jit(run)(params, ids, mask)
+    assert cache.length == slots and int(cache.index) == prompt
+    assert cache_mask.shape == tokens.shape == (batch, slots)
+    full_mask = jnp.concatenate([mask, jnp.ones((batch, new), jnp.int32)], 1)
+    positions = jnp.maximum(jnp.cumsum(mask, -1) - 1, 0)
+    expected, full = model.apply(
+        params, ids, positions, model.init_cache(batch, slots), full_mask, logits_to_keep=1
+    )
+    np.testing.assert_allclose(logits, expected, atol=1e-5)
+    real = np.asarray(full_mask, bool)[:, None, :, None]  # padding slots may hold anything
+    for ours, theirs in zip(cache.keys + cache.values, full.keys + full.values, strict=True):
+        np.testing.assert_allclose(np.where(real, ours, 0), np.where(real, theirs, 0), atol=1e-5)
+        assert not np.any(np.asarray(ours[:, :, prompt:]))  # the grown slots are empty
+    text = jax.jit(run).lower(params, ids, mask).compile().as_text()
+    assert f"{prompt},{prompt}]" in text and f"{prompt},{slots}]" not in text
+
+
+def test_a_cache_grows_with_empty_slots_and_keeps_its_index():
+    cache = KVCache.create(num_layers=2, batch=1, length=3, num_kv_heads=2, head_dim=4)
+    new = jnp.ones((1, 3, 2, 4))
+    _, _, cache = cache.update_layer(1, new, 2 * new)
+    grown = cache.advance(3).with_length(5)
+    assert grown.length == 5 and int(grown.index) == 3
+    np.testing.assert_array_equal(grown.values[1][:, :, :3], 2 * np.ones((1, 2, 3, 4)))
+    assert not np.any(np.asarray(grown.values[1][:, :, 3:]))
+    quantized = QuantizedKVCache.like(cache)
+    _, _, quantized = quantized.update_layer(0, new, new)
+    grown = quantized.with_length(6)
+    assert grown.length == 6 and grown.key_scales[0].shape == (1, 2, 6)
+    np.testing.assert_array_equal(grown.keys[0][:, :, :3], quantized.keys[0])
+    assert not np.any(np.asarray(grown.keys[0][:, :, 3:]))
+    assert not np.any(np.asarray(grown.key_scales[0][:, :, 3:]))
+    with pytest.raises(ValueError, match="cannot shrink a cache of 3 slots to 2"):
+        cache.with_length(2)
 
 
 def test_top_k_one_sampling_equals_greedy():

@@ -32,6 +32,9 @@ Any object with these members plugs into ``genjax.generate``; nothing else about
 
   A full forward pass is ``apply`` on a fresh ``init_cache(B, T)`` (index 0). Prefill then
   decode is ``apply`` with ``T = P`` then ``T = 1`` repeatedly on one cache of length ``S``.
+  ``generate`` runs the prefill on ``init_cache(B, P)`` (a full forward pass of the prompt)
+  and grows that cache to ``S`` slots with ``KVCache.with_length`` before decoding, so the
+  prompt's attention does not read the ``S - P`` empty slots.
 
 Static or traced: the model (its config, dtype, layer count) is static; params, tokens,
 positions, the cache and the mask are traced.

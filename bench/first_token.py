@@ -27,6 +27,7 @@ import tempfile
 import time
 
 import _cases
+import _machine
 import numpy as np
 
 PROMPT = 512
@@ -57,7 +58,6 @@ def _torch_call(folder: str, ids: np.ndarray, new_tokens: int, static: bool):
     import torch
     import transformers
 
-    torch.set_num_threads(_machine_threads())
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
     class Always(transformers.StoppingCriteria):
@@ -80,12 +80,6 @@ def _torch_call(folder: str, ids: np.ndarray, new_tokens: int, static: bool):
             )
 
     return call
-
-
-def _machine_threads() -> int:
-    import _machine
-
-    return _machine.cpu_count()
 
 
 def _timed(call) -> float:
@@ -124,6 +118,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", nargs="+", type=int, default=[1, 512])
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
+    import torch
+
+    torch.set_num_threads(_machine.cpu_count())  # as run.py's torch peers
     print(
         f"prompt {PROMPT}, batch 1, float32; each call stops after its first new token; "
         f"median (min-max) of {args.runs} runs, milliseconds"

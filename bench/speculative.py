@@ -18,6 +18,22 @@ checked to be equal). Every variant is compiled first, then the variants run int
 tokens/s (new tokens of all rows over the whole call, prefill included), the ratio to ``plain``
 and the acceptance rate (accepted candidates / new tokens after the first).
 
+A second table gives the costs that bound the speedup (the cost model of Leviathan et al. 2023,
+section 3.4): at each batch size, the time of one forward pass of the target over one token
+(``target``), of the target over ``G + 1`` tokens (the verification pass, ``verify``) and of the
+draft over one token (``draft``), each the median of passes run back to back in one compiled
+loop over a cache of the call's size. With ``c = draft / target``, ``v = verify / target`` and
+an acceptance rate ``a`` (so that an iteration commits ``1 / (1 - a)`` tokens on average), an
+iteration costs about ``G * c + v`` target passes, so speculative greedy runs about
+``1 / ((1 - a) * (G * c + v))`` times as fast as plain greedy; the ``estimate`` column gives
+that figure for the acceptance measured above (prompt lookup: ``1 / ((1 - a) * v)``, its
+candidates cost no model pass). It counts model passes only: both loops also pay bookkeeping
+per iteration (choosing tokens, stopping rules), which favours the assisted loop a little, as
+it runs fewer iterations; so the measured ratio can land somewhat above the estimate. It is
+printed for batch 1 only: with more rows, rows accept different numbers of tokens, the caches
+hold holes and grow longer (see :mod:`genjax.decoding.assisted`), and the draft loop runs until
+the last row stops proposing, none of which the passes measured here include.
+
 Run:  python bench/speculative.py [--random] [--draft FOLDER] [--runs 5] [--new-tokens 128]
       [--candidates 4] [--batches 1,8]
 """
@@ -32,6 +48,7 @@ import tempfile
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 import genjax
@@ -116,14 +133,67 @@ def main() -> None:
     )
     print(f"device: {jax.devices()[0].device_kind}; {args.new_tokens} new tokens, greedy")
     print(f"{'batch':>5} {'task':>9} {'variant':>7} {'tok/s':>9} {'vs plain':>8} {'accept':>7}")
+    rates, prompt_lengths = {}, {}
     for batch in [int(b) for b in args.batches.split(",")]:
         for task in ("plain", "repeating"):
             ids, mask = _prompts(tok, batch, model.vocab_size, task == "repeating")
-            _measure(args, (model, params, draft, draft_params), config, ids, mask, task)
+            models = (model, params, draft, draft_params)
+            rates[batch, task] = _measure(args, models, config, ids, mask, task)
+            prompt_lengths[batch] = max(ids.shape[1], prompt_lengths.get(batch, 0))
+    _print_costs(args, (model, params, draft, draft_params), rates, prompt_lengths)
 
 
-def _measure(args, models, config, ids, mask, task: str) -> None:
-    """Compiles, checks and times the variants on one batch of prompts; prints their rows."""
+def _print_costs(args, models, rates: dict, prompt_lengths: dict) -> None:
+    """Prints the per-pass costs at each batch size and, at batch 1, the speedup they predict
+    for each measured acceptance rate (see the module docstring)."""
+    model, params, draft, draft_params = models
+    print(f"\nper-pass ms; at batch 1 the speedup they predict (G = {args.candidates})")
+    print(f"{'batch':>5} {'target':>8} {'verify':>8} {'draft':>8} {'c':>5} {'v':>5}  estimate")
+    for batch in [int(b) for b in args.batches.split(",")]:
+        slots = prompt_lengths[batch] + 2 * args.new_tokens + 2 * args.candidates
+        one = _pass_ms(model, params, batch, 1, slots)
+        verify = _pass_ms(model, params, batch, args.candidates + 1, slots)
+        small = _pass_ms(draft, draft_params, batch, 1, slots)
+        c, v = small / one, verify / one
+        estimates = []
+        for (rows, task), accept in rates.items():
+            for name, a in accept.items():
+                if rows == batch == 1:
+                    cost = v if name == "lookup" else args.candidates * c + v
+                    estimates.append(f"{task} {name} {1 / ((1 - a) * cost):.2f}x")
+        row = f"{batch:>5} {one:8.3f} {verify:8.3f} {small:8.3f} {c:5.2f} {v:5.2f}  "
+        print(row + (", ".join(estimates) or "-"))
+
+
+def _pass_ms(model, params, batch: int, tokens: int, slots: int, passes: int = 50) -> float:
+    """Median milliseconds of one forward pass over ``tokens`` tokens per row, ``batch`` rows,
+    written half-way into a cache of ``slots`` slots (every slot attended), over 5 timed loops
+    of ``passes`` back-to-back passes in one compiled program."""
+    written = slots // 2
+    cache = model.init_cache(batch, slots).advance(written)
+    mask = jnp.ones((batch, slots), jnp.int32)
+    positions = jnp.broadcast_to(written + jnp.arange(tokens), (batch, tokens))
+
+    @jax.jit
+    def loop(params, cache):
+        def body(i, carry):
+            cache, total = carry
+            # The token depends on the last pass, so no pass can be hoisted or dropped; the
+            # cache is carried (each pass writes the same slots), as in a decoding loop.
+            ids = jnp.full((batch, tokens), 3, jnp.int32) + (total > 1e30).astype(jnp.int32)
+            logits, written_cache = model.apply(params, ids, positions, cache, mask)
+            return written_cache.replace(index=cache.index), total + logits[0, -1, 0]
+
+        return jax.lax.fori_loop(0, passes, body, (cache, jnp.float32(0)))[1]
+
+    jax.block_until_ready(loop(params, cache))
+    samples = [_time(lambda: loop(params, cache))[0] for _ in range(5)]
+    return statistics.median(samples) / passes * 1e3
+
+
+def _measure(args, models, config, ids, mask, task: str) -> dict[str, float]:
+    """Compiles, checks and times the variants on one batch of prompts; prints their rows and
+    returns each assisted variant's acceptance rate."""
     model, params, draft, draft_params = models
     batch = ids.shape[0]
 
@@ -145,14 +215,17 @@ def _measure(args, models, config, ids, mask, task: str) -> None:
         for name, fn in variants.items():
             times[name].append(_time(fn)[0])
     base = statistics.median(times["plain"])
+    rates = {}
     for name in variants:
         rate = batch * args.new_tokens / statistics.median(times[name])
         accepted = outs[name].num_accepted_tokens
-        accept = (
-            "" if accepted is None else f"{float(np.mean(accepted)) / (args.new_tokens - 1):.2f}"
-        )
+        accept = ""
+        if accepted is not None:
+            rates[name] = float(np.mean(accepted)) / (args.new_tokens - 1)
+            accept = f"{rates[name]:.2f}"
         speedup = base / statistics.median(times[name])
         print(f"{batch:>5} {task:>9} {name:>7} {rate:>9.1f} {speedup:>7.2f}x {accept:>7}")
+    return rates
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ script measures what it costs at run time on this backend, on a decoder of the S
 float32 weights) written in plain ``jax.numpy``:
 
     unrolled  one Python loop over 30 per-layer param dicts; the KV cache is 30 arrays
-              float32[B, K, S, H] per keys and values (genjax's layout)
+              float32[B, K, S, H] per keys and values (genjax's layout before session 11)
     scan      ``lax.scan`` over params stacked to [30, ...]; the cache is one float32[30, B, K, S,
               H] array per keys and values, scanned as inputs and written back as outputs
 

@@ -126,7 +126,7 @@ class QuantizedKVCache:
         (dtype('int8'), 2, (1, 2, 16))
     """
 
-    keys: tuple[Array, ...]  # L x int8[B, K, S, H], one block per layer as in KVCache
+    keys: tuple[Array, ...]  # L x int8[B, K, S, H] (slots before H, unlike KVCache keys)
     values: tuple[Array, ...]  # L x int8[B, K, S, H]
     key_scales: tuple[Array, ...]  # L x float[B, K, S]: max |key| / 127 per head vector (0 unused)
     value_scales: tuple[Array, ...]  # L x float[B, K, S]
@@ -158,9 +158,9 @@ class QuantizedKVCache:
     def like(cls, cache: KVCache) -> QuantizedKVCache:
         """Returns an empty quantized cache with the shape and float dtype of ``cache`` (a
         :class:`~genjax.cache.KVCache`, or its ``jax.eval_shape``: nothing is read)."""
-        batch, num_kv_heads, length, head_dim = cache.keys[0].shape
+        batch, num_kv_heads, length, head_dim = cache.values[0].shape  # keys are [B, K, H, S]
         return cls.create(
-            len(cache.keys), batch, length, num_kv_heads, head_dim, cache.keys[0].dtype
+            len(cache.values), batch, length, num_kv_heads, head_dim, cache.values[0].dtype
         )
 
     @property
@@ -199,9 +199,11 @@ class QuantizedKVCache:
             new_values: float[B, T, K, H].
 
         Returns:
-            ``(keys, values, cache)``: the layer's full float[B, K, S, H] keys and values after
-            the write (dequantized, except the ``T`` new slots, which hold ``new_keys`` and
-            ``new_values`` exactly), and the cache holding the codes.
+            ``(keys, values, cache)``: the layer's full keys float[B, K, H, S] and values
+            float[B, K, S, H] after the write (dequantized, except the ``T`` new slots, which
+            hold ``new_keys`` and ``new_values`` exactly; keys slots last, as
+            :meth:`genjax.cache.KVCache.update_layer` returns them), and the cache holding the
+            codes (both stored ``[B, K, S, H]``: the dequantized block is a new array anyway).
         """
         keys, key_scales, full_keys = self._write(
             self.keys[layer], self.key_scales[layer], new_keys
@@ -215,7 +217,7 @@ class QuantizedKVCache:
             key_scales=replace_layer(self.key_scales, layer, key_scales),
             value_scales=replace_layer(self.value_scales, layer, value_scales),
         )
-        return full_keys, full_values, cache
+        return jnp.swapaxes(full_keys, 2, 3), full_values, cache
 
     def _write(self, codes: Array, scales: Array, new: Array):
         """Writes ``new`` float[B, T, K, H] into one layer's ``codes`` int8[B, K, S, H] and

@@ -23,8 +23,9 @@ the kernel's rows (kernels are [out, in]) and an ``embedding_scale`` [V] the tab
 
 The state of a generate call follows the same rules (:class:`Layout`): every ``[B, ...]`` array
 of the loop carry (token buffer, positions, mask, finished flags, recorded scores, beam scores
-and hypotheses) has its rows on ``batch``; each layer's KV cache ``[B, K, S, H]`` has ``B`` on
-``batch`` and ``K`` on ``kv_heads``; scalars (the slot counter, the PRNG key) are replicated.
+and hypotheses) has its rows on ``batch``; each layer's KV cache (keys ``[B, K, H, S]``, values
+``[B, K, S, H]``) has ``B`` on ``batch`` and ``K`` on ``kv_heads``; scalars (the slot counter,
+the PRNG key) are replicated.
 
 Five ways to run sharded, all giving the single-device tokens:
 
@@ -118,7 +119,8 @@ DEFAULT_RULES: Rules = (
 )
 
 CACHE_AXES: tuple[str | None, ...] = ("batch", "kv_heads", None, None)
-"""Logical axes of each layer's KV-cache keys and values, float[B, K, S, H]."""
+"""Logical axes of each layer's KV-cache keys float[B, K, H, S] and values float[B, K, S, H]
+(the last two axes are not sharded, so one spec serves both)."""
 
 # Parameter path (joined with "/") -> logical axes of the array, first match wins.
 _PARAM_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
@@ -318,7 +320,7 @@ class Layout:
 
     @property
     def cache_spec(self) -> PartitionSpec:
-        """The spec of each layer's cache keys and values, float[B, K, S, H]."""
+        """The spec of each layer's cache keys [B, K, H, S] and values [B, K, S, H]."""
         return self.spec(*CACHE_AXES)
 
     def constrain(self, tree: PyTree) -> PyTree:

@@ -133,7 +133,10 @@ def test_prefill_reads_only_the_prompt_slots_then_grows_the_cache():
     )
     np.testing.assert_allclose(logits, expected, atol=1e-5)
     real = np.asarray(full_mask, bool)[:, None, :, None]  # padding slots may hold anything
-    for ours, theirs in zip(cache.keys + cache.values, full.keys + full.values, strict=True):
+    # Keys are stored [B, K, H, S]; compare them in the values' axis order [B, K, S, H].
+    ours_all = [np.swapaxes(k, 2, 3) for k in cache.keys] + list(cache.values)
+    theirs_all = [np.swapaxes(k, 2, 3) for k in full.keys] + list(full.values)
+    for ours, theirs in zip(ours_all, theirs_all, strict=True):
         np.testing.assert_allclose(np.where(real, ours, 0), np.where(real, theirs, 0), atol=1e-5)
         assert not np.any(np.asarray(ours[:, :, prompt:]))  # the grown slots are empty
     text = jax.jit(run).lower(params, ids, mask).compile().as_text()

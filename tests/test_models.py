@@ -619,17 +619,19 @@ def test_apply_names_a_param_of_the_wrong_shape(tmp_path):
         assert str(good.shape) in str(error.value) and str(wrong) in str(error.value)
 
 
+@pytest.mark.parametrize("kv_heads, groups", [(3, 3), (4, 1)])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_grouped_decode_attention_equals_the_product(dtype):
-    """One query token with G > 1 takes the multiply-and-sum path; it must match the einsum
-    path (taken for T > 1) on the same token, with padding slots masked out."""
+def test_decode_attention_equals_the_prompt_path(kv_heads, groups, dtype):
+    """One query token takes the multiply-and-sum path; it must match the matrix-product path
+    (taken for T > 1) on the same token, with padding slots masked out."""
     rng = np.random.default_rng(0)
-    batch, kv_heads, groups, slots, head_dim = 2, 3, 3, 40, 16
+    batch, slots, head_dim = 2, 40, 16
     queries = jnp.asarray(rng.standard_normal((batch, 1, kv_heads * groups, head_dim)), dtype)
     keys, values = (
         jnp.asarray(rng.standard_normal((batch, kv_heads, slots, head_dim)), dtype)
         for _ in range(2)
     )
+    keys = jnp.swapaxes(keys, 2, 3)  # the cache's [B, K, H, S]
     bias = jnp.asarray(np.where(rng.random((batch, 1, 1, slots)) < 0.3, -1e9, 0.0), jnp.float32)
     one = layers.attention(queries, keys, values, bias, 0.25)
     two = layers.attention(
@@ -646,12 +648,14 @@ def test_grouped_decode_attention_equals_the_product(dtype):
 @pytest.mark.parametrize("kv_heads, groups", [(3, 3), (4, 1)])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("upcast", [False, True])
-def test_prompt_attention_matches_a_float64_reference(kv_heads, groups, dtype, upcast):
-    """T > 1 query tokens take the [G*T, H] x [H, S] layout; it must compute grouped-query
-    attention with a causal, padded bias, in float32 and in bfloat16 (rounded as transformers
-    rounds: scores, weights and output in the input dtype), jitted or not."""
+@pytest.mark.parametrize("length", [1, 6])
+def test_attention_matches_a_float64_reference(kv_heads, groups, dtype, upcast, length):
+    """T > 1 query tokens take the [G*T, H] x [H, S] layout, one token the multiply-and-sum
+    path; both must compute grouped-query attention with a causal, padded bias, in float32 and
+    in bfloat16 (rounded as transformers rounds: scores, weights and output in the input
+    dtype), jitted or not."""
     rng = np.random.default_rng(2)
-    batch, length, slots, head_dim, scale = 2, 6, 9, 16, 0.25
+    batch, slots, head_dim, scale = 2, 9, 16, 0.25
     queries = jnp.asarray(rng.standard_normal((batch, length, kv_heads * groups, head_dim)), dtype)
     keys, values = (
         jnp.asarray(rng.standard_normal((batch, kv_heads, slots, head_dim)), dtype)
@@ -663,6 +667,7 @@ def test_prompt_attention_matches_a_float64_reference(kv_heads, groups, dtype, u
     bias = jnp.broadcast_to(bias, (batch, 1, length, slots))
     q, k, v = (np.asarray(a, np.float64) for a in (queries, keys, values))
     k, v = np.repeat(k, groups, axis=1), np.repeat(v, groups, axis=1)  # [B, N, S, H]
+    keys = jnp.swapaxes(keys, 2, 3)  # the cache's [B, K, H, S]
     scores = np.einsum("btnh,bnsh->bnts", q, k) * scale + np.asarray(bias)
     weights = np.exp(scores - scores.max(-1, keepdims=True))
     weights /= weights.sum(-1, keepdims=True)

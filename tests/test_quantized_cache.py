@@ -133,6 +133,7 @@ def test_update_returns_new_slots_exactly_and_rows_move_with_their_scales():
     beams = np.array([[2, 2, 0], [1, 0, 1], [0, 0, 0], [2, 1, 0]], np.int32)  # [B, M]
     out = jax.tree.map(np.asarray, _cache_ops(new, beams))
     new_keys, new_values = new[0].swapaxes(1, 2), new[1].swapaxes(1, 2)  # [B, K, T, H]
+    out["keys"], out["later"] = out["keys"].swapaxes(2, 3), out["later"].swapaxes(2, 3)  # [B,K,S,H]
     np.testing.assert_array_equal(out["keys"][:, :, 1:4], new_keys)  # the call's own slots: exact
     np.testing.assert_array_equal(out["values"][:, :, 1:4], new_values)
     stored = out["stored"]  # [L, B, K, S, H]

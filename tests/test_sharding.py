@@ -206,7 +206,7 @@ def test_decode_loop_constrains_its_carry_every_step():
     ]:
         assert x.sharding.is_equivalent_to(NamedSharding(mesh, spec), x.ndim), x.sharding
     np.testing.assert_array_equal(state.tokens[:, 2:], (tokens[:, 1:2] + jnp.arange(1, 5)) % 5)
-    np.testing.assert_array_equal(state.cache.keys[0][:, 0, 4, 0], state.tokens[:, 4])
+    np.testing.assert_array_equal(state.cache.keys[0][:, 0, 0, 4], state.tokens[:, 4])
 
 
 def _all_gathers(hlo: str) -> list[tuple[int, ...]]:
@@ -261,14 +261,17 @@ def test_jit_under_set_mesh_keeps_carry_sharded_and_gathers_no_weight(
     if arch == "llama" and strategy == "greedy":
         assert gathers == []  # heads split, KV heads split, rows split: nothing to gather
 
-    # Each layer's cache [B*M, K, S, H] is carried as per-device blocks [B*M/2, K/4, S, H].
+    # Each layer's values [B*M, K, S, H] are carried as per-device blocks [B*M/2, K/4, S, H],
+    # its keys [B*M, K, H, S] as [B*M/2, K/4, H, S].
     copies = config.with_defaults().num_beams
     layers, kv_heads, head_dim = model.num_layers, model.num_kv_heads, model.head_dim
-    block = f"f32[{BATCH * copies // 2},{kv_heads // 4},{PROMPT + NEW},{head_dim}]"
-    whole = f"f32[{BATCH * copies},{kv_heads},{PROMPT + NEW},{head_dim}]"
+    rows, heads, slots = BATCH * copies, kv_heads, PROMPT + NEW
     carries = _while_carries(hlo)
-    assert any(c.count(block) == 2 * layers for c in carries), carries
-    assert not any(whole in c for c in carries), carries
+    for last_two in ((slots, head_dim), (head_dim, slots)):
+        block = f"f32[{rows // 2},{heads // 4},{last_two[0]},{last_two[1]}]"
+        whole = f"f32[{rows},{heads},{last_two[0]},{last_two[1]}]"
+        assert any(c.count(block) == layers for c in carries), carries
+        assert not any(whole in c for c in carries), carries
 
 
 # --- equivalence with one device -------------------------------------------------------------

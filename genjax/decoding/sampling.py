@@ -58,7 +58,7 @@ class DecodeState:
     tokens: Array  # int32[B, S]: padding, prompt, then generated tokens
     length: Array  # int32[]: slots of `tokens` filled so far
     positions: Array  # int32[B]: position id of the next token fed to the model
-    cache: KVCache  # L x float[B, K, S, H] keys and values, index = slots seen by the model
+    cache: KVCache  # L x keys float[B, K, H, S], values [B, K, S, H]; index = slots seen
     attention_mask: Array  # int32[B, S]: 1 where a slot holds a real token (new slots are 1)
     finished: Array  # bool[B]: rows a stopping rule has finished
     key: Array  # key[]: the PRNG key of the whole call

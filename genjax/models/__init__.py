@@ -23,7 +23,9 @@ Any object with these members plugs into ``genjax.generate``; nothing else about
   - Query ``i`` may attend to slot ``j`` iff ``mask[b, j]`` and ``j <= index + i`` (and
     ``index + i - j < W`` with a sliding window ``W``): ``genjax.cache.attention_bias``.
   - Each layer writes its keys and values with ``cache.update_layer(layer, k, v)`` and attends
-    over the returned ``[B, K, S, H]`` block; after all layers the cache is ``advance(T)``-ed.
+    over the returned blocks (keys ``[B, K, H, S]``, values ``[B, K, S, H]``, as
+    ``genjax.models.layers.attention`` takes them); after all layers the cache is
+    ``advance(T)``-ed.
   - Returns float32[B, T, V] logits (computed in the model dtype, then cast) and the new cache.
   - Optional: a keyword ``logits_to_keep: int`` (static, default 0 = all positions); ``k > 0``
     returns only the last ``k`` positions' logits, float32[B, k, V], as transformers'

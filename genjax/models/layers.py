@@ -290,12 +290,12 @@ def attention(
       a quarter of its time in attention, most of it in those copies, and the whole prefill ran
       1.2x (GPT-2) and 1.1x (SmolLM shape) slower on a 2-core CPU (``bench/run.py``'s
       prefill512).
-    * ``T = 1`` (a decode step): the scores are [G, S] per KV head; for G > 1 the weighted sum is
-      a multiply and a sum over the slots (:func:`_grouped_decode_values`).
+    * ``T = 1`` (a decode step): both sums are a multiply and a sum over an axis that is not the
+      minor one, reading the cache once in place (:func:`_decode_attention`).
 
     Args:
         queries: dtype[B, T, N, H].
-        keys: dtype[B, K, S, H], the cache's axis order.
+        keys: dtype[B, K, H, S], the cache's axis order (slots last, see :mod:`genjax.cache`).
         values: dtype[B, K, S, H].
         bias: float32[B, 1, T, S], from :func:`genjax.cache.attention_bias`.
         scale: the score multiplier (static), usually ``H ** -0.5``.
@@ -312,15 +312,64 @@ def attention(
     if upcast_scores:
         grouped, keys = grouped.astype(jnp.float32), keys.astype(jnp.float32)
     if length > 1:
-        return _prompt_attention(grouped, keys, values, bias, scale).astype(dtype)
-    scores = jnp.einsum("btkgh,bksh->bkgts", grouped, keys) * jnp.asarray(scale, grouped.dtype)
-    scores = scores.astype(jnp.float32) + bias[:, :, None]  # [B, K, G, 1, S]
-    weights = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
-    if groups > 1:
-        out = _grouped_decode_values(weights, values)
+        out = _prompt_attention(grouped, keys, values, bias, scale)
     else:
-        out = jnp.einsum("bkgts,bksh->btkgh", weights, values)
+        out = _decode_attention(grouped[:, 0], keys, values, bias[:, :, 0], scale)
     return out.reshape(batch, length, num_heads * head_dim).astype(dtype)
+
+
+def _decode_attention(
+    grouped: Array, keys: Array, values: Array, bias: Array, scale: float
+) -> Array:
+    """Attention for one query token per row, each sum a multiply and a sum over the cache.
+
+    The scores ``q . k`` sum the keys ``[H, S]`` over ``H`` and the output sums the values
+    ``[S, H]`` over ``S``: neither is the minor axis, so XLA:CPU emits each as one loop over the
+    block that reads it once, vectorized along the minor axis, with no copy. As matrix products
+    these were a few-row product per KV head (XLA's slow small-matrix kernel, see ``Dense``) that
+    XLA:CPU wanted with other operand layouts: at batch 1 it transposed each layer's keys and
+    copied them four times per step, and with values ``[S, H]`` the G-row product ran 2.5-4.2x
+    slower than the sum (SmolLM shape, b8 and b32).
+
+    Sums accumulate in float32 and are rounded where the matrix products round (the scores after
+    the product and after the scale, the softmax weights, the output), explicitly, as in
+    :func:`_prompt_attention`, so one device and a mesh round alike.
+
+    Args:
+        grouped: dtype[B, K, G, H], the query by KV head.
+        keys: dtype[B, K, H, S].
+        values: dtype[B, K, S, H].
+        bias: float32[B, 1, S].
+        scale: the score multiplier.
+
+    Returns:
+        dtype[B, K, G, H] of ``values``' dtype.
+    """
+    batch, num_kv_heads, groups, head_dim = grouped.shape
+    slots = values.shape[2]
+    wide = jnp.promote_types(jnp.promote_types(grouped.dtype, keys.dtype), jnp.float32)
+    # No size-1 batch or group axis: XLA:CPU's library fusions ran these sums 20x slower with
+    # the size-1 axes of B = 1 and G = 1 left in. (B and K stay separate axes, so rows sharded
+    # on one mesh axis and KV heads on another need no gather.)
+    rows = (num_kv_heads,) if batch == 1 else (batch, num_kv_heads)
+    q = grouped.astype(wide).reshape(*rows, groups, head_dim)
+    k = keys.astype(wide).reshape(*rows, head_dim, slots)
+    v = values.astype(wide).reshape(*rows, slots, head_dim)
+    if groups == 1:
+        scores = jnp.sum(q[..., 0, :, None] * k, axis=-2)[..., None, :]  # [rows, 1, S]
+    else:
+        scores = jnp.sum(q[..., None] * k[..., None, :, :], axis=-2)  # [rows, G, S]
+    scores = _rounded(scores, grouped.dtype)
+    scores = _rounded(scores * jnp.asarray(scale, grouped.dtype).astype(wide), grouped.dtype)
+    scores = scores.astype(jnp.float32).reshape(batch, num_kv_heads, groups, slots)
+    weights = jax.nn.softmax(scores + bias[:, :, None], axis=-1)
+    weights = _rounded(weights, values.dtype).astype(values.dtype).astype(wide)
+    weights = weights.reshape(*rows, groups, slots)
+    if groups == 1:
+        out = jnp.sum(weights[..., 0, :, None] * v, axis=-2)[..., None, :]  # [rows, 1, H]
+    else:
+        out = jnp.sum(weights[..., None] * v[..., None, :, :], axis=-2)  # [rows, G, H]
+    return out.reshape(batch, num_kv_heads, groups, head_dim).astype(values.dtype)
 
 
 def _prompt_attention(
@@ -337,7 +386,8 @@ def _prompt_attention(
 
     Args:
         grouped: dtype[B, T, K, G, H], the queries by KV head.
-        keys, values: dtype[B, K, S, H].
+        keys: dtype[B, K, H, S].
+        values: dtype[B, K, S, H].
         bias: float32[B, 1, T, S].
         scale: the score multiplier.
 
@@ -345,9 +395,9 @@ def _prompt_attention(
         dtype[B, T, K * G * H] of ``values``' dtype.
     """
     batch, length, num_kv_heads, groups, head_dim = grouped.shape
-    slots = keys.shape[2]
+    slots = values.shape[2]
     rows = grouped.transpose(0, 2, 3, 1, 4).reshape(batch, num_kv_heads, -1, head_dim)
-    scores = jnp.einsum("bkqh,bksh->bkqs", rows, keys, preferred_element_type=jnp.float32)
+    scores = jnp.einsum("bkqh,bkhs->bkqs", rows, keys, preferred_element_type=jnp.float32)
     scores = _rounded(scores, rows.dtype) * jnp.asarray(scale, rows.dtype).astype(jnp.float32)
     scores = _rounded(scores, rows.dtype).reshape(batch, num_kv_heads, groups, length, slots)
     weights = jax.nn.softmax(scores + bias[:, :, None], axis=-1)  # float32[B, K, G, T, S]
@@ -365,28 +415,3 @@ def _rounded(x: Array, dtype: jnp.dtype) -> Array:
     if info.bits >= jnp.finfo(x.dtype).bits:
         return x
     return jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
-
-
-def _grouped_decode_values(weights: Array, values: Array) -> Array:
-    """``einsum("bkgts,bksh->btkgh")`` for one query token (T = 1) and G > 1 query heads per
-    KV head, as a multiply and a sum over S instead of a matrix product.
-
-    As a product, each KV head is a G-row by S matrix times S by H: XLA's CPU library takes its
-    few-row matrix kernel, which is slow (see ``Dense``). The multiply-and-sum reads the values
-    once and ran 2.5-4.2x faster alone (SmolLM's 3 KV heads x 3 groups: b8 with 2048 slots,
-    6.1 -> 2.0 ms per layer and step; b32 with 160 slots, 1.75 -> 0.42 ms), and the same at b1
-    with 160 slots. With G = 1 the product is a matrix-vector product and stays faster, so
-    this path is not taken there. Below float32 the sum runs in float32, as the product
-    accumulates.
-
-    Args:
-        weights: dtype[B, K, G, 1, S], the softmax weights.
-        values: dtype[B, K, S, H].
-
-    Returns:
-        dtype[B, 1, K, G, H].
-    """
-    wide = jnp.promote_types(values.dtype, jnp.float32)
-    products = weights.astype(wide)[..., None] * values.astype(wide)[:, :, None, None]
-    out = jnp.sum(products, axis=-2)  # [B, K, G, 1, H]
-    return out.transpose(0, 3, 1, 2, 4).astype(values.dtype)

@@ -351,24 +351,21 @@ def _decode_attention(
     # No size-1 batch or group axis: XLA:CPU's library fusions ran these sums 20x slower with
     # the size-1 axes of B = 1 and G = 1 left in. (B and K stay separate axes, so rows sharded
     # on one mesh axis and KV heads on another need no gather.)
-    rows = (num_kv_heads,) if batch == 1 else (batch, num_kv_heads)
-    q = grouped.astype(wide).reshape(*rows, groups, head_dim)
-    k = keys.astype(wide).reshape(*rows, head_dim, slots)
-    v = values.astype(wide).reshape(*rows, slots, head_dim)
-    if groups == 1:
-        scores = jnp.sum(q[..., 0, :, None] * k, axis=-2)[..., None, :]  # [rows, 1, S]
-    else:
-        scores = jnp.sum(q[..., None] * k[..., None, :, :], axis=-2)  # [rows, G, S]
-    scores = _rounded(scores, grouped.dtype)
+    heads = (num_kv_heads,) if batch == 1 else (batch, num_kv_heads)
+    queries = heads if groups == 1 else (*heads, groups)
+
+    def per_query(block: Array) -> Array:  # a KV head's [X, Y] block, once per query if G > 1
+        return block if groups == 1 else block[..., None, :, :]
+
+    q = grouped.astype(wide).reshape(*queries, head_dim)
+    k = keys.astype(wide).reshape(*heads, head_dim, slots)
+    v = values.astype(wide).reshape(*heads, slots, head_dim)
+    scores = _rounded(jnp.sum(q[..., None] * per_query(k), axis=-2), grouped.dtype)  # [.., S]
     scores = _rounded(scores * jnp.asarray(scale, grouped.dtype).astype(wide), grouped.dtype)
     scores = scores.astype(jnp.float32).reshape(batch, num_kv_heads, groups, slots)
     weights = jax.nn.softmax(scores + bias[:, :, None], axis=-1)
-    weights = _rounded(weights, values.dtype).astype(values.dtype).astype(wide)
-    weights = weights.reshape(*rows, groups, slots)
-    if groups == 1:
-        out = jnp.sum(weights[..., 0, :, None] * v, axis=-2)[..., None, :]  # [rows, 1, H]
-    else:
-        out = jnp.sum(weights[..., None] * v[..., None, :, :], axis=-2)  # [rows, G, H]
+    weights = _rounded(weights, values.dtype).astype(wide).reshape(*queries, slots)
+    out = jnp.sum(weights[..., None] * per_query(v), axis=-2)  # [..., H]
     return out.reshape(batch, num_kv_heads, groups, head_dim).astype(values.dtype)
 
 

@@ -18,7 +18,7 @@ checked to be equal). Every variant is compiled first, then the variants run int
 tokens/s (new tokens of all rows over the whole call, prefill included), the ratio to ``plain``
 and the acceptance rate (accepted candidates / new tokens after the first).
 
-A second table gives the costs that bound the speedup (the cost model of Leviathan et al. 2023,
+A second table gives the costs that set the speedup (the cost model of Leviathan et al. 2023,
 section 3.4): at each batch size, the time of one forward pass of the target over one token
 (``target``), of the target over ``G + 1`` tokens (the verification pass, ``verify``) and of the
 draft over one token (``draft``), each the median of passes run back to back in one compiled
@@ -133,14 +133,14 @@ def main() -> None:
     )
     print(f"device: {jax.devices()[0].device_kind}; {args.new_tokens} new tokens, greedy")
     print(f"{'batch':>5} {'task':>9} {'variant':>7} {'tok/s':>9} {'vs plain':>8} {'accept':>7}")
+    models = (model, params, draft, draft_params)
     rates, prompt_lengths = {}, {}
     for batch in [int(b) for b in args.batches.split(",")]:
         for task in ("plain", "repeating"):
             ids, mask = _prompts(tok, batch, model.vocab_size, task == "repeating")
-            models = (model, params, draft, draft_params)
             rates[batch, task] = _measure(args, models, config, ids, mask, task)
             prompt_lengths[batch] = max(ids.shape[1], prompt_lengths.get(batch, 0))
-    _print_costs(args, (model, params, draft, draft_params), rates, prompt_lengths)
+    _print_costs(args, models, rates, prompt_lengths)
 
 
 def _print_costs(args, models, rates: dict, prompt_lengths: dict) -> None:

@@ -127,6 +127,8 @@ def serve(conn, lib: str, folder: str | None) -> None:
                 result = runner.info()
             elif op == "device_bandwidth":
                 result = _machine.device_bandwidth()
+            elif op == "matmul_floor":
+                result = _matmul_floor(**kwargs)
             elif op in ("prepare", "warmup", "run", "device_peak_mb"):
                 result = getattr(runner, op)(**kwargs)
             else:
@@ -135,6 +137,16 @@ def serve(conn, lib: str, folder: str | None) -> None:
             conn.send(("error", _error_kind(error), f"{type(error).__name__}: {error}"))
         else:
             conn.send(("ok", result))
+
+
+def _matmul_floor(shape: str, layers: int, runs: int) -> list[float]:
+    """Seconds per step of genjax's products alone at one row (``bench/matmul_floor.py``): the
+    floor under a batch-1 decode step, measured in this worker so the parent holds no jax."""
+    import _cases
+    import matmul_floor
+
+    weights, head = matmul_floor.random_weights(_cases.SHAPES[shape], layers)
+    return matmul_floor.time_genjax(weights, head, rows=1, steps=16, runs=runs)
 
 
 def _runner_class(lib: str) -> type[Runner]:

@@ -28,16 +28,17 @@ def summarize(raw: dict, batch: int, new_tokens: int) -> dict:
     steps = [(t - f) / max(new_tokens - 1, 1) * 1e3 for t, f in zip(totals, ttfts, strict=True)]
     peaks = [run["peak_rss_mb"] for run in runs if run["peak_rss_mb"] is not None]
     return dict(
-        tok_s=_spread([batch * new_tokens / t for t in totals]) if decoding else None,
-        step_ms=_spread(steps) if decoding else None,
-        ttft_ms=_spread([f * 1e3 for f in ttfts]),
-        total_s=_spread(totals),
+        tok_s=spread([batch * new_tokens / t for t in totals]) if decoding else None,
+        step_ms=spread(steps) if decoding else None,
+        ttft_ms=spread([f * 1e3 for f in ttfts]),
+        total_s=spread(totals),
         compile_s=raw["warmup"]["first_s"] - statistics.median(totals),
         peak_rss_mb=max(peaks) if peaks else None,
     )
 
 
-def _spread(values: list[float]) -> dict:
+def spread(values: list[float]) -> dict:
+    """``{"median", "min", "max", "values"}`` of a list of measurements."""
     return dict(median=statistics.median(values), min=min(values), max=max(values), values=values)
 
 
@@ -115,10 +116,10 @@ def _num(value: float | None) -> str:
     return f"{value:.2f}"
 
 
-def _range(spread: dict | None) -> str:
-    if spread is None:
+def _range(measured: dict | None) -> str:
+    if measured is None:
         return "-"
-    return f"{_num(spread['median'])} ({_num(spread['min'])}-{_num(spread['max'])})"
+    return f"{_num(measured['median'])} ({_num(measured['min'])}-{_num(measured['max'])})"
 
 
 COLUMNS = (
@@ -159,6 +160,8 @@ def format_shape(result: dict, bandwidth: dict) -> str:
     fractions = result.get("bandwidth_fraction")
     if fractions:
         lines.extend(_bandwidth_lines(fractions, bandwidth))
+    if result.get("matmul_floor_ms"):
+        lines.extend(_floor_lines(result["matmul_floor_ms"], result["cases"]["greedy_b1"]))
     return "\n".join(lines)
 
 
@@ -236,4 +239,20 @@ def _bandwidth_lines(fractions: dict, bandwidth: dict) -> list[str]:
     ]
     for lib, numbers in fractions["libs"].items():
         lines.append(f"  {lib:<12} {_achieved(numbers)}")
+    return lines
+
+
+def _floor_lines(floor_ms: dict, case: dict) -> list[str]:
+    """Each library's batch-1 step against genjax's products alone at one row: floor / step,
+    so 100% means a step costs no more than its matrix products."""
+    lines = [
+        f"matmul-only floor at 1 row (bench/matmul_floor.py's loop, genjax's products, same run): "
+        f"{_range(floor_ms)} ms per step"
+    ]
+    for lib, result in case["libs"].items():
+        step = (result.get("summary") or {}).get("step_ms")
+        if step and step["median"] > 0:
+            share = floor_ms["median"] / step["median"]
+            step_ms = step["median"]
+            lines.append(f"  {lib:<12} {step_ms:6.1f} ms per step: floor / step = {share:6.1%}")
     return lines

@@ -34,6 +34,7 @@ from _peers import DEFAULT_LIBS, FLAX_LIB, LIBS, Peer, PeerError  # noqa: E402
 NEW_TOKENS = 128
 QUICK_LAYERS = 2
 QUICK_NEW_TOKENS = 16
+FLOOR_RUNS = 5  # timed loops of the matmul-only floor (16 steps each, about a second per loop)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -114,6 +115,22 @@ def remeasure_host_bandwidth(bandwidth: dict) -> None:
     bandwidth["host_samples"].append(host["bytes_per_s"])
     if host["bytes_per_s"] > bandwidth["host"]["bytes_per_s"]:
         bandwidth["host"] = host
+
+
+def measure_matmul_floor(shape: _cases.Shape, layers: int) -> dict | None:
+    """genjax's matrix products of a decode step alone at one row (``bench/matmul_floor.py``),
+    in a genjax worker: the floor under a batch-1 step on this machine. ``step_ms`` as
+    ``_report.summarize`` gives it, or None if the worker failed."""
+    log(f"{shape.name}: timing the matmul-only floor at 1 row")
+    peer = Peer("genjax", None)
+    try:
+        seconds = peer.call("matmul_floor", shape=shape.name, layers=layers, runs=FLOOR_RUNS)
+    except PeerError as error:
+        log(f"matmul floor not measured: {error.message}")
+        return None
+    finally:
+        peer.close()
+    return _report.spread([s * 1e3 for s in seconds])
 
 
 def run_case(case: _cases.Case, folder: str, checkpoint: dict, args) -> dict:
@@ -251,6 +268,9 @@ def main(argv: list[str] | None = None) -> int:
             result["bandwidth_fraction"] = _report.bandwidth_fractions(
                 result["cases"]["greedy_b1"], result["checkpoint"], report["bandwidth"]
             )
+            if "genjax" in args.libs:
+                layers = args.layers or _cases.SHAPES[name].layers
+                result["matmul_floor_ms"] = measure_matmul_floor(_cases.SHAPES[name], layers)
         report["shapes"][name] = result
         print(_report.format_shape(result, report["bandwidth"]), flush=True)
         if args.json:

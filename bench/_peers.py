@@ -139,13 +139,13 @@ def serve(conn, lib: str, folder: str | None) -> None:
             conn.send(("ok", result))
 
 
-def _matmul_floor(shape: str, layers: int, runs: int) -> list[float]:
+def _matmul_floor(shape: str, depth: int, runs: int) -> list[float]:
     """Seconds per step of genjax's products alone at one row (``bench/matmul_floor.py``): the
     floor under a batch-1 decode step, measured in this worker so the parent holds no jax."""
     import _cases
     import matmul_floor
 
-    weights, head = matmul_floor.random_weights(_cases.SHAPES[shape], layers)
+    weights, head = matmul_floor.random_weights(_cases.SHAPES[shape], depth)
     return matmul_floor.time_genjax(weights, head, rows=1, steps=16, runs=runs)
 
 

@@ -253,6 +253,7 @@ def _floor_lines(floor_ms: dict, case: dict) -> list[str]:
         step = (result.get("summary") or {}).get("step_ms")
         if step and step["median"] > 0:
             share = floor_ms["median"] / step["median"]
-            step_ms = step["median"]
-            lines.append(f"  {lib:<12} {step_ms:6.1f} ms per step: floor / step = {share:6.1%}")
+            lines.append(
+                f"  {lib:<12} {step['median']:6.1f} ms per step: floor / step = {share:.1%}"
+            )
     return lines

@@ -49,15 +49,15 @@ def layer_matrices(shape: _cases.Shape) -> list[tuple[int, int]]:
 
 
 def random_weights(
-    shape: _cases.Shape, layers: int | None = None
+    shape: _cases.Shape, depth: int | None = None
 ) -> tuple[list[list[np.ndarray]], np.ndarray]:
-    """float32 [out, in] matrices of ``layers`` layers (default: the full depth), and the
+    """float32 [out, in] matrices of ``depth`` layers (default: the shape's full depth), and the
     [vocab, width] output head."""
     rng = np.random.default_rng(_cases.SEED)
     matrices = layer_matrices(shape)
     layers = [
         [rng.standard_normal(size, np.float32) * 0.02 for size in matrices]
-        for _ in range(layers or shape.layers)
+        for _ in range(depth or shape.layers)
     ]
     width = matrices[0][1]
     vocab = shape.config["vocab_size"]

@@ -97,14 +97,20 @@ def measure_bandwidth(libs: list[str]) -> dict:
     host = _machine.host_bandwidth()
     bandwidth = dict(host=host, host_samples=[host["bytes_per_s"]], device_bytes_per_s=None)
     if "genjax" in libs:
-        peer = Peer("genjax", None)
-        try:
-            bandwidth["device_bytes_per_s"] = peer.call("device_bandwidth")
-        except PeerError as error:
-            log(f"device bandwidth not measured: {error.message}")
-        finally:
-            peer.close()
+        bandwidth["device_bytes_per_s"] = _in_genjax_worker("device bandwidth", "device_bandwidth")
     return bandwidth
+
+
+def _in_genjax_worker(what: str, op: str, **kwargs):
+    """Runs one worker op in a fresh genjax worker; logs and returns None if it fails."""
+    peer = Peer("genjax", None)
+    try:
+        return peer.call(op, **kwargs)
+    except PeerError as error:
+        log(f"{what} not measured: {error.message}")
+        return None
+    finally:
+        peer.close()
 
 
 def remeasure_host_bandwidth(bandwidth: dict) -> None:
@@ -117,20 +123,15 @@ def remeasure_host_bandwidth(bandwidth: dict) -> None:
         bandwidth["host"] = host
 
 
-def measure_matmul_floor(shape: _cases.Shape, layers: int) -> dict | None:
+def measure_matmul_floor(shape_name: str, depth: int) -> dict | None:
     """genjax's matrix products of a decode step alone at one row (``bench/matmul_floor.py``),
-    in a genjax worker: the floor under a batch-1 step on this machine. ``step_ms`` as
-    ``_report.summarize`` gives it, or None if the worker failed."""
-    log(f"{shape.name}: timing the matmul-only floor at 1 row")
-    peer = Peer("genjax", None)
-    try:
-        seconds = peer.call("matmul_floor", shape=shape.name, layers=layers, runs=FLOOR_RUNS)
-    except PeerError as error:
-        log(f"matmul floor not measured: {error.message}")
-        return None
-    finally:
-        peer.close()
-    return _report.spread([s * 1e3 for s in seconds])
+    in a genjax worker: the floor under a batch-1 step on this machine. ms per step as
+    ``_report.spread`` gives it, or None if the worker failed."""
+    log(f"{shape_name}: timing the matmul-only floor at 1 row")
+    seconds = _in_genjax_worker(
+        "matmul floor", "matmul_floor", shape=shape_name, depth=depth, runs=FLOOR_RUNS
+    )
+    return None if seconds is None else _report.spread([s * 1e3 for s in seconds])
 
 
 def run_case(case: _cases.Case, folder: str, checkpoint: dict, args) -> dict:
@@ -269,8 +270,8 @@ def main(argv: list[str] | None = None) -> int:
                 result["cases"]["greedy_b1"], result["checkpoint"], report["bandwidth"]
             )
             if "genjax" in args.libs:
-                layers = args.layers or _cases.SHAPES[name].layers
-                result["matmul_floor_ms"] = measure_matmul_floor(_cases.SHAPES[name], layers)
+                depth = result["checkpoint"]["layers"]
+                result["matmul_floor_ms"] = measure_matmul_floor(name, depth)
         report["shapes"][name] = result
         print(_report.format_shape(result, report["bandwidth"]), flush=True)
         if args.json:

@@ -116,7 +116,7 @@ def serve(conn, lib: str, folder: str | None) -> None:
     """The worker's main loop: answer ops from the parent until ``close``."""
     if lib in ("genjax", FLAX_LIB):  # leave accelerator memory to the other workers
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    runner = None
+    runner = floor = None
     while True:
         op, kwargs = conn.recv()
         if op == "close":
@@ -127,8 +127,11 @@ def serve(conn, lib: str, folder: str | None) -> None:
                 result = runner.info()
             elif op == "device_bandwidth":
                 result = _machine.device_bandwidth()
-            elif op == "matmul_floor":
-                result = _matmul_floor(**kwargs)
+            elif op == "floor_prepare":
+                floor = _MatmulFloor(**kwargs)
+                result = None
+            elif op == "floor_run":
+                result = floor.run()
             elif op in ("prepare", "warmup", "run", "device_peak_mb"):
                 result = getattr(runner, op)(**kwargs)
             else:
@@ -139,14 +142,28 @@ def serve(conn, lib: str, folder: str | None) -> None:
             conn.send(("ok", result))
 
 
-def _matmul_floor(shape: str, depth: int, runs: int) -> list[float]:
-    """Seconds per step of genjax's products alone at one row (``bench/matmul_floor.py``): the
-    floor under a batch-1 decode step, measured in this worker so the parent holds no jax."""
-    import _cases
-    import matmul_floor
+class _MatmulFloor:
+    """genjax's products of a decode step alone at one row (``bench/matmul_floor.py``'s loop):
+    the floor under a batch-1 step. Compiled once here, in a worker, so the parent holds no jax.
 
-    weights, head = matmul_floor.random_weights(_cases.SHAPES[shape], depth)
-    return matmul_floor.time_genjax(weights, head, rows=1, steps=16, runs=runs)
+    Args:
+        shape: a ``_cases.SHAPES`` name.
+        depth: layers, as in the checkpoint the case runs.
+        steps: steps per timed loop (the case's new tokens, so a loop lasts about as long as a
+            generate call and sees the same share of the machine's noise).
+    """
+
+    def __init__(self, shape: str, depth: int, steps: int):
+        import _cases
+        import matmul_floor
+
+        weights, head = matmul_floor.random_weights(_cases.SHAPES[shape], depth)
+        self._loop = matmul_floor.genjax_loop(weights, head, rows=1, steps=steps)
+        self._steps = steps
+
+    def run(self) -> float:
+        """One timed loop; seconds per step."""
+        return _timed(self._loop) / self._steps
 
 
 def _runner_class(lib: str) -> type[Runner]:

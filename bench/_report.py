@@ -160,8 +160,9 @@ def format_shape(result: dict, bandwidth: dict) -> str:
     fractions = result.get("bandwidth_fraction")
     if fractions:
         lines.extend(_bandwidth_lines(fractions, bandwidth))
-    if result.get("matmul_floor_ms"):
-        lines.extend(_floor_lines(result["matmul_floor_ms"], result["cases"]["greedy_b1"]))
+    for case in result["cases"].values():
+        if case.get("matmul_floor"):
+            lines.extend(_floor_lines(case["matmul_floor"]))
     return "\n".join(lines)
 
 
@@ -242,18 +243,32 @@ def _bandwidth_lines(fractions: dict, bandwidth: dict) -> list[str]:
     return lines
 
 
-def _floor_lines(floor_ms: dict, case: dict) -> list[str]:
+def floor_shares(floor_ms: list[float], results: dict) -> dict:
+    """The matmul-only floor's ms per step, one sample per round of a case's runs, and each
+    library's floor / step per round (its step from the run of the same round), for the libraries
+    that ran every round.
+
+    Returns:
+        ``{"ms": spread, "share": {lib: spread}}`` (see :func:`spread`).
+    """
+    shares = {}
+    for lib, result in results.items():
+        step = (result.get("summary") or {}).get("step_ms")
+        if step and len(step["values"]) == len(floor_ms):
+            shares[lib] = spread([f / s for f, s in zip(floor_ms, step["values"], strict=True)])
+    return dict(ms=spread(floor_ms), share=shares)
+
+
+def _floor_lines(floor: dict) -> list[str]:
     """Each library's batch-1 step against genjax's products alone at one row: floor / step,
     so 100% means a step costs no more than its matrix products."""
     lines = [
-        f"matmul-only floor at 1 row (bench/matmul_floor.py's loop, genjax's products, same run): "
-        f"{_range(floor_ms)} ms per step"
+        "matmul-only floor at 1 row (bench/matmul_floor.py's loop, genjax's products, one loop "
+        f"per round of runs): {_range(floor['ms'])} ms per step"
     ]
-    for lib, result in case["libs"].items():
-        step = (result.get("summary") or {}).get("step_ms")
-        if step and step["median"] > 0:
-            share = floor_ms["median"] / step["median"]
-            lines.append(
-                f"  {lib:<12} {step['median']:6.1f} ms per step: floor / step = {share:.1%}"
-            )
+    for lib, share in floor["share"].items():
+        lines.append(
+            f"  {lib:<12} floor / step, paired by round: {share['median']:.1%} "
+            f"({share['min']:.1%}-{share['max']:.1%})"
+        )
     return lines

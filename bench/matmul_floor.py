@@ -85,8 +85,9 @@ def _step(multiply, layers, head, x):
     return multiply(x, head)
 
 
-def time_genjax(layers, head, rows: int, steps: int, runs: int) -> list[float]:
-    """Seconds per step of ``steps`` steps in one compiled loop, ``runs`` times."""
+def genjax_loop(layers, head, rows: int, steps: int):
+    """Compiles ``steps`` steps in one ``lax.fori_loop`` and returns a no-argument function that
+    runs them to completion."""
     params = ([[jnp.asarray(w) for w in matrices] for matrices in layers], jnp.asarray(head))
     multiply = lambda x, weight: linear(x, weight, None, jnp.float32)  # noqa: E731
 
@@ -99,8 +100,15 @@ def time_genjax(layers, head, rows: int, steps: int, runs: int) -> list[float]:
         return jax.lax.fori_loop(0, steps, body, x)
 
     x = jnp.ones((rows, head.shape[1]), jnp.float32)
-    jax.block_until_ready(loop(x, params))
-    return [_timed(lambda: jax.block_until_ready(loop(x, params))) / steps for _ in range(runs)]
+    run = lambda: jax.block_until_ready(loop(x, params))  # noqa: E731
+    run()
+    return run
+
+
+def time_genjax(layers, head, rows: int, steps: int, runs: int) -> list[float]:
+    """Seconds per step of ``steps`` steps in one compiled loop, ``runs`` times."""
+    run = genjax_loop(layers, head, rows, steps)
+    return [_timed(run) / steps for _ in range(runs)]
 
 
 def time_torch(layers, head, rows: int, steps: int, runs: int) -> list[float]:

@@ -34,7 +34,7 @@ from _peers import DEFAULT_LIBS, FLAX_LIB, LIBS, Peer, PeerError  # noqa: E402
 NEW_TOKENS = 128
 QUICK_LAYERS = 2
 QUICK_NEW_TOKENS = 16
-FLOOR_RUNS = 5  # timed loops of the matmul-only floor (16 steps each, about a second per loop)
+FLOOR_CASE = "greedy_b1"  # the case timed next to the matmul-only floor
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -97,20 +97,14 @@ def measure_bandwidth(libs: list[str]) -> dict:
     host = _machine.host_bandwidth()
     bandwidth = dict(host=host, host_samples=[host["bytes_per_s"]], device_bytes_per_s=None)
     if "genjax" in libs:
-        bandwidth["device_bytes_per_s"] = _in_genjax_worker("device bandwidth", "device_bandwidth")
+        peer = Peer("genjax", None)
+        try:
+            bandwidth["device_bytes_per_s"] = peer.call("device_bandwidth")
+        except PeerError as error:
+            log(f"device bandwidth not measured: {error.message}")
+        finally:
+            peer.close()
     return bandwidth
-
-
-def _in_genjax_worker(what: str, op: str, **kwargs):
-    """Runs one worker op in a fresh genjax worker; logs and returns None if it fails."""
-    peer = Peer("genjax", None)
-    try:
-        return peer.call(op, **kwargs)
-    except PeerError as error:
-        log(f"{what} not measured: {error.message}")
-        return None
-    finally:
-        peer.close()
 
 
 def remeasure_host_bandwidth(bandwidth: dict) -> None:
@@ -123,35 +117,66 @@ def remeasure_host_bandwidth(bandwidth: dict) -> None:
         bandwidth["host"] = host
 
 
-def measure_matmul_floor(shape_name: str, depth: int) -> dict | None:
-    """genjax's matrix products of a decode step alone at one row (``bench/matmul_floor.py``),
-    in a genjax worker: the floor under a batch-1 step on this machine. ms per step as
-    ``_report.spread`` gives it, or None if the worker failed."""
-    log(f"{shape_name}: timing the matmul-only floor at 1 row")
-    seconds = _in_genjax_worker(
-        "matmul floor", "matmul_floor", shape=shape_name, depth=depth, runs=FLOOR_RUNS
-    )
-    return None if seconds is None else _report.spread([s * 1e3 for s in seconds])
+class MatmulFloor:
+    """genjax's matrix products of a batch-1 step alone (``bench/matmul_floor.py``'s loop, as
+    many steps as the case decodes), in its own genjax worker. ``run_case`` times one loop per
+    round of its runs, so each floor sample and each library's run of that round share the
+    machine's moment, and floor / step is a ratio of paired samples. A failure is logged and
+    leaves the samples taken so far."""
+
+    def __init__(self, shape_name: str, depth: int, steps: int):
+        log(f"{shape_name}: compiling the matmul-only floor at 1 row")
+        self.ms: list[float] = []
+        self._peer = Peer("genjax", None)
+        self._live = True
+        self._call("floor_prepare", shape=shape_name, depth=depth, steps=steps)
+
+    def run(self) -> None:
+        """One timed loop, kept in ``ms`` (ms per step)."""
+        seconds = self._call("floor_run")
+        if seconds is not None:
+            self.ms.append(seconds * 1e3)
+
+    def close(self) -> None:
+        self._peer.close()
+
+    def _call(self, op: str, **kwargs):
+        """The op's result; None once the worker has failed (logged the first time)."""
+        if not self._live:
+            return None
+        try:
+            return self._peer.call(op, **kwargs)
+        except PeerError as error:
+            log(f"  matmul floor stopped: {error.message.splitlines()[0][:200]}")
+            self._live = False
+            return None
 
 
-def run_case(case: _cases.Case, folder: str, checkpoint: dict, args) -> dict:
+def run_case(case: _cases.Case, shape_name: str, folder: str, checkpoint: dict, args) -> dict:
     """Times one case with every library: fresh workers, one warm-up call each, then
-    ``args.runs`` interleaved runs. Errors become ``{"error": ...}`` entries, never a crash."""
+    ``args.runs`` interleaved runs; for ``FLOOR_CASE`` (with genjax) also the matmul-only
+    floor, once per round. Errors become ``{"error": ...}`` entries, never a crash."""
     new_tokens = case.tokens(args.new_tokens)
     ids = _cases.prompt_ids(case, checkpoint["vocab_size"])
     results = {lib: {} for lib in args.libs}
     peers = {lib: Peer(lib, folder, args.flax_python) for lib in args.libs}
+    floor = None
     try:
         live = _load(peers, results)
         live = _warm_up(peers, results, live, case, ids, new_tokens)
-        live = _interleave(peers, results, live, case.name, args.runs)
+        if case.name == FLOOR_CASE and "genjax" in live:
+            floor = MatmulFloor(shape_name, checkpoint["layers"], new_tokens)
+        after_round = floor.run if floor else lambda: None
+        live = _interleave(peers, results, live, case.name, args.runs, after_round)
         for lib in live:
             results[lib]["device_peak_mb"] = peers[lib].call("device_peak_mb")
             results[lib]["summary"] = _report.summarize(results[lib], case.batch, new_tokens)
     finally:
         for peer in peers.values():
             peer.close()
-    return dict(
+        if floor:
+            floor.close()
+    outcome = dict(
         title=case.title,
         batch=case.batch,
         prompt=case.prompt,
@@ -161,6 +186,9 @@ def run_case(case: _cases.Case, folder: str, checkpoint: dict, args) -> dict:
         ratio=_report.ratio(results),
         ratio_flax446=_report.ratio(results, against=(FLAX_LIB,)),
     )
+    if floor and floor.ms:
+        outcome["matmul_floor"] = _report.floor_shares(floor.ms, results)
+    return outcome
 
 
 def _load(peers: dict, results: dict) -> list[str]:
@@ -196,9 +224,10 @@ def _warm_up(peers, results, live, case, ids, new_tokens) -> list[str]:
     return ready
 
 
-def _interleave(peers, results, live, name: str, runs: int) -> list[str]:
-    """``runs`` rounds of one run per library in turn; returns the libraries that never
-    failed (a library that fails drops out, keeping its error)."""
+def _interleave(peers, results, live, name: str, runs: int, after_round) -> list[str]:
+    """``runs`` rounds of one run per library in turn, each round followed by
+    ``after_round()``; returns the libraries that never failed (a library that fails drops
+    out, keeping its error)."""
     live = list(live)
     for run in range(runs):
         log(f"  {name}: run {run + 1}/{runs}")
@@ -208,6 +237,7 @@ def _interleave(peers, results, live, name: str, runs: int) -> list[str]:
                 results[lib].setdefault("runs", []).append(numbers)
             else:
                 live.remove(lib)
+        after_round()
     return live
 
 
@@ -231,7 +261,7 @@ def run_shape(shape: _cases.Shape, args) -> dict:
         cases = {}
         for case in _cases.select_cases(args.cases, args.quick):
             log(f"{shape.name}: {case.name} ({case.title})")
-            cases[case.name] = run_case(case, folder, checkpoint, args)
+            cases[case.name] = run_case(case, shape.name, folder, checkpoint, args)
     return dict(
         title=shape.title,
         shape=dict(arch=shape.arch, full_layers=shape.layers, **shape.config),
@@ -269,9 +299,6 @@ def main(argv: list[str] | None = None) -> int:
             result["bandwidth_fraction"] = _report.bandwidth_fractions(
                 result["cases"]["greedy_b1"], result["checkpoint"], report["bandwidth"]
             )
-            if "genjax" in args.libs:
-                depth = result["checkpoint"]["layers"]
-                result["matmul_floor_ms"] = measure_matmul_floor(name, depth)
         report["shapes"][name] = result
         print(_report.format_shape(result, report["bandwidth"]), flush=True)
         if args.json:

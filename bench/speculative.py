@@ -19,20 +19,22 @@ tokens/s (new tokens of all rows over the whole call, prefill included), the rat
 and the acceptance rate (accepted candidates / new tokens after the first).
 
 A second table gives the costs that set the speedup (the cost model of Leviathan et al. 2023,
-section 3.4): at each batch size, the time of one forward pass of the target over one token
-(``target``), of the target over ``G + 1`` tokens (the verification pass, ``verify``) and of the
-draft over one token (``draft``), each the median of passes run back to back in one compiled
-loop over a cache of the call's size. With ``c = draft / target``, ``v = verify / target`` and
-an acceptance rate ``a`` (so that an iteration commits ``1 / (1 - a)`` tokens on average), an
-iteration costs about ``G * c + v`` target passes, so speculative greedy runs about
-``1 / ((1 - a) * (G * c + v))`` times as fast as plain greedy; the ``estimate`` column gives
-that figure for the acceptance measured above (prompt lookup: ``1 / ((1 - a) * v)``, its
-candidates cost no model pass). It counts model passes only: both loops also pay bookkeeping
-per iteration (choosing tokens, stopping rules), which favours the assisted loop a little, as
-it runs fewer iterations; so the measured ratio can land somewhat above the estimate. It is
-printed for batch 1 only: with more rows, rows accept different numbers of tokens, the caches
-hold holes and grow longer (see :mod:`genjax.decoding.assisted`), and the draft loop runs until
-the last row stops proposing, none of which the passes measured here include.
+section 3.4), each pass over a cache of the size its loop uses (``P`` prompt slots, ``N`` new
+tokens, ``T = G + 1``): one forward pass of the target over one token in plain decoding's cache
+of ``P + N`` slots (``target``); the target over ``T`` tokens in the assisted target cache
+(the verification pass, ``verify``); and the draft over two tokens (``draft2``: an iteration's
+first draft pass re-reads the token before the newest) and over one token (``draft``) in the
+draft's cache. Each is the median of passes run back to back in one compiled loop, every slot
+attended. With ``c2 = draft2 / target``, ``c = draft / target``, ``v = verify / target`` and an
+acceptance rate ``a`` (accepted candidates over new tokens after the first, so an iteration
+commits ``1 / (1 - a)`` tokens on average), an iteration costs ``c2 + (G - 1) * c + v``
+target passes, so speculative greedy runs about ``1 / ((1 - a) * (c2 + (G - 1) * c + v))``
+times as fast as plain greedy; the ``estimate`` column gives that figure for the acceptance
+measured above (prompt lookup: ``1 / ((1 - a) * v)``, its candidates cost no model pass). It
+counts model passes only, not the bookkeeping of either loop (choosing tokens, stopping rules)
+nor a draft that stops early. It is printed for batch 1 only: with more rows, rows accept
+different numbers of tokens and the caches hold holes (see :mod:`genjax.decoding.assisted`),
+which the passes measured here do not include.
 
 Run:  python bench/speculative.py [--random] [--draft FOLDER] [--runs 5] [--new-tokens 128]
       [--candidates 4] [--batches 1,8]
@@ -147,22 +149,29 @@ def _print_costs(args, models, rates: dict, prompt_lengths: dict) -> None:
     """Prints the per-pass costs at each batch size and, at batch 1, the speedup they predict
     for each measured acceptance rate (see the module docstring)."""
     model, params, draft, draft_params = models
-    print(f"\nper-pass ms; at batch 1 the speedup they predict (G = {args.candidates})")
-    print(f"{'batch':>5} {'target':>8} {'verify':>8} {'draft':>8} {'c':>5} {'v':>5}  estimate")
+    g, n = args.candidates, args.new_tokens
+    print(f"\nper-pass ms; at batch 1 the speedup they predict (G = {g})")
+    print(
+        f"{'batch':>5} {'target':>8} {'verify':>8} {'draft2':>8} {'draft':>8} "
+        f"{'c2':>5} {'c':>5} {'v':>5}  estimate"
+    )
     for batch in [int(b) for b in args.batches.split(",")]:
-        slots = prompt_lengths[batch] + 2 * args.new_tokens + 2 * args.candidates
-        one = _pass_ms(model, params, batch, 1, slots)
-        verify = _pass_ms(model, params, batch, args.candidates + 1, slots)
-        small = _pass_ms(draft, draft_params, batch, 1, slots)
-        c, v = small / one, verify / one
+        p, rows = prompt_lengths[batch], min(batch, g + 1)
+        target_slots = p + rows * (n - 1) + g + 1  # the cache sizes in genjax.decoding.assisted
+        draft_slots = p + (rows + 1) * (n - 1) + g + 1
+        one = _pass_ms(model, params, batch, 1, p + n)
+        verify = _pass_ms(model, params, batch, g + 1, target_slots)
+        first = _pass_ms(draft, draft_params, batch, 2, draft_slots)
+        small = _pass_ms(draft, draft_params, batch, 1, draft_slots)
+        c2, c, v = first / one, small / one, verify / one
         estimates = []
-        for (rows, task), accept in rates.items():
+        for (at, task), accept in rates.items():
             for name, a in accept.items():
-                if rows == batch == 1:
-                    cost = v if name == "lookup" else args.candidates * c + v
+                if at == batch == 1:
+                    cost = v if name == "lookup" else c2 + (g - 1) * c + v
                     estimates.append(f"{task} {name} {1 / ((1 - a) * cost):.2f}x")
-        row = f"{batch:>5} {one:8.3f} {verify:8.3f} {small:8.3f} {c:5.2f} {v:5.2f}  "
-        print(row + (", ".join(estimates) or "-"))
+        row = f"{batch:>5} {one:8.3f} {verify:8.3f} {first:8.3f} {small:8.3f} {c2:5.2f} {c:5.2f}"
+        print(f"{row} {v:5.2f}  " + (", ".join(estimates) or "-"))
 
 
 def _pass_ms(model, params, batch: int, tokens: int, slots: int, passes: int = 50) -> float:

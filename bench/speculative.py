@@ -56,6 +56,7 @@ import numpy as np
 import genjax
 import genjax.bundled
 import genjax.testing
+from genjax.decoding.assisted import cache_lengths
 
 
 def _models(args):
@@ -156,9 +157,8 @@ def _print_costs(args, models, rates: dict, prompt_lengths: dict) -> None:
         f"{'c2':>5} {'c':>5} {'v':>5}  estimate"
     )
     for batch in [int(b) for b in args.batches.split(",")]:
-        p, rows = prompt_lengths[batch], min(batch, g + 1)
-        target_slots = p + rows * (n - 1) + g + 1  # the cache sizes in genjax.decoding.assisted
-        draft_slots = p + (rows + 1) * (n - 1) + g + 1
+        p = prompt_lengths[batch]
+        target_slots, draft_slots = cache_lengths(p, n, batch, g)
         one = _pass_ms(model, params, batch, 1, p + n)
         verify = _pass_ms(model, params, batch, g + 1, target_slots)
         first = _pass_ms(draft, draft_params, batch, 2, draft_slots)

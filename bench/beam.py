@@ -169,7 +169,7 @@ def main() -> None:
 
 def bucket_total(args) -> int:
     """The cache length genjax allocates: the prompt bucket plus the new tokens."""
-    from genjax.generate import bucket_length
+    from genjax.generation.entry import bucket_length
 
     return bucket_length(args.prompt) + args.new_tokens
 

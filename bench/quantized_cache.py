@@ -5,7 +5,8 @@ dimension 64 on random ids) it runs greedy generation twice from the same prompt
 float cache and with ``cache_implementation="quantized"`` (``cache_config={"nbits": 8}``), and
 reports, measured in one run:
 
-- cache bytes of the call (``genjax.memory.cache_bytes``), float vs int8 + scales, and the ratio;
+- cache bytes of the call (``genjax.cache.memory.cache_bytes``), float vs int8 + scales, and
+  the ratio;
 - the greedy agreement rate: the fraction of new tokens equal at the same position, and the
   fraction of rows identical over the whole run;
 - the largest logit difference over the run, taken at every step up to and including each row's
@@ -28,8 +29,8 @@ import jax
 import numpy as np
 
 import genjax
-from genjax import memory
-from genjax.generate import bucket_length
+from genjax.cache import memory
+from genjax.generation.entry import bucket_length
 from genjax.testing import write_random_checkpoint
 
 QUANTIZED = {"cache_implementation": "quantized", "cache_config": {"nbits": 8}}
@@ -56,7 +57,7 @@ RANDOM_SHAPE = dict(
 
 
 def _bundled_inputs(batch: int):
-    folder = genjax.bundled.path("genjax-tiny")
+    folder = genjax.io.bundled.path("genjax-tiny")
     tok = genjax.tokenizer.from_pretrained(folder)
     texts = [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
     encoded = tok(texts)

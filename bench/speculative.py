@@ -1,6 +1,6 @@
 """What assisted generation buys: plain greedy vs speculative greedy vs prompt lookup.
 
-On the bundled pair (``genjax.bundled.path("genjax-tiny")`` as target, ``"genjax-tiny-draft"``
+On the bundled pair (``genjax.io.bundled.path("genjax-tiny")`` as target, ``"genjax-tiny-draft"``
 as draft, or the folder ``--draft`` names), or with ``--random`` on random Llamas written by
 ``genjax.testing`` (a target of ``--layers`` layers and a 1-layer draft sharing its embeddings
 and first layer, so they agree often), this times greedy generation of ``--new-tokens`` tokens
@@ -54,7 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import genjax
-import genjax.bundled
+import genjax.io.bundled
 import genjax.testing
 from genjax.decoding.assisted import cache_lengths
 
@@ -113,7 +113,7 @@ def main() -> None:
     parser.add_argument("--random", action="store_true", help="random models, not the bundled")
     parser.add_argument(
         "--draft",
-        default=genjax.bundled.path("genjax-tiny-draft"),
+        default=genjax.io.bundled.path("genjax-tiny-draft"),
         help="the draft Hugging Face folder (default: the bundled draft); not with --random",
     )
     parser.add_argument("--runs", type=int, default=5)

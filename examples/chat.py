@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None, lines=None) -> list[dict]:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
-    folder = args.model or genjax.bundled.path()
+    folder = args.model or genjax.io.bundled.path()
     model, params = genjax.models.from_pretrained(folder)
     tok = genjax.tokenizer.from_pretrained(folder)
     config = genjax.GenerationConfig.from_pretrained(folder).replace(

@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-new-tokens", type=int, default=48)
     args = parser.parse_args(argv)
 
-    folder = genjax.bundled.path()  # or any Hugging Face folder / hub id
+    folder = genjax.io.bundled.path()  # or any Hugging Face folder / hub id
     model, params = genjax.models.from_pretrained(folder)
     tok = genjax.tokenizer.from_pretrained(folder)
     config = genjax.GenerationConfig.from_pretrained(folder).replace(

@@ -42,17 +42,17 @@ steps and stopped after its step-1000 checkpoint (CPU time); running it again wi
 ``--steps 1000`` resumed there, trained no further, evaluated and exported::
 
     python examples/train_tiny.py --size default --workdir /tmp/tiny \\
-        --out genjax/bundled/genjax-tiny
+        --out genjax/io/bundled/genjax-tiny
     python examples/train_tiny.py --size draft --workdir /tmp/draft \\
-        --tokenizer genjax/bundled/genjax-tiny --out /tmp/draft_out
+        --tokenizer genjax/io/bundled/genjax-tiny --out /tmp/draft_out
     python examples/train_tiny.py --size draft --workdir /tmp/distill \\
-        --init-from /tmp/draft_out --distill-from genjax/bundled/genjax-tiny \\
-        --tokenizer genjax/bundled/genjax-tiny --seed 1 --lr 2e-3 --steps 1400 \\
-        --out genjax/bundled/genjax-tiny-draft  # stopped after step 1000, then:
+        --init-from /tmp/draft_out --distill-from genjax/io/bundled/genjax-tiny \\
+        --tokenizer genjax/io/bundled/genjax-tiny --seed 1 --lr 2e-3 --steps 1400 \\
+        --out genjax/io/bundled/genjax-tiny-draft  # stopped after step 1000, then:
     python examples/train_tiny.py --size draft --workdir /tmp/distill \\
-        --init-from /tmp/draft_out --distill-from genjax/bundled/genjax-tiny \\
-        --tokenizer genjax/bundled/genjax-tiny --seed 1 --lr 2e-3 --steps 1000 \\
-        --out genjax/bundled/genjax-tiny-draft
+        --init-from /tmp/draft_out --distill-from genjax/io/bundled/genjax-tiny \\
+        --tokenizer genjax/io/bundled/genjax-tiny --seed 1 --lr 2e-3 --steps 1000 \\
+        --out genjax/io/bundled/genjax-tiny-draft
 
 Static or traced: the model shape, batch size and sequence length are static (one compiled
 training step); parameters, teacher parameters, optimizer state, batches and the step count are

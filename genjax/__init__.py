@@ -2,29 +2,49 @@
 
 Example:
     >>> import jax, genjax
-    >>> model, params = genjax.models.from_pretrained("path/to/checkpoint")
+    >>> model, params = genjax.models.from_pretrained("path/to/checkpoint")  # doctest: +SKIP
     >>> config = genjax.GenerationConfig(max_new_tokens=32, do_sample=True, temperature=0.7)
-    >>> out = genjax.generate(model, params, input_ids, config, key=jax.random.key(0))
+    >>> key = jax.random.key(0)
+    >>> out = genjax.generate(model, params, input_ids, config, key=key)  # doctest: +SKIP
 
-The axis letters used in shapes throughout are defined in :mod:`genjax.typing`.
+The package is built in floors, each importing only the floors below it (``tests/test_layout.py``
+checks it): ``errors``/``typing``; ``config``, ``processors``, ``stopping``, ``cache``;
+``models``, ``decoding``, ``sharding``; ``io``, ``streaming``; ``generation``, ``serving``; and
+this face with ``cli``. The axis letters used in shapes are defined in :mod:`genjax.typing`.
 """
 
 from genjax import (
-    buckets,
-    bundled,
+    cache,
     checkpoints,
+    config,
+    decoding,
+    io,
     models,
     processors,
-    quantize,
     sharding,
+    stopping,
     streaming,
     tokenizer,
 )
 from genjax.config import GenerationConfig, GenerationMode
-from genjax.generate import generate
-from genjax.outputs import GenerateOutput, compute_transition_scores
-from genjax.quantize import quantize_params
-from genjax.warmup import WarmupEntry, disable_compile_cache, enable_compile_cache, warmup
+from genjax.generation import (
+    GenerateOutput,
+    WarmupEntry,
+    buckets,
+    compute_transition_scores,
+    disable_compile_cache,
+    enable_compile_cache,
+    generate,
+    pmap_generate,
+    warmup,
+)
+from genjax.io import bundled
+from genjax.models import quantize
+from genjax.models.quantize import quantize_params
+
+# `genjax.sharding.pmap_generate` is where the older API found it; the function belongs to the
+# generation layer, which the sharding module sits below, so the face places the name there.
+sharding.pmap_generate = pmap_generate
 
 __version__ = "0.1.0"
 
@@ -35,16 +55,22 @@ __all__ = [
     "WarmupEntry",
     "buckets",
     "bundled",
+    "cache",
     "checkpoints",
     "compute_transition_scores",
+    "config",
+    "decoding",
     "disable_compile_cache",
     "enable_compile_cache",
     "generate",
+    "io",
     "models",
+    "pmap_generate",
     "processors",
     "quantize",
     "quantize_params",
     "sharding",
+    "stopping",
     "streaming",
     "tokenizer",
     "warmup",

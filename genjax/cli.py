@@ -11,7 +11,7 @@ Usage::
     genjax convert HF_PATH OUT_DIR [--dtype D] [--overwrite]
 
 ``generate``:
-    * The model defaults to the bundled one (:func:`genjax.bundled.path`); ``--model`` takes a
+    * The model defaults to the bundled one (:func:`genjax.io.bundled.path`); ``--model`` takes a
       Hugging Face folder or hub id, or a folder written by ``genjax convert``.
     * The generation config is the model folder's ``generation_config.json`` (else the one
       transformers derives from ``config.json``), with the flags given on the command line set
@@ -267,7 +267,7 @@ def _config_folder(name: str) -> str:
 
 
 def _run_convert(args) -> int:
-    from genjax import checkpoints
+    from genjax.io import checkpoints
 
     path = checkpoints.convert(args.source, args.out, dtype=args.dtype, overwrite=args.overwrite)
     print(f"wrote {path}")
@@ -280,8 +280,9 @@ def _run_convert(args) -> int:
 def _run_generate(args) -> int:
     import jax
 
-    from genjax import bundled, models
-    from genjax import tokenizer as tokenizers
+    from genjax import models
+    from genjax.io import bundled
+    from genjax.io import tokenizer as tokenizers
     from genjax.streaming import TextStreamer
 
     prompts = _read_prompts(args.prompts, args.input)
@@ -331,7 +332,7 @@ class _Run:
         self.pad_id = pad if pad is not None else eos_ids[0] if eos_ids else 0
 
     def __call__(self, prompts: list[str], streamer=None) -> list[tuple[list[int], str]]:
-        from genjax.generate import generate
+        from genjax.generation.entry import generate
 
         batch = self._encode(prompts)
         stop_vocab = self.tokenizer.backend if self.config.stop_strings is not None else None

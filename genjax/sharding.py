@@ -52,7 +52,8 @@ Five ways to run sharded, all giving the single-device tokens:
    then draws what a single-device call on its rows with ``fold_in(key, i)`` draws). Passing
    ``mesh=`` inside the map raises :class:`~genjax.errors.ShardingError`.
    (``tests/test_shard_map.py``.)
-4. :func:`pmap_generate`: ``jax.pmap`` data parallelism for users of the older API.
+4. ``jax.pmap`` data parallelism for users of the older API is
+   :func:`genjax.generation.pmap_generate`, in the generation layer above this module.
 5. Multi-host (``jax.distributed``): every process runs the same script, builds the same global
    mesh over ``jax.devices()`` (all processes' devices) and calls ``generate(..., mesh=mesh)``
    with the same checkpoint, prompts, config and key. Params and prompts may be host arrays
@@ -92,18 +93,16 @@ References:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import re
 from collections.abc import Mapping, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from genjax.cache import KVCache
+from genjax.cache.quantized import QuantizedKVCache
 from genjax.errors import ShardingError
-from genjax.quantized_cache import QuantizedKVCache
 from genjax.typing import Array, PyTree
 
 Rules = tuple[tuple[str, str | None], ...]
@@ -328,7 +327,7 @@ class Layout:
 
         Every array leaf of rank >= 1 has its leading axis on ``batch`` and its other axes
         replicated; scalars (counters, the PRNG key) are replicated; a :class:`KVCache` follows
-        :data:`CACHE_AXES` (a :class:`~genjax.quantized_cache.QuantizedKVCache` too, its scales
+        :data:`CACHE_AXES` (a :class:`~genjax.cache.quantized.QuantizedKVCache` too, its scales
         ``[B, K, S]`` likewise). Works inside ``jax.jit`` (``with_sharding_constraint``).
 
         Args:
@@ -453,83 +452,3 @@ def context_layout(
     if mesh.empty or all(_mesh_axis(name, mesh, rules) is None for name, _ in rules):
         return None
     return layout_for(model, mesh, rules, batch)
-
-
-def pmap_generate(
-    model,
-    params: PyTree,
-    input_ids: Array,
-    config=None,
-    *,
-    attention_mask: Array | None = None,
-    key: Array | None = None,
-    devices: Sequence[jax.Device] | None = None,
-):
-    """Data-parallel ``generate`` with ``jax.pmap``, for users of the older API.
-
-    The batch is split into one block of rows per device and the parameters are replicated on
-    every device; each device runs ``generate`` on its rows, and the outputs are joined back in
-    row order. Prefer ``genjax.generate(..., mesh=...)``: it also splits the model, and its
-    sampled tokens equal a single device's.
-
-    Differences from a single-device ``generate``: greedy and beam search give the same tokens
-    (scores to float32 rounding); sampling folds each device's index into ``key`` (so identical
-    prompts on two devices draw different tokens), so its draws differ from a single-device
-    call. Prompts are not padded to a bucket length (``generate`` sees traced ids inside
-    ``pmap``), so each prompt length compiles its own program.
-
-    Static or traced: the model, the devices and the config's static structure are static (one
-    compiled program per combination and prompt shape); params, ids, mask, the config's values
-    and the key are traced.
-
-    Args:
-        model: a model.
-        params: the parameters, replicated on every device.
-        input_ids: int[B, P]; ``B`` must divide by the number of devices.
-        config: a :class:`~genjax.GenerationConfig`, or None for the defaults.
-        attention_mask: int[B, P], or None to infer it as ``generate`` does.
-        key: a PRNG key (``jax.random.key(seed)``), required when sampling.
-        devices: the devices; defaults to ``jax.local_devices()``.
-
-    Returns:
-        A :class:`~genjax.GenerateOutput` with ``B*R`` rows in the order of ``input_ids``.
-
-    Raises:
-        ShardingError: ``B`` does not divide by the number of devices.
-
-    Example:
-        >>> out = genjax.sharding.pmap_generate(model, params, ids, config)
-        >>> out.sequences.shape  # [B*R, P+N]
-        (8, 12)
-    """
-    devices = tuple(jax.local_devices() if devices is None else devices)
-    count = len(devices)
-    input_ids = jnp.asarray(input_ids)
-    batch = input_ids.shape[0]
-    if batch % count:
-        raise ShardingError(
-            f"pmap_generate splits the {batch} rows of input_ids over {count} devices, but "
-            f"{count} does not divide {batch}. Pad the batch to a multiple of {count} rows (and "
-            f"drop the extra outputs), or pass devices= with a count that divides {batch}."
-        )
-
-    def split(x):
-        return None if x is None else jnp.reshape(x, (count, batch // count, *np.shape(x)[1:]))
-
-    keys = None
-    if key is not None:
-        keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(count))
-    run = _pmapped(model, devices)
-    out = run(params, split(input_ids), split(attention_mask), config, keys)
-    return jax.tree_util.tree_map(lambda x: x.reshape(-1, *x.shape[2:]), out)
-
-
-@functools.lru_cache(maxsize=32)
-def _pmapped(model, devices: tuple[jax.Device, ...]):
-    """One ``jax.pmap`` of ``generate`` per model and device tuple (so calls reuse programs)."""
-    from genjax.generate import generate  # genjax.generate imports this module
-
-    def run(params, input_ids, attention_mask, config, key):
-        return generate(model, params, input_ids, config, attention_mask=attention_mask, key=key)
-
-    return jax.pmap(run, in_axes=(None, 0, 0, None, 0), devices=devices)

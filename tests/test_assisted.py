@@ -382,7 +382,7 @@ def test_num_assistant_tokens_below_one_is_rejected():
 
 
 def _bundled():
-    from genjax import bundled
+    from genjax.io import bundled
 
     return bundled.path("genjax-tiny"), bundled.path("genjax-tiny-draft")
 

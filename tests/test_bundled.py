@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import genjax
-import genjax.bundled
+import genjax.io.bundled
 from genjax import tokenizer as T
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "bundled")
@@ -29,7 +29,7 @@ def recorded():
 
 @functools.cache
 def _greedy(name):
-    folder = genjax.bundled.path(name)
+    folder = genjax.io.bundled.path(name)
     model, params = genjax.models.from_pretrained(folder)
     tok = T.from_pretrained(folder)
     # Greedy, as the recording: the sampling values do not apply (unset, so no warning).
@@ -51,7 +51,7 @@ def _greedy(name):
 def test_folders_are_complete_and_small():
     total = 0
     for name in MODELS:
-        folder = genjax.bundled.path(name)
+        folder = genjax.io.bundled.path(name)
         files = set(os.listdir(folder))
         expected = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"}
         assert expected | {"generation_config.json"} <= files
@@ -59,9 +59,9 @@ def test_folders_are_complete_and_small():
         config = genjax.GenerationConfig.from_pretrained(folder)
         assert config.do_sample and config.eos_token_id == config.pad_token_id
     assert total < 20 * 2**20
-    with open(os.path.join(genjax.bundled.path(MODELS[0]), "tokenizer.json")) as f:
+    with open(os.path.join(genjax.io.bundled.path(MODELS[0]), "tokenizer.json")) as f:
         default_tokenizer = json.load(f)
-    with open(os.path.join(genjax.bundled.path(MODELS[1]), "tokenizer.json")) as f:
+    with open(os.path.join(genjax.io.bundled.path(MODELS[1]), "tokenizer.json")) as f:
         assert json.load(f) == default_tokenizer  # the draft shares the vocabulary
 
 
@@ -85,7 +85,7 @@ def test_default_model_writes_python():
 @pytest.mark.parity
 @pytest.mark.parametrize("name", MODELS)
 def test_greedy_matches_transformers_live(name):
-    expected = record(genjax.bundled.path(name))
+    expected = record(genjax.io.bundled.path(name))
     batch, out, _ = _greedy(name)
     np.testing.assert_array_equal(batch["input_ids"], expected["input_ids"])
     np.testing.assert_array_equal(out.sequences, expected["sequences"])

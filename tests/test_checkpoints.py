@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import genjax
-from genjax import checkpoints
 from genjax.errors import CheckpointError
+from genjax.io import checkpoints
 from genjax.testing import write_random_checkpoint
 
 

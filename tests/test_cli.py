@@ -12,7 +12,7 @@ import pytest
 
 import genjax
 from genjax import cli
-from genjax import tokenizer as T
+from genjax.io import tokenizer as T
 from genjax.testing import tiny_bpe_tokenizer, write_random_checkpoint
 
 TEMPLATE = (  # short, so that a chat prompt shares the 16-token bucket (and program) of others

@@ -15,7 +15,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from genjax import _config_io
 from genjax.config import (
     DEFAULT_GENERATION_PARAMS,
     NEUTRAL_VALUES,
@@ -24,6 +23,7 @@ from genjax.config import (
     GenerationConfig,
     GenerationMode,
 )
+from genjax.config import files as _config_io
 from genjax.errors import GenerationConfigError
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "generation_configs"

@@ -11,10 +11,10 @@ import pytest
 
 import genjax
 from genjax import GenerationConfig
-from genjax._call import prefill
 from genjax.cache import KVCache
+from genjax.cache.quantized import QuantizedKVCache
 from genjax.errors import InputError, UnsupportedError
-from genjax.quantized_cache import QuantizedKVCache
+from genjax.generation.prefill import prefill
 
 FIXTURES = Path(__file__).parent / "fixtures"
 ARCHS = ["llama", "llama3_tied", "qwen2", "mistral", "gpt2"]

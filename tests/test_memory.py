@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 import genjax
-from genjax import memory, sharding
+from genjax import sharding
+from genjax.cache import memory
+from genjax.cache.memory import CacheRequest
 from genjax.errors import CacheMemoryError, InputError
-from genjax.memory import CacheRequest
 from genjax.testing import write_random_checkpoint
 
 LAYERS, KV_HEADS, HEAD_DIM = 1, 4, 8

@@ -13,9 +13,9 @@ import pytest
 from jax.sharding import PartitionSpec
 
 import genjax
-import genjax.bundled
-from genjax import quantize as Q
+import genjax.io.bundled
 from genjax.errors import InputError, UnsupportedError
+from genjax.models import quantize as Q
 from genjax.testing import write_random_checkpoint
 
 SHAPE = (4, 32)  # [B, T] of every forward pass, so that the tests share compiled programs

@@ -16,8 +16,8 @@ import pytest
 
 import genjax
 from genjax.cache import KVCache
+from genjax.cache.quantized import QuantizedKVCache, check_cache_options, dequantize, quantize
 from genjax.errors import GenerationConfigError, UnsupportedError
-from genjax.quantized_cache import QuantizedKVCache, check_cache_options, dequantize, quantize
 from genjax.testing import left_padded_batch, write_random_checkpoint
 
 BATCH, PROMPT, NEW = 8, 5, 24

@@ -17,9 +17,9 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 import genjax
 from genjax import GenerationConfig
-from genjax._stop_strings import _byte_alphabet
 from genjax.errors import GenerationConfigError, InputError
 from genjax.stopping import stop_string_hits, stop_string_table
+from genjax.stopping.stop_strings import _byte_alphabet
 
 FIXTURES = Path(__file__).parent / "fixtures"
 SPECIALS = ["<pad>", "<s>", "</s>"]

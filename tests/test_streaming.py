@@ -18,12 +18,12 @@ import pytest
 import genjax
 import genjax.testing
 from genjax import GenerationConfig
-from genjax._stop_strings import _byte_alphabet
 from genjax.cache import KVCache
 from genjax.decoding.sampling import DecodeRules, DecodeState, decode, greedy_chooser
 from genjax.errors import InputError, UnsupportedError
 from genjax.processors import LogitsContext, identity
 from genjax.stopping import stopping_rules
+from genjax.stopping.stop_strings import _byte_alphabet
 from genjax.streaming import (
     BaseStreamer,
     TextIteratorStreamer,
@@ -245,7 +245,7 @@ def test_new_streamers_compile_nothing_and_no_streamer_compiles_no_callback(setu
 
 def _lowered_with_stream(model, params, ids, config, stream_id):
     """The program generate compiles for a streamer (no bucket padding here)."""
-    from genjax.generate import _generate_jit
+    from genjax.generation.entry import _generate_jit
 
     mask = jnp.ones(ids.shape, jnp.int32)
     offset = jnp.asarray(0, jnp.int32)

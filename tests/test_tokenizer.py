@@ -5,8 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from genjax import tokenizer as T
 from genjax.errors import CheckpointError, InputError
+from genjax.io import tokenizer as T
 from genjax.testing import tiny_bpe_tokenizer
 
 TEMPLATE = (

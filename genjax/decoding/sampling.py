@@ -39,10 +39,10 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from genjax._processor_base import NEG_INF
-from genjax._warpers import PREFIX
 from genjax.cache import KVCache
 from genjax.processors import LogitsContext, Processor
+from genjax.processors.base import NEG_INF
+from genjax.processors.warpers import PREFIX
 from genjax.stopping import StoppingRules, finished_rows, should_continue, start_timer
 from genjax.typing import Array, PyTree
 
@@ -84,7 +84,7 @@ class DecodeRules:
         pytree_node=False, default=None
     )
     # int32[] (traced): the loop stops once `length` reaches it, so the number of new tokens
-    # can change without compiling (genjax.cache_slots); None: at the end of the buffer.
+    # can change without compiling (genjax.cache.slots); None: at the end of the buffer.
     end: Array | None = None
 
     @property

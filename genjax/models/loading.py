@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax
@@ -19,6 +19,7 @@ import ml_dtypes
 import numpy as np
 
 from genjax.errors import CheckpointError, UnsupportedError
+from genjax.models import quantize as quantization
 from genjax.models.gpt2 import GPT2Model
 from genjax.models.llama import LlamaModel
 from genjax.typing import PyTree
@@ -72,8 +73,8 @@ def from_pretrained(
     ``model.safetensors`` or a sharded ``model.safetensors.index.json``. Every parameter the
     architecture expects must be present with the right shape; buffers (``rotary_emb.inv_freq``,
     GPT-2's ``attn.bias``/``attn.masked_bias``) and a tied ``lm_head.weight`` are skipped.
-    A local folder written by :mod:`genjax.checkpoints` (``config.json`` beside an orbax
-    ``params/``) is read with ``genjax.checkpoints.restore`` instead.
+    A local folder of another registered format (:func:`register_folder_format`; genjax
+    registers its orbax checkpoints, :mod:`genjax.checkpoints`) is read by that format's reader.
 
     Args:
         name_or_path: a folder, or a Hub id like ``"HuggingFaceTB/SmolLM2-135M"``.
@@ -106,22 +107,40 @@ def from_pretrained(
         49152
     """
     dtype = _canonical_dtype(dtype)
-    from genjax import checkpoints  # lazy: checkpoints builds on this module
-    from genjax import quantize as quantization
-
     if quantize is not None:
         quantization.check_mode(quantize, "quantize")  # before any download or read
     folder = _resolve(name_or_path, revision, local_files_only, cache_dir, token)
-    if checkpoints.is_checkpoint(folder):  # an orbax folder written by genjax.checkpoints
-        model, params = checkpoints.restore(
-            folder, dtype=dtype, ignore_config_keys=ignore_config_keys
-        )
+    reader = next((read for _, is_format, read in _FOLDER_FORMATS if is_format(folder)), None)
+    if reader is not None:
+        model, params = reader(folder, dtype, tuple(ignore_config_keys))
     else:
         model = from_config(os.path.join(folder, "config.json"), dtype, ignore_config_keys)
         params = load_params(model, folder)
     if quantize is not None:
         params = quantization.quantize_params(model, params, quantize)
     return model, params
+
+
+FolderReader = Callable[[str, np.dtype, tuple[str, ...]], tuple[Any, PyTree]]
+"""``read(folder, dtype, ignore_config_keys) -> (model, params)`` for one folder format."""
+
+_FOLDER_FORMATS: list[tuple[str, Callable[[str], bool], FolderReader]] = []
+
+
+def register_folder_format(name: str, is_format: Callable[[str], bool], read: FolderReader):
+    """Teaches :func:`from_pretrained` a folder format besides Hugging Face safetensors.
+
+    Formats live in layers above the models (orbax checkpoints in :mod:`genjax.io`), so they
+    register themselves here instead of this module importing them. The first registered format
+    whose ``is_format(folder)`` is true reads the folder; otherwise it is read as safetensors.
+
+    Args:
+        name: the format's name (a second registration under the same name replaces the first).
+        is_format: whether a local folder holds this format.
+        read: ``read(folder, dtype, ignore_config_keys) -> (model, params)``.
+    """
+    _FOLDER_FORMATS[:] = [entry for entry in _FOLDER_FORMATS if entry[0] != name]
+    _FOLDER_FORMATS.append((name, is_format, read))
 
 
 def resolve(
@@ -250,9 +269,8 @@ def save_params(model: Any, params: PyTree, folder: str | os.PathLike, dtype: An
     folder = os.fspath(folder)
     if not os.path.isdir(folder):
         raise CheckpointError(f"folder must be an existing directory, got {folder!r}.")
-    from genjax.quantize import is_quantized
 
-    if is_quantized(params):
+    if quantization.is_quantized(params):
         raise UnsupportedError(
             "save_params writes float Hugging Face tensors; these params are int8-quantized "
             "(genjax.quantize). Save the float params and quantize after loading "

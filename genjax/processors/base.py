@@ -6,12 +6,13 @@ anything is traced, and raises errors that name the setting, the value and the f
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from genjax.typing import Array
 
@@ -96,3 +97,81 @@ def check_vocab(name: str, ids: Sequence[int], vocab_size: int | None) -> None:
             f"{name} holds token ids {bad} outside the vocabulary [0, {vocab_size - 1}] "
             f"(vocab_size={vocab_size}). Use ids from the model's own tokenizer."
         )
+
+
+@struct.dataclass
+class LogitsContext:
+    """What a processor may look at besides the scores: the token buffer and its bookkeeping.
+
+    The buffer holds, per row, optional extra left padding added by genjax (``offset`` slots,
+    e.g. to reach a prompt-length bucket), then the ``input_ids`` the user gave (themselves
+    possibly left-padded), then generated tokens. Transformers' processors see
+    ``tokens[:, offset:length]`` as their ``input_ids``::
+
+        slot     0   1   2   3   4   5   6   7   8
+        row 0    .   .   p   a   b   c   x   y   _      offset = 2 (genjax padding)
+        row 1    .   .   d   e   f   g   z   w   _      prompt_end = 6, length = 8
+                         |<- user input_ids ->|  new     first_valid = [3, 2]
+
+    Here transformers' prompt length (``input_ids_seq_length``) is ``prompt_end - offset = 4``,
+    its current length ``length - offset = 6``, and its ``max_length`` ``S - offset = 7`` unless
+    ``max_length`` says otherwise.
+    """
+
+    tokens: Array  # int32[B, S]: the token buffer
+    length: Array  # int32[]: slots filled so far; the next token goes to slot `length`
+    offset: Array  # int32[]: slots of genjax padding before the user's input_ids
+    prompt_end: Array  # int32[]: the slot where new tokens start
+    first_valid: Array  # int32[B]: each row's first slot holding a real (unpadded) token
+    max_length: Array | None = None  # int32[] or None: transformers' max_length; None: S - offset
+
+    @classmethod
+    def for_prompt(
+        cls,
+        input_ids: Array,
+        attention_mask: Array | None = None,
+        max_length: int | Array | None = None,
+    ) -> LogitsContext:
+        """Returns the context before the first new token, for ``input_ids`` int32[B, P].
+
+        ``max_length`` is transformers' ``max_length`` (prompt plus new tokens), used only by
+        :func:`forced_eos_token_id`; None means ``P``.
+        """
+        batch, prompt_length = input_ids.shape
+        if attention_mask is None:
+            first_valid = jnp.zeros((batch,), jnp.int32)
+        else:
+            first_valid = jnp.argmax(attention_mask != 0, axis=-1).astype(jnp.int32)
+        return cls(
+            tokens=jnp.asarray(input_ids, jnp.int32),
+            length=jnp.asarray(prompt_length, jnp.int32),
+            offset=jnp.zeros((), jnp.int32),
+            prompt_end=jnp.asarray(prompt_length, jnp.int32),
+            first_valid=first_valid,
+            max_length=None if max_length is None else jnp.asarray(max_length, jnp.int32),
+        )
+
+    @property
+    def input_length(self) -> Array:
+        """int32[]: the length of transformers' ``input_ids`` (user prompt plus new tokens)."""
+        return self.length - self.offset
+
+    @property
+    def prompt_length(self) -> Array:
+        """int32[]: transformers' ``input_ids_seq_length``: the user's prompt, padding included."""
+        return self.prompt_end - self.offset
+
+    @property
+    def max_input_length(self) -> Array:
+        """int32[]: transformers' ``max_length``, the longest ``input_ids`` of the call."""
+        if self.max_length is not None:
+            return jnp.asarray(self.max_length, jnp.int32)
+        return self.tokens.shape[1] - self.offset
+
+    @property
+    def num_new_tokens(self) -> Array:
+        """int32[]: tokens generated so far."""
+        return self.length - self.prompt_end
+
+
+Processor = Callable[[Array, LogitsContext], Array]

@@ -24,7 +24,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import os
 import time
 from collections.abc import Sequence
@@ -34,16 +33,14 @@ import jax
 import numpy as np
 from jax.experimental.compilation_cache import compilation_cache
 
-from genjax import buckets
-from genjax._inputs import effective_config
 from genjax.config import GenerationConfig
 from genjax.errors import InputError, UnsupportedError
+from genjax.generation import buckets
+from genjax.generation import entry as _generate
+from genjax.generation.inputs import effective_config
 from genjax.typing import PyTree
 
 __all__ = ["WarmupEntry", "disable_compile_cache", "enable_compile_cache", "warmup"]
-
-# The module, not the function `genjax.generate` that shadows it as a package attribute.
-_generate = importlib.import_module("genjax.generate")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,167 +1,35 @@
-"""``GenerationConfig``: transformers' generation settings as a frozen, validated JAX pytree.
-
-Every field of transformers v5 ``GenerationConfig`` is here with the same name, default and
-meaning, and ``generation_config.json`` files are read and written in the same format, so a
-checkpoint's file works unchanged in both libraries. As in v5, almost every field defaults to
-``None``; ``with_defaults()`` fills the ``None`` fields from ``DEFAULT_GENERATION_PARAMS`` (v5's
-``_get_default_generation_params()``), and ``genjax.generate`` calls it first.
-
-Static or traced:
-    A config is a pytree. Its *traced* fields (``TRACED_FIELDS``) are the numbers a user changes
-    between calls: sampling strengths and cutoffs, penalties, special token ids, the assistant
-    confidence threshold and ``max_time``. Everything else (lengths, ``num_beams``,
-    ``num_return_sequences``, ``do_sample``, output flags, token lists such as ``bad_words_ids``...)
-    is *static*: it shapes the compiled program and lives in the treedef.
-
-    A traced field is a pytree leaf only when it is *active*: not ``None`` and not equal to its
-    neutral value (``NEUTRAL_VALUES``: ``temperature=1.0``, ``top_k=0``, ``top_p=1.0``...). An
-    inactive traced field stays in the treedef as a plain Python value. Whether a processor runs is
-    thus part of the program while its strength is an argument: under ``jax.jit``, temperature
-    0.7 -> 0.8 reuses the compiled program, while 1.0 -> 0.7 compiles once more (a new treedef).
-
-Leaf representation (what a traced function sees):
-    * Python floats and ints stay Python scalars; inside a trace they are weakly typed float32 /
-      int32 scalars, so they never promote bfloat16 logits. An int in a float field (``"top_p": 1``
-      in a file) becomes a Python float leaf, so a float field is always float32 when traced.
-    * A list of token ids (``eos_token_id=[2, 32000]``, also ``forced_eos_token_id`` and
-      ``decoder_start_token_id``) becomes ONE ``np.int32`` array leaf of shape ``[E]``; ``E`` is
-      static. A single int id stays a scalar int leaf.
-    * Arrays are allowed for per-row settings, e.g. ``temperature=jnp.array([0.5, 1.0])`` (shape
-      ``[B]``); an array is always active.
-    Unflattening never validates, so tracers flow through ``jit``/``vmap``/``scan`` unchanged.
-
-Differences from transformers, on purpose:
-    * Frozen: ``replace(**kw)`` and ``update(**kw)`` return new configs. The constructor takes only
-      known fields plus ``extra=``; unknown keys of a file or of ``from_dict``/``from_pretrained``
-      kwargs are kept in ``extra`` (readable as attributes) and written back.
-    * Bad values raise ``GenerationConfigError`` at construction, naming the field, the value, the
-      allowed range and a fix. v5's warnings become ``UserWarning`` (errors with ``strict=True``).
-    * genjax always returns a ``GenerateOutput``, so v5's warning about ``output_*`` flags without
-      ``return_dict_in_generate`` is not raised; ``return_dict_in_generate`` is kept for files.
-    * ``compile_config`` and ``watermarking_config`` are stored as plain mappings; genjax does not
-      use ``compile_config`` (torch only) and, like v5, does not save it.
-"""
+"""``GenerationConfig``: the fields of :mod:`genjax.config.fields` with validation, the pytree
+split and transformers' JSON files; :mod:`genjax.config` documents the design."""
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import enum
 import functools
 import os
 import warnings
 from collections.abc import Mapping
 from typing import Any
 
-import jax
 import numpy as np
 
-from genjax import _config_checks as checks
-from genjax import _config_io as io
-from genjax._config_io import FrozenDict
-from genjax.errors import GenerationConfigError
-
-TRANSFORMERS_VERSION = "5.24.0"
-"""The transformers release whose ``generation_config.json`` format genjax reads and writes; written
-as ``transformers_version`` when a config was not loaded from a file that already names one."""
-
-DEFAULT_GENERATION_PARAMS: dict[str, Any] = {
-    "max_length": 20,
-    "min_length": 0,
-    "do_sample": False,
-    "use_cache": True,
-    "early_stopping": False,
-    "num_beams": 1,
-    "temperature": 1.0,
-    "top_k": 50,
-    "top_p": 1.0,
-    "typical_p": 1.0,
-    "repetition_penalty": 1.0,
-    "length_penalty": 1.0,
-    "no_repeat_ngram_size": 0,
-    "encoder_no_repeat_ngram_size": 0,
-    "bad_words_ids": None,
-    "num_return_sequences": 1,
-    "output_scores": False,
-    "return_dict_in_generate": False,
-    "forced_bos_token_id": None,
-    "forced_eos_token_id": None,
-    "remove_invalid_values": False,
-    "exponential_decay_length_penalty": None,
-    "suppress_tokens": None,
-    "begin_suppress_tokens": None,
-    "epsilon_cutoff": 0.0,
-    "eta_cutoff": 0.0,
-    "encoder_repetition_penalty": 1.0,
-    "num_assistant_tokens": 20,
-    "num_assistant_tokens_schedule": "constant",
-    "assistant_confidence_threshold": 0.4,
-    "assistant_lookbehind": 10,
-    "target_lookbehind": 10,
-    "num_beam_groups": 1,
-    "diversity_penalty": 0.0,
-}
-"""Values of unset fields at generate time; equal to v5's ``_get_default_generation_params()``."""
-
-TRACED_FIELDS: tuple[str, ...] = (
-    "temperature",
-    "top_k",
-    "top_p",
-    "min_p",
-    "top_h",
-    "typical_p",
-    "epsilon_cutoff",
-    "eta_cutoff",
-    "repetition_penalty",
-    "encoder_repetition_penalty",
-    "length_penalty",
-    "guidance_scale",
-    "pad_token_id",
-    "bos_token_id",
-    "eos_token_id",
-    "forced_bos_token_id",
-    "forced_eos_token_id",
-    "decoder_start_token_id",
-    "assistant_confidence_threshold",
-    "max_time",
+from genjax.config import checks, pytree
+from genjax.config import files as io
+from genjax.config.fields import (
+    DEFAULT_GENERATION_PARAMS,
+    FIELD_NAMES,
+    METADATA_FIELDS,
+    NEUTRAL_VALUES,
+    TRACED_FIELDS,
+    TRANSFORMERS_VERSION,
+    GenerationFields,
+    GenerationMode,
 )
-"""Fields that become pytree leaves when active (see the module docstring)."""
-
-NEUTRAL_VALUES: dict[str, float] = {
-    "temperature": 1.0,
-    "top_k": 0,
-    "top_p": 1.0,
-    "typical_p": 1.0,
-    "epsilon_cutoff": 0.0,
-    "eta_cutoff": 0.0,
-    "repetition_penalty": 1.0,
-    "encoder_repetition_penalty": 1.0,
-    "guidance_scale": 1.0,
-}
-"""Values at which a traced field has no effect, so it stays static. Others: only ``None``."""
-
-_METADATA_FIELDS = ("_from_model_config", "transformers_version")
-
-_Float = Any  # float, or an array of shape [B] (traced fields)
-_TokenIds = Any  # int, tuple of ints, or an int array (traced fields)
-
-
-class GenerationMode(str, enum.Enum):
-    """The decoding strategy a config selects; values equal transformers' ``GenerationMode``."""
-
-    CONTRASTIVE_SEARCH = "contrastive_search"
-    GREEDY_SEARCH = "greedy_search"
-    SAMPLE = "sample"
-    ASSISTED_GENERATION = "assisted_generation"
-    DOLA_GENERATION = "dola_generation"
-    BEAM_SEARCH = "beam_search"
-    BEAM_SAMPLE = "beam_sample"
-    CONSTRAINED_BEAM_SEARCH = "constrained_beam_search"
-    GROUP_BEAM_SEARCH = "group_beam_search"
+from genjax.config.files import FrozenDict
+from genjax.errors import GenerationConfigError
 
 
 @dataclasses.dataclass(frozen=True, eq=False, repr=False)
-class GenerationConfig:
+class GenerationConfig(GenerationFields):
     """Generation settings with transformers v5's fields, defaults and JSON format.
 
     Field meanings are transformers' (see its ``GenerationConfig`` docs). Each comment below gives
@@ -177,95 +45,8 @@ class GenerationConfig:
         0.8
     """
 
-    # Length of the output.
-    max_length: int | None = None  # S; >= 0; prompt + new tokens
-    max_new_tokens: int | None = None  # S; >= 1
-    min_length: int | None = None  # S; >= 0; prompt + new tokens
-    min_new_tokens: int | None = None  # S; >= 0
-    early_stopping: bool | str | None = None  # S; True, False or "never" (beam search)
-    max_time: _Float = None  # T; float32 scalar, seconds > 0
-    stop_strings: str | tuple[str, ...] | None = None  # S
-    # Strategy.
-    do_sample: bool | None = None  # S
-    num_beams: int | None = None  # S; >= 1
-    use_mtp: bool | None = None  # S
-    # Cache.
-    use_cache: bool | None = None  # S
-    cache_implementation: str | None = None  # S; one of v5's names
-    cache_config: Mapping[str, Any] | None = None  # S
-    max_cache_len: int | None = None  # S; >= 1
-    # Logits processing.
-    temperature: _Float = None  # T; float32 scalar or [B]; > 0 when sampling
-    top_k: Any = None  # T; int32 scalar or [B]; >= 0 (0 disables)
-    top_p: _Float = None  # T; float32 scalar or [B]; in [0, 1]
-    min_p: _Float = None  # T; float32 scalar or [B]; in [0, 1]
-    top_h: _Float = None  # T; float32 scalar or [B]; in (0, 1]
-    typical_p: _Float = None  # T; float32 scalar or [B]; in (0, 1]
-    epsilon_cutoff: _Float = None  # T; float32 scalar or [B]; in [0, 1)
-    eta_cutoff: _Float = None  # T; float32 scalar or [B]; in [0, 1)
-    repetition_penalty: _Float = None  # T; float32 scalar or [B]; > 0
-    encoder_repetition_penalty: _Float = None  # T; float32 scalar or [B]; > 0
-    length_penalty: _Float = None  # T; float32 scalar or [B] (beam scores / length**p)
-    no_repeat_ngram_size: int | None = None  # S; >= 0
-    bad_words_ids: tuple[tuple[int, ...], ...] | None = None  # S
-    renormalize_logits: bool | None = None  # S
-    forced_bos_token_id: _TokenIds = None  # T; int32 scalar
-    forced_eos_token_id: _TokenIds = None  # T; int32 scalar or [E]
-    remove_invalid_values: bool | None = None  # S
-    exponential_decay_length_penalty: tuple[int, float] | None = None  # S; (start, factor)
-    suppress_tokens: tuple[int, ...] | None = None  # S
-    begin_suppress_tokens: tuple[int, ...] | None = None  # S
-    sequence_bias: tuple[tuple[tuple[int, ...], float], ...] | None = None  # S; ((ids, bias),)
-    token_healing: bool | None = None  # S
-    guidance_scale: _Float = None  # T; float32 scalar or [B]
-    watermarking_config: Mapping[str, Any] | None = None  # S
-    # Outputs.
-    num_return_sequences: int | None = None  # S; >= 1
-    output_attentions: bool | None = None  # S
-    output_hidden_states: bool | None = None  # S
-    output_scores: bool | None = None  # S
-    output_logits: bool | None = None  # S
-    return_dict_in_generate: bool | None = None  # S; kept for files, genjax ignores it
-    # Special tokens.
-    pad_token_id: _TokenIds = None  # T; int32 scalar
-    bos_token_id: _TokenIds = None  # T; int32 scalar
-    eos_token_id: _TokenIds = None  # T; int32 scalar, or int32[E] for a list
-    # Encoder-decoder models.
-    encoder_no_repeat_ngram_size: int | None = None  # S; >= 0
-    decoder_start_token_id: _TokenIds = None  # T; int32 scalar or [B]
-    # Assisted generation.
-    is_assistant: bool | None = None  # S
-    num_assistant_tokens: int | None = None  # S; >= 1
-    num_assistant_tokens_schedule: str | None = None  # S; heuristic[_transient] or constant
-    assistant_confidence_threshold: _Float = None  # T; float32 scalar; in [0, 1]
-    prompt_lookup_num_tokens: int | None = None  # S; >= 1
-    max_matching_ngram_size: int | None = None  # S; >= 1
-    assistant_early_exit: int | None = None  # S; >= 1
-    assistant_lookbehind: int | None = None  # S; >= 0
-    target_lookbehind: int | None = None  # S; >= 0
-    assistant_ensemble_weight: float | None = None  # S; in (0, 1)
-    speculation_type: str | None = None  # S
-    # Performance (torch only; kept for files).
-    compile_config: Mapping[str, Any] | None = None  # S; never saved, as in v5
-    disable_compile: bool | None = None  # S
-    # Deprecated in transformers; kept so that files round-trip.
-    continuous_batching_config: Mapping[str, Any] | None = None  # S
-    low_memory: bool | None = None  # S
-    penalty_alpha: float | None = None  # S; >= 0 (contrastive search)
-    dola_layers: str | tuple[int, ...] | None = None  # S
-    diversity_penalty: float | None = None  # S
-    num_beam_groups: int | None = None  # S; >= 1
-    constraints: Any = None  # S
-    force_words_ids: Any = None  # S
-    prefill_chunk_size: int | None = None  # S; >= 1
-    # Metadata (ignored by ==, hash and generation).
-    _from_model_config: bool | None = None  # S; True when built from a model's config.json
-    transformers_version: str | None = None  # S; written back unchanged when loaded from a file
-    extra: Mapping[str, Any] = dataclasses.field(default_factory=FrozenDict)  # S; unknown keys
-    _user_set: dataclasses.InitVar[frozenset[str] | None] = None  # fields set by the caller
-
     def __post_init__(self, _user_set: frozenset[str] | None) -> None:
-        for name in _FIELD_NAMES:
+        for name in FIELD_NAMES:
             value = getattr(self, name)
             normalized = checks.normalize(name, value)
             if normalized is not value:
@@ -274,10 +55,10 @@ class GenerationConfig:
         object.__setattr__(self, "extra", _normalize_extra(self.extra))
         checks.check_combinations(self)
         if _user_set is None:
-            _user_set = frozenset(n for n in _FIELD_NAMES if getattr(self, n) is not None)
+            _user_set = frozenset(n for n in FIELD_NAMES if getattr(self, n) is not None)
         issues = checks.minor_issues(self, _user_set)
         if issues:
-            _warn_minor(issues)
+            checks.warn_minor(issues)
         if (
             self.continuous_batching_config is not None
             and "continuous_batching_config" in _user_set
@@ -426,7 +207,7 @@ class GenerationConfig:
         """
         unknown = [key for key in changes if key not in _FIELD_SET and key != "extra"]
         if unknown:
-            raise TypeError(_unknown_field_message(unknown[0]))
+            raise TypeError(checks.unknown_field_message(unknown[0]))
         return dataclasses.replace(self, **changes, _user_set=frozenset(changes))
 
     def update(
@@ -482,7 +263,7 @@ class GenerationConfig:
         Example:
             >>> GenerationConfig(do_sample=True, top_p=0.9).validate(strict=True)
         """
-        for name in _FIELD_NAMES:
+        for name in FIELD_NAMES:
             checks.check_field(name, getattr(self, name))
         checks.check_combinations(self)
         user_set = None if user_set_attributes is None else frozenset(user_set_attributes)
@@ -491,7 +272,7 @@ class GenerationConfig:
             lines = "\n".join(f"- {name}: {text}" for name, text in issues.items())
             raise GenerationConfigError(f"GenerationConfig is invalid:\n{lines}")
         if issues:
-            _warn_minor(issues)
+            checks.warn_minor(issues)
 
     # --- equality, hashing, access ---
 
@@ -519,7 +300,7 @@ class GenerationConfig:
     def __repr__(self) -> str:
         parts = [
             f"{name}={getattr(self, name)!r}"
-            for name in _FIELD_NAMES
+            for name in FIELD_NAMES
             if getattr(self, name) is not None
         ]
         if self.extra:
@@ -578,7 +359,7 @@ class GenerationConfig:
             }
         """
         config_dict = self.to_diff_dict() if use_diff else self.to_dict()
-        for key in (*(keys_to_pop or ()), *(_METADATA_FIELDS if ignore_metadata else ())):
+        for key in (*(keys_to_pop or ()), *(METADATA_FIELDS if ignore_metadata else ())):
             config_dict.pop(key, None)
         return io.dumps(config_dict)
 
@@ -757,7 +538,7 @@ class GenerationConfig:
         }
         config = cls.from_dict(config_dict, _from_model_config=True)
         sub = io.decoder_config(model_config)
-        fills = {n: sub[n] for n in _FIELD_NAMES if n in sub and getattr(config, n) is None}
+        fills = {n: sub[n] for n in FIELD_NAMES if n in sub and getattr(config, n) is None}
         if not config.return_dict_in_generate:
             flags = ("output_attentions", "output_hidden_states", "output_scores", "output_logits")
             if any(fills.get(flag, getattr(config, flag)) for flag in flags):
@@ -768,11 +549,8 @@ class GenerationConfig:
         return config
 
 
-_FIELD_NAMES: tuple[str, ...] = tuple(
-    f.name for f in dataclasses.fields(GenerationConfig) if f.name != "extra"
-)
-_FIELD_SET = frozenset(_FIELD_NAMES)
-_COMPARED_FIELDS = tuple(n for n in _FIELD_NAMES if n not in _METADATA_FIELDS)
+_FIELD_SET = frozenset(FIELD_NAMES)
+_COMPARED_FIELDS = tuple(n for n in FIELD_NAMES if n not in METADATA_FIELDS)
 assert set(checks.SPECS) == _FIELD_SET, "every field needs a validation spec"
 
 
@@ -797,27 +575,8 @@ def _normalize_extra(extra: Any) -> FrozenDict:
     return io.freeze({k: v for k, v in extra.items() if k not in io.DROPPED_KEYS})
 
 
-def _unknown_field_message(name: str) -> str:
-    close = difflib.get_close_matches(name, _FIELD_NAMES, n=1)
-    hint = f" Did you mean {close[0]!r}?" if close else ""
-    return (
-        f"GenerationConfig has no field {name!r}.{hint} To keep a custom key, use "
-        f"config.update({name}=..., allow_custom_entries=True)."
-    )
-
-
-def _warn_minor(issues: dict[str, str]) -> None:
-    lines = "\n".join(f"- {name}: {text}" for name, text in issues.items())
-    warnings.warn(
-        f"GenerationConfig flags that may be ignored: {sorted(issues)}\n{lines}\n"
-        "These may come from a model's generation_config.json.",
-        UserWarning,
-        stacklevel=4,
-    )
-
-
 def _to_plain_dict(config: GenerationConfig) -> dict[str, Any]:
-    out = {name: io.thaw(getattr(config, name)) for name in _FIELD_NAMES}
+    out = {name: io.thaw(getattr(config, name)) for name in FIELD_NAMES}
     out["transformers_version"] = config.transformers_version or TRANSFORMERS_VERSION
     out.update(io.thaw(config.extra))
     return out
@@ -828,52 +587,4 @@ def _default_dict() -> dict[str, Any]:
     return GenerationConfig().to_dict()
 
 
-# --- pytree registration ---
-
-
-@functools.cache
-def _static_names(active: tuple[str, ...]) -> tuple[str, ...]:
-    return tuple(name for name in _FIELD_NAMES if name not in active)
-
-
-_FLOAT_TRACED = frozenset(n for n in TRACED_FIELDS if checks.SPECS[n].kind == "tfloat")
-
-
-def _as_leaf(name: str, value: Any) -> Any:
-    """A list of token ids -> one int32[E] array; an int in a float field -> a Python float."""
-    if isinstance(value, tuple):
-        return np.asarray(value, dtype=np.int32)
-    if name in _FLOAT_TRACED and isinstance(value, int):
-        return float(value)
-    return value
-
-
-def _flatten(config: GenerationConfig) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
-    active = tuple(name for name in TRACED_FIELDS if config.is_active(name))
-    leaves = tuple(_as_leaf(name, getattr(config, name)) for name in active)
-    static = tuple(getattr(config, name) for name in _static_names(active))
-    return leaves, (active, static, config.extra)
-
-
-def _flatten_with_keys(config: GenerationConfig) -> tuple[Any, tuple[Any, ...]]:
-    leaves, aux = _flatten(config)
-    keyed = tuple(
-        (jax.tree_util.GetAttrKey(n), leaf) for n, leaf in zip(aux[0], leaves, strict=True)
-    )
-    return keyed, aux
-
-
-def _unflatten(aux: tuple[Any, ...], leaves: Any) -> GenerationConfig:
-    active, static, extra = aux
-    config = object.__new__(GenerationConfig)
-    for name, value in zip(_static_names(active), static, strict=True):
-        object.__setattr__(config, name, value)
-    for name, value in zip(active, leaves, strict=True):
-        object.__setattr__(config, name, value)
-    object.__setattr__(config, "extra", extra)
-    return config
-
-
-jax.tree_util.register_pytree_with_keys(
-    GenerationConfig, _flatten_with_keys, _unflatten, flatten_func=_flatten
-)
+pytree.register(GenerationConfig)

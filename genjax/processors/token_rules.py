@@ -12,13 +12,14 @@ References:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 
-from genjax._processor_base import (
+from genjax.processors.base import (
     NEG_INF,
+    LogitsContext,
+    Processor,
     check_id_list,
     is_concrete,
     per_row,
@@ -26,9 +27,6 @@ from genjax._processor_base import (
     token_mask,
 )
 from genjax.typing import Array
-
-if TYPE_CHECKING:
-    from genjax.processors import LogitsContext, Processor
 
 
 def repetition_penalty(penalty: float | Array) -> Processor:

@@ -15,17 +15,21 @@ References:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from genjax._processor_base import NEG_INF, check_id_list, check_id_lists, check_vocab
+from genjax.processors.base import (
+    NEG_INF,
+    LogitsContext,
+    Processor,
+    check_id_list,
+    check_id_lists,
+    check_vocab,
+)
 from genjax.typing import Array
-
-if TYPE_CHECKING:
-    from genjax.processors import LogitsContext, Processor
 
 
 def no_repeat_ngram_size(size: int) -> Processor:

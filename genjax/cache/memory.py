@@ -28,8 +28,8 @@ from collections.abc import Sequence
 import jax
 from jax.sharding import Mesh
 
+from genjax.cache.quantized import init_cache
 from genjax.errors import CacheMemoryError
-from genjax.quantized_cache import init_cache
 
 GiB = 1 << 30
 

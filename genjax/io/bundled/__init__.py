@@ -9,7 +9,7 @@ Two Hugging Face folders (``config.json``, ``model.safetensors``, ``tokenizer.js
   speculative decoding, distilled from ``genjax-tiny`` (trained on its next-token
   distributions) so that it proposes the target's greedy token more often.
 
-They load with ``genjax.models.from_pretrained(genjax.bundled.path("genjax-tiny"))`` and with
+They load with ``genjax.models.from_pretrained(genjax.io.bundled.path("genjax-tiny"))`` and with
 transformers' ``AutoModelForCausalLM.from_pretrained`` on the same folder.
 """
 

@@ -9,7 +9,7 @@ stored as ``H`` int8 codes and one scale, symmetric absmax quantization::
 
 So a slot costs ``K * (H + itemsize)`` bytes per layer for keys and as much for values, against
 ``K * H * itemsize`` in the float cache: with ``H = 64``, 26.6% of a float32 cache and 51.6% of a
-bfloat16 one (``genjax.memory.cache_bytes`` gives the exact figure for a model).
+bfloat16 one (``genjax.cache.memory.cache_bytes`` gives the exact figure for a model).
 
 :class:`QuantizedKVCache` has :class:`~genjax.cache.KVCache`'s interface, so models and decoding
 loops use it unchanged: ``update_layer`` quantizes the ``T`` new slots as it writes them and
@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from genjax.cache import (
+from genjax.cache.kv import (
     KVCache,
     gather_beams,
     grow_slots,

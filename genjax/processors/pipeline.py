@@ -1,59 +1,6 @@
-"""Logits processors: small factories that return pure, jittable transforms of next-token scores.
-
-A processor is a function ``(scores, context) -> scores`` on float32[B, V] scores, where
-``context`` is a :class:`LogitsContext` describing the token buffer. Factories close over their
-settings (optax-style); :func:`chain` composes processors left to right; :func:`from_config` builds
-the chain transformers' ``generate`` would build from a :class:`~genjax.GenerationConfig`, in the
-same order, using only the factories in this module. Each factory is named after the config field
-it implements:
-
-=============================== ===========================================================
-token rules                     ``sequence_bias``, ``repetition_penalty``,
-                                ``no_repeat_ngram_size``, ``bad_words_ids``, ``min_length``,
-                                ``min_new_tokens``, ``allowed_tokens`` (transformers'
-                                ``prefix_allowed_tokens_fn``), ``forced_bos_token_id``,
-                                ``forced_eos_token_id``, ``remove_invalid_values``,
-                                ``exponential_decay_length_penalty``, ``suppress_tokens``,
-                                ``begin_suppress_tokens``
-sampling warpers                ``temperature``, ``top_h``, ``top_k``, ``top_p``, ``min_p``,
-                                ``typical_p``, ``epsilon_cutoff``, ``eta_cutoff``
-last                            ``renormalize_logits``
-=============================== ===========================================================
-
-Every docstring states the processor's cost per call. ``top_k``, ``top_p`` and ``top_h`` never
-sort the whole vocabulary on ordinary steps and share one partial sort when adjacent in a chain
-(see :class:`SortedFilter`).
-
-Static or traced:
-    Strengths, cut-offs and token ids that are single values (``temperature``, ``top_k``,
-    ``top_p``, ``min_p``, ``top_h``, ``typical_p``, ``epsilon_cutoff``, ``eta_cutoff``,
-    ``repetition_penalty``, the forced token ids, the EOS ids, the decay start and factor, the
-    sequence biases) may be Python numbers or traced arrays, most of them one value per row
-    (``[B]``); changing them never recompiles. Static (they shape the program): which processors
-    are in a chain, ``min_tokens_to_keep``, ``no_repeat_ngram_size``, the token sequences of
-    ``bad_words_ids`` and ``sequence_bias``, and the user's ``allowed_tokens`` function.
-
-Example:
-    >>> import jax.numpy as jnp
-    >>> from genjax import processors
-    >>> warp = processors.chain(processors.temperature(0.7), processors.top_k(2))
-    >>> ctx = processors.LogitsContext.for_prompt(jnp.zeros((1, 3), jnp.int32))
-    >>> warp(jnp.array([[1.0, 3.0, 2.0, 0.0]]), ctx).tolist()
-    [[-inf, 4.285714149475342, 2.857142925262451, -inf]]
-
-References:
-    Keskar et al. 2019, "CTRL: A Conditional Transformer Language Model" (repetition penalty).
-    Holtzman et al. 2020, "The Curious Case of Neural Text Degeneration" (top-p).
-    Meister et al. 2022, "Locally Typical Sampling" (typical decoding), arXiv:2202.00666.
-    Hewitt et al. 2022, "Truncation Sampling as Language Model Desmoothing" (epsilon, eta),
-    arXiv:2210.15191.
-    "Top-H Decoding: Adapting the Creativity and Coherence with Bounded Entropy in Text
-    Generation", arXiv:2509.02510.
-    Paulus et al. 2017, "A Deep Reinforced Model for Abstractive Summarization" (no-repeat
-    n-grams), arXiv:1705.04304.
-    Hugging Face transformers' ``generation/logits_process.py`` and ``_get_logits_processor``
-    define the semantics and the order matched here.
-"""
+"""The config preset: :func:`from_config` builds the chain transformers' ``generate`` would build
+from a :class:`~genjax.GenerationConfig`, in the same order, from the factories of this package;
+:func:`chain` composes processors; :func:`validate_config` checks a config's token settings."""
 
 from __future__ import annotations
 
@@ -62,11 +9,18 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
 
-from genjax._ngram import bad_words_ids, bias_pairs, no_repeat_ngram_size, sequence_bias
-from genjax._processor_base import check_id_list, check_id_lists, check_vocab, is_concrete
-from genjax._token_rules import (
+from genjax.errors import GenerationConfigError, UnsupportedError
+from genjax.processors.base import (
+    LogitsContext,
+    Processor,
+    check_id_list,
+    check_id_lists,
+    check_vocab,
+    is_concrete,
+)
+from genjax.processors.ngram import bad_words_ids, bias_pairs, no_repeat_ngram_size, sequence_bias
+from genjax.processors.token_rules import (
     allowed_tokens,
     begin_suppress_tokens,
     exponential_decay_length_penalty,
@@ -79,7 +33,7 @@ from genjax._token_rules import (
     repetition_penalty,
     suppress_tokens,
 )
-from genjax._warpers import (
+from genjax.processors.warpers import (
     SortedFilter,
     epsilon_cutoff,
     eta_cutoff,
@@ -90,119 +44,7 @@ from genjax._warpers import (
     top_p,
     typical_p,
 )
-from genjax.errors import GenerationConfigError, UnsupportedError
 from genjax.typing import Array
-
-__all__ = [
-    "LogitsContext",
-    "Processor",
-    "SortedFilter",
-    "allowed_tokens",
-    "bad_words_ids",
-    "begin_suppress_tokens",
-    "chain",
-    "check_supported",
-    "epsilon_cutoff",
-    "eta_cutoff",
-    "exponential_decay_length_penalty",
-    "forced_bos_token_id",
-    "forced_eos_token_id",
-    "from_config",
-    "identity",
-    "min_length",
-    "min_new_tokens",
-    "min_p",
-    "no_repeat_ngram_size",
-    "remove_invalid_values",
-    "renormalize_logits",
-    "repetition_penalty",
-    "sequence_bias",
-    "suppress_tokens",
-    "temperature",
-    "top_h",
-    "top_k",
-    "top_p",
-    "typical_p",
-    "validate_config",
-]
-
-
-@struct.dataclass
-class LogitsContext:
-    """What a processor may look at besides the scores: the token buffer and its bookkeeping.
-
-    The buffer holds, per row, optional extra left padding added by genjax (``offset`` slots,
-    e.g. to reach a prompt-length bucket), then the ``input_ids`` the user gave (themselves
-    possibly left-padded), then generated tokens. Transformers' processors see
-    ``tokens[:, offset:length]`` as their ``input_ids``::
-
-        slot     0   1   2   3   4   5   6   7   8
-        row 0    .   .   p   a   b   c   x   y   _      offset = 2 (genjax padding)
-        row 1    .   .   d   e   f   g   z   w   _      prompt_end = 6, length = 8
-                         |<- user input_ids ->|  new     first_valid = [3, 2]
-
-    Here transformers' prompt length (``input_ids_seq_length``) is ``prompt_end - offset = 4``,
-    its current length ``length - offset = 6``, and its ``max_length`` ``S - offset = 7`` unless
-    ``max_length`` says otherwise.
-    """
-
-    tokens: Array  # int32[B, S]: the token buffer
-    length: Array  # int32[]: slots filled so far; the next token goes to slot `length`
-    offset: Array  # int32[]: slots of genjax padding before the user's input_ids
-    prompt_end: Array  # int32[]: the slot where new tokens start
-    first_valid: Array  # int32[B]: each row's first slot holding a real (unpadded) token
-    max_length: Array | None = None  # int32[] or None: transformers' max_length; None: S - offset
-
-    @classmethod
-    def for_prompt(
-        cls,
-        input_ids: Array,
-        attention_mask: Array | None = None,
-        max_length: int | Array | None = None,
-    ) -> LogitsContext:
-        """Returns the context before the first new token, for ``input_ids`` int32[B, P].
-
-        ``max_length`` is transformers' ``max_length`` (prompt plus new tokens), used only by
-        :func:`forced_eos_token_id`; None means ``P``.
-        """
-        batch, prompt_length = input_ids.shape
-        if attention_mask is None:
-            first_valid = jnp.zeros((batch,), jnp.int32)
-        else:
-            first_valid = jnp.argmax(attention_mask != 0, axis=-1).astype(jnp.int32)
-        return cls(
-            tokens=jnp.asarray(input_ids, jnp.int32),
-            length=jnp.asarray(prompt_length, jnp.int32),
-            offset=jnp.zeros((), jnp.int32),
-            prompt_end=jnp.asarray(prompt_length, jnp.int32),
-            first_valid=first_valid,
-            max_length=None if max_length is None else jnp.asarray(max_length, jnp.int32),
-        )
-
-    @property
-    def input_length(self) -> Array:
-        """int32[]: the length of transformers' ``input_ids`` (user prompt plus new tokens)."""
-        return self.length - self.offset
-
-    @property
-    def prompt_length(self) -> Array:
-        """int32[]: transformers' ``input_ids_seq_length``: the user's prompt, padding included."""
-        return self.prompt_end - self.offset
-
-    @property
-    def max_input_length(self) -> Array:
-        """int32[]: transformers' ``max_length``, the longest ``input_ids`` of the call."""
-        if self.max_length is not None:
-            return jnp.asarray(self.max_length, jnp.int32)
-        return self.tokens.shape[1] - self.offset
-
-    @property
-    def num_new_tokens(self) -> Array:
-        """int32[]: tokens generated so far."""
-        return self.length - self.prompt_end
-
-
-Processor = Callable[[Array, LogitsContext], Array]
 
 
 def chain(*processors: Processor) -> Processor:

@@ -13,7 +13,7 @@ in a bucket runs the same compiled program. A policy is a small frozen (hashable
 ``multiples_of(n)``) or a sequence of ints (for ``lengths``); :func:`resolve` does the
 conversion and the validation.
 
-With ``max_cache_len`` (see :mod:`genjax.cache_slots`) buckets no longer shape the program: the
+With ``max_cache_len`` (see :mod:`genjax.cache.slots`) buckets no longer shape the program: the
 prompt is only padded to a multiple of the policy's :attr:`BucketPolicy.granularity` (the
 greatest common divisor of its bucket lengths) and prefilled that many slots at a time.
 

@@ -31,16 +31,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from genjax._processor_base import NEG_INF, per_row
+from genjax.processors.base import NEG_INF, LogitsContext, Processor, per_row
 from genjax.typing import Array
-
-if TYPE_CHECKING:
-    from genjax.processors import LogitsContext, Processor
 
 PREFIX = 256
 """How many of the largest scores a sorted filter looks at before falling back to a full sort."""

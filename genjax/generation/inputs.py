@@ -10,11 +10,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from genjax._call import is_quantized
+from genjax.cache.memory import CacheRequest
 from genjax.config import GenerationConfig
 from genjax.decoding import assisted, beam
 from genjax.errors import InputError, ShardingError, UnsupportedError
-from genjax.memory import CacheRequest
+from genjax.generation.prefill import is_quantized
 from genjax.sharding import Layout, context_layout, layout_for
 from genjax.stopping import stop_string_table
 from genjax.typing import Array
@@ -210,24 +210,6 @@ def as_int32(x) -> Array:
     if isinstance(x, (jax.Array, jax.core.Tracer)):
         return jnp.asarray(x, jnp.int32)
     return jax.device_put(np.asarray(x, np.int32))
-
-
-def pad_prompt(
-    input_ids: Array, attention_mask: Array, pad_token_id: Array, left: int, right: int = 0
-):
-    """Pads int32[B, P] ids and mask with ``left`` and ``right`` masked slots (static counts)
-    holding ``pad_token_id``: int32[B, left + P + right] each. With numpy when all are
-    concrete, so a new prompt shape compiles nothing."""
-    if not left and not right:
-        return input_ids, attention_mask
-    widths = ((0, 0), (left, right))
-    if not any(isinstance(x, jax.core.Tracer) for x in (input_ids, attention_mask, pad_token_id)):
-        pad = int(np.asarray(pad_token_id))
-        ids = np.pad(np.asarray(input_ids, np.int32), widths, constant_values=pad)
-        mask = np.pad(np.asarray(attention_mask, np.int32), widths)
-        return jax.device_put(ids), jax.device_put(mask)
-    ids = jnp.pad(input_ids.astype(jnp.int32), widths, constant_values=pad_token_id)
-    return ids, jnp.pad(attention_mask.astype(jnp.int32), widths)
 
 
 def cache_requests(model, config, shape, max_new_tokens: int, assistant) -> list[CacheRequest]:

@@ -25,11 +25,12 @@ already fixed and no padding is added.
 One program for many calls: with ``max_cache_len`` (a config field) the cache and token buffer
 are preallocated once, and the prompt length, its bucket and ``max_new_tokens`` become traced:
 every greedy or sampling call with ``P + N <= max_cache_len`` and the same batch size runs one
-program, and outputs have ``max_cache_len`` columns (see :mod:`genjax.cache_slots`).
+program, and outputs have ``max_cache_len`` columns (see :mod:`genjax.cache.slots`).
 :func:`genjax.warmup` compiles programs ahead of time.
 
 Modules: this one holds the entry point and the compiled program's three decoding paths;
-:mod:`genjax._inputs` checks and prepares the arguments on the host, :mod:`genjax._call` holds
+:mod:`genjax.generation.inputs` checks and prepares the arguments on the host,
+:mod:`genjax.generation.prefill` holds
 what every path does first inside the program (special ids, stopping rules, prefill).
 
 Differences from transformers forced by static shapes: outputs always hold ``N`` steps
@@ -48,28 +49,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from genjax import buckets, cache_slots
-from genjax._call import (
-    accepts_logits_to_keep,
-    is_quantized,
-    prefill,
-    prompt_context,
-    special_ids,
-    start_stopping,
-)
-from genjax._inputs import (
-    as_int32,
-    cache_requests,
-    call_layout,
-    check_assisted_extras,
-    check_inputs,
-    check_mode,
-    effective_config,
-    infer_attention_mask,
-    num_new_tokens,
-    pad_prompt,
-    stop_string_table_for,
-)
+from genjax.cache import slots as cache_slots
+from genjax.cache.memory import check_fits
+from genjax.cache.quantized import check_cache_options, init_cache
+from genjax.cache.slots import pad_prompt
 from genjax.config import GenerationConfig
 from genjax.decoding import assisted, beam
 from genjax.decoding.sampling import (
@@ -79,10 +62,29 @@ from genjax.decoding.sampling import (
     greedy_chooser,
     sampling_chooser,
 )
-from genjax.memory import check_fits
-from genjax.outputs import GenerateOutput
+from genjax.generation import buckets
+from genjax.generation.inputs import (
+    as_int32,
+    cache_requests,
+    call_layout,
+    check_assisted_extras,
+    check_inputs,
+    check_mode,
+    effective_config,
+    infer_attention_mask,
+    num_new_tokens,
+    stop_string_table_for,
+)
+from genjax.generation.outputs import GenerateOutput
+from genjax.generation.prefill import (
+    accepts_logits_to_keep,
+    is_quantized,
+    prefill,
+    prompt_context,
+    special_ids,
+    start_stopping,
+)
 from genjax.processors import Processor, from_config, validate_config
-from genjax.quantized_cache import check_cache_options, init_cache
 from genjax.sharding import Layout
 from genjax.stopping import StopCriterion, StoppingRules, as_criteria
 from genjax.streaming import check_streamer, stream_to, token_hook
@@ -197,7 +199,7 @@ def generate(
         InputError: malformed ``input_ids``, ``attention_mask`` or ``key``; ``stop_strings``
             without a ``tokenizer``; ``P + N > max_cache_len``; a bad ``prompt_buckets``.
         CacheMemoryError: an InputError: the KV caches would not fit in the devices' free
-            memory (the message gives both figures; see :mod:`genjax.memory`).
+            memory (the message gives both figures; see :mod:`genjax.cache.memory`).
         TypeError: a stopping criterion that is not a hashable callable.
         GenerationConfigError: an invalid config.
         UnsupportedError: a generation mode or option genjax does not support yet (also beam
@@ -351,7 +353,7 @@ def _generate_jit(
     ``stop_strings`` is a :class:`~genjax.stopping.StopStringTable` or None; ``stream_id``
     (int32[], traced) names the registered streamer, or is None for no streaming; ``layout``
     (static) shards inputs, loop carry and outputs, or is None. With ``max_cache_len``,
-    ``slots`` (static) is the buffer layout of :mod:`genjax.cache_slots`, ``bounds`` int32[2]
+    ``slots`` (static) is the buffer layout of :mod:`genjax.cache.slots`, ``bounds`` int32[2]
     (traced) the prompt's end and the loop's end in it, and ``max_new_tokens`` the steps
     recorded in ``scores``/``logits``."""
     if layout is not None:
@@ -413,8 +415,8 @@ class _Call:
         )
 
     def prefill(self, max_new_tokens: int | None = None):
-        """:func:`genjax._call.prefill` of the model into ``P + max_new_tokens`` slots (default
-        ``N``)."""
+        """:func:`genjax.generation.prefill.prefill` of the model into ``P + max_new_tokens``
+        slots (default ``N``)."""
         new = self.max_new_tokens if max_new_tokens is None else max_new_tokens
         return prefill(
             self.model,

@@ -12,9 +12,9 @@ import inspect
 
 import jax.numpy as jnp
 
+from genjax.cache.quantized import init_cache
 from genjax.config import GenerationConfig
 from genjax.processors import LogitsContext
-from genjax.quantized_cache import init_cache
 from genjax.stopping import start_timer, stopping_rules
 from genjax.typing import Array
 
@@ -54,7 +54,7 @@ def prefill(
     model, params, input_ids, attention_mask, max_new_tokens: int, pad_token_id, quantized=False
 ):
     """Runs the prompt through the model and returns a cache sized for all ``S = P + N`` slots
-    (int8 codes when ``quantized``, static: see :mod:`genjax.quantized_cache`).
+    (int8 codes when ``quantized``, static: see :mod:`genjax.cache.quantized`).
 
     The prompt goes into a cache of its own ``P`` slots, which then grows to ``S``
     (``with_length``): the prefill's attention reads the ``P`` prompt slots rather than all

@@ -48,6 +48,7 @@ import jax
 import jax.numpy as jnp
 
 from genjax.errors import InputError, UnsupportedError
+from genjax.models.gpt2 import GPT2Model
 from genjax.typing import Array, PyTree
 
 MODES = ("int8",)
@@ -214,7 +215,6 @@ def _tied_head_table(model: Any) -> str | None:
     config = getattr(model, "config", None)
     if not getattr(config, "tie_word_embeddings", False):
         return None
-    from genjax.models.gpt2 import GPT2Model  # lazy: models import layers, not this module
 
     return "wte" if isinstance(model, GPT2Model) else "embed_tokens"
 

@@ -41,12 +41,12 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from genjax._inputs import pad_prompt
 from genjax.errors import InputError, UnsupportedError
 from genjax.typing import Array
 
-__all__ = ["FixedSlots", "plan"]
+__all__ = ["FixedSlots", "pad_prompt", "plan"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,3 +167,21 @@ def plan(config, policy, prompt_length: int, num_new_tokens: int, assisted: bool
             f"max_cache_len (which compiles a new program)."
         )
     return FixedSlots(size, policy.granularity)
+
+
+def pad_prompt(
+    input_ids: Array, attention_mask: Array, pad_token_id: Array, left: int, right: int = 0
+):
+    """Pads int32[B, P] ids and mask with ``left`` and ``right`` masked slots (static counts)
+    holding ``pad_token_id``: int32[B, left + P + right] each. With numpy when all are
+    concrete, so a new prompt shape compiles nothing."""
+    if not left and not right:
+        return input_ids, attention_mask
+    widths = ((0, 0), (left, right))
+    if not any(isinstance(x, jax.core.Tracer) for x in (input_ids, attention_mask, pad_token_id)):
+        pad = int(np.asarray(pad_token_id))
+        ids = np.pad(np.asarray(input_ids, np.int32), widths, constant_values=pad)
+        mask = np.pad(np.asarray(attention_mask, np.int32), widths)
+        return jax.device_put(ids), jax.device_put(mask)
+    ids = jnp.pad(input_ids.astype(jnp.int32), widths, constant_values=pad_token_id)
+    return ids, jnp.pad(attention_mask.astype(jnp.int32), widths)

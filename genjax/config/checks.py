@@ -11,12 +11,15 @@ pass every check.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 
-from genjax._config_io import FrozenDict, freeze, is_array, is_tracer
+from genjax.config.fields import FIELD_NAMES
+from genjax.config.files import FrozenDict, freeze, is_array, is_tracer
 from genjax.errors import GenerationConfigError
 
 Predicate = Callable[[np.ndarray], Any]
@@ -496,3 +499,22 @@ def minor_issues(cfg: Any, user_set: frozenset[str] | None) -> dict[str, str]:
             if getattr(cfg, name) is not None:
                 issues[name] = f"use_cache is False, so {name} has no effect. Unset one of them."
     return issues
+
+
+def unknown_field_message(name: str) -> str:
+    close = difflib.get_close_matches(name, FIELD_NAMES, n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    return (
+        f"GenerationConfig has no field {name!r}.{hint} To keep a custom key, use "
+        f"config.update({name}=..., allow_custom_entries=True)."
+    )
+
+
+def warn_minor(issues: dict[str, str]) -> None:
+    lines = "\n".join(f"- {name}: {text}" for name, text in issues.items())
+    warnings.warn(
+        f"GenerationConfig flags that may be ignored: {sorted(issues)}\n{lines}\n"
+        "These may come from a model's generation_config.json.",
+        UserWarning,
+        stacklevel=4,
+    )

@@ -1,0 +1,53 @@
+"""KV caches: the pytrees that hold every layer's keys and values between decoding steps.
+
+``kv`` is the float cache (keys ``[B, K, H, S]``, values ``[B, K, S, H]``, preallocated to its
+final length ``S``); ``quantized`` its int8 form; ``slots`` the fixed slot layout that lets one
+compiled program serve many prompt and output lengths (``max_cache_len``); ``memory`` sizes a
+cache before it is allocated.
+
+Layer:
+    Floor 2. Imports only :mod:`genjax.errors` and :mod:`genjax.typing`.
+
+Static or traced:
+    Cache shapes (``B``, ``K``, ``S``, ``H``, dtype, layer count) are static; the contents and the
+    write index are traced arrays carried by the decoding loops.
+"""
+
+from genjax.cache.kv import (
+    KVCache,
+    attention_bias,
+    gather_beams,
+    grow_slots,
+    heads_first,
+    repeat_rows,
+    replace_layer,
+    slots_last,
+)
+from genjax.cache.memory import CacheRequest, cache_bytes, check_fits, free_bytes
+from genjax.cache.quantized import (
+    QuantizedKVCache,
+    check_cache_options,
+    dequantize,
+    init_cache,
+    quantize,
+)
+
+__all__ = [
+    "CacheRequest",
+    "KVCache",
+    "QuantizedKVCache",
+    "attention_bias",
+    "cache_bytes",
+    "check_cache_options",
+    "check_fits",
+    "dequantize",
+    "free_bytes",
+    "gather_beams",
+    "grow_slots",
+    "heads_first",
+    "init_cache",
+    "quantize",
+    "repeat_rows",
+    "replace_layer",
+    "slots_last",
+]

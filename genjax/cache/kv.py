@@ -9,16 +9,15 @@ Keys are stored with the slots last, ``[B, K, H, S]``, so that both attention su
 cache run along an axis that is not the minor one: the scores ``q . k`` sum over ``H`` of the
 keys ``[H, S]`` and the weighted sum over ``S`` of the values ``[S, H]``, each as a multiply and
 a sum that reads the block once, in place (:func:`genjax.models.layers.attention`). With keys
-``[B, K, S, H]`` the one-token scores were a product XLA:CPU takes with the slots minor, so at
-batch 1 it transposed every layer's keys and copied them four times per decode step. Without
-those copies the bundled 4M-parameter model's batch-1 step ran about 2x faster on a 2-core CPU;
-GPT-2- and SmolLM-sized steps were unchanged within noise (there the copies ran beside the
-matrix products, on the other core).
+``[B, K, S, H]`` the one-token scores are a product XLA:CPU takes with the slots minor, so at
+batch 1 it transposes every layer's keys and copies them on each decode step; that costs most
+where the model is small and the copies are a large share of a step (figures in
+``bench/README.md``).
 
 Each layer has its own arrays (a tuple of ``L`` blocks, not one stacked ``[L, ...]`` array): a
 layer's block is then a whole buffer that attention reads in place after the write. Slicing a
-layer out of a stacked array copies it on XLA:CPU, every layer of every step; at batch 32 those
-copies cost about as much as the attention itself.
+layer out of a stacked array copies it on XLA:CPU, every layer of every step, and at large
+batches those copies cost about as much as the attention itself.
 
 Static or traced:
     Static: the number of layers, the batch size, the cache length ``S``, the number of key/value
@@ -184,8 +183,8 @@ def gather_beams(x: Array, beams: Array) -> Array:
     """Reorders the rows of one layer's cache array ``[B*M, ...]`` within each prompt.
 
     Args:
-        x: any array whose axis 0 is the rows ``B*M`` (keys ``[B*M, K, S, H]``, or a quantized
-            cache's scales ``[B*M, K, S]``).
+        x: any array whose axis 0 is the rows ``B*M`` (keys ``[B*M, K, H, S]``, values
+            ``[B*M, K, S, H]``, or a quantized cache's scales ``[B*M, K, S]``).
         beams: int32[B, M]: row ``b * M + m`` takes row ``b * M + beams[b, m]``.
     """
     batch, num_beams = beams.shape

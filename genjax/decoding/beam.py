@@ -97,7 +97,9 @@ class BeamState:
     tokens: Array  # int32[B*M, S]: running beams' buffers: padding, prompt, new tokens, pad
     length: Array  # int32[]: slots of `tokens` filled so far (the same in every beam)
     positions: Array  # int32[B*M]: position id of the next token fed to the model
-    cache: KVCache  # L x float[B*M, K, S, H]: row b*M + m holds running beam m of prompt b
+    # L x keys float[B*M, K, H, S] and values float[B*M, K, S, H] (see genjax.cache.kv);
+    # row b*M + m holds running beam m of prompt b
+    cache: KVCache
     attention_mask: Array  # int32[B*M, S]: 1 where a slot holds a real token
     running_scores: Array  # float32[B, M]: summed processed log-probs, best first
     running_indices: Array  # int32[B, M, N]: beam_indices of the running beams (-1: not yet)

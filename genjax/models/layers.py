@@ -59,10 +59,11 @@ def stored_param(module: nn.Module, name: str, init: Callable, shape: tuple, dty
     """``module.param(name, init, shape, dtype)``, without tracing ``init`` when the param exists.
 
     Flax's ``param`` checks an existing param by running its initializer abstractly
-    (``jax.eval_shape``); at every generate trace that was about 40% of the Python time spent
-    tracing the model (for SmolLM's 30 layers, 270 params traced twice: prefill and decode step).
-    Here the stored shape is compared with ``shape`` directly; the initializer only runs in
-    ``init``. Which path runs depends on the params' structure (static), never on their values.
+    (``jax.eval_shape``), on every param of every layer at every generate trace (for SmolLM's
+    30 layers, 270 params, traced twice: prefill and decode step), a large share of the Python
+    time spent tracing the model. Here the stored shape is compared with ``shape`` directly; the
+    initializer only runs in ``init``. Which path runs depends on the params' structure
+    (static), never on their values.
     """
     if not module.has_variable("params", name):  # initializing: flax creates it
         return module.param(name, init, shape, dtype)
@@ -159,12 +160,12 @@ class Dense(nn.Module):
     ``nn.Linear.weight`` (and of the embedding table that doubles as a tied output head), plus
     ``bias`` dtype[out] when ``use_bias``.
 
-    Why [out, in] and not flax's [in, out]: XLA on CPU multiplies 8 or 32 rows of activations by
-    an [out, in] matrix 1.2-1.9x faster than by the same matrix stored [in, out] (GPT-2 and
-    SmolLM matrix shapes, weights not in cache), and whole decode steps at batch 8-32 got
-    1.2-1.3x faster. One row (batch-1 decoding) runs at about the same speed, except a large
-    output head (SmolLM's 49152 x 576: 1.3-1.6x slower alone). GPU and TPU matrix units take
-    either operand order, so the choice is made for CPUs (not measured on accelerators).
+    Why [out, in] and not flax's [in, out]: XLA on CPU multiplies several rows of activations
+    (batched decoding, beams, a prefill) by an [out, in] matrix faster than by the same matrix
+    stored [in, out], which makes whole decode steps at batch 8-32 faster. One row (batch-1
+    decoding) runs at about the same speed either way, except a large output head, which is
+    slower alone in this layout. GPU and TPU matrix units take either operand order, so the
+    choice is made for CPUs. Figures: ``bench/README.md``.
 
     With weight-only int8 params (:mod:`genjax.quantize`) ``kernel`` is int8[out, in] and a
     sibling ``kernel_scale`` float32[out] holds one scale per output channel. Which path runs is
@@ -209,8 +210,8 @@ def linear(x: Array, weight: Array, scale: Array | None, dtype: jnp.dtype) -> Ar
         x, weight = _keep_in_loop(x, weight)
         # Written as a product with the transposed matrix, not as a dot_general contracting the
         # weight's last axis: XLA on CPU then fuses the int8 conversion into a one-row product
-        # and reads int8 (SmolLM shape at batch 1: 2.6-3.2x faster than float32 per matrix);
-        # the dot_general spelling converts the whole matrix to memory first.
+        # and reads int8, a quarter of float32's bytes; the dot_general spelling converts the
+        # whole matrix to memory first.
         y = jnp.matmul(x, weight.astype(dtype).T, preferred_element_type=jnp.float32)
         return (y * scale).astype(dtype)
     wide = jnp.finfo(dtype).bits >= 32
@@ -227,13 +228,12 @@ def _rows_times_transposed(x: Array, weight: Array, accumulate: jnp.dtype | None
 
     With 2 to ``SWAPPED_MAX_ROWS`` rows (a decode step at batch 2-16, beam search, speculative
     verification), XLA on CPU computes this product much faster as ``weight @ x.T``: an
-    [out, rows] result, then a transpose of that small result. On a 2-core CPU that is 1.1-2.1x
-    per SmolLM-shaped matrix at 4 and 8 rows (``bench/matmul_rows.py``) and 1.45x per whole
-    decode step at batch 8 and beam 4; at one row the two are equal, and at 32 rows and more
-    (batch 32, a long prefill) the plain product is 5-10% faster. XLA folds a plain
-    ``(weight @ x.T).T`` back into ``x @ weight.T``, so an optimization barrier keeps the
-    [out, rows] product. Other platforms get the plain product: there the extra transpose would
-    only add work. Same values either way, up to the order of float32 sums.
+    [out, rows] result, then a transpose of that small result. At one row the two are equal,
+    and at 32 rows and more (batch 32, a long prefill) the plain product is slightly faster,
+    hence the bound (``bench/matmul_rows.py`` times both; figures in ``bench/README.md``). XLA
+    folds a plain ``(weight @ x.T).T`` back into ``x @ weight.T``, so an optimization barrier
+    keeps the [out, rows] product. Other platforms get the plain product: there the extra
+    transpose would only add work. Same values either way, up to the order of float32 sums.
     """
     contract = (((x.ndim - 1,), (1,)), ((), ()))
 
@@ -261,13 +261,13 @@ def _materialized(x: Array) -> Array:
     XLA:CPU emits a one-row int8 product as a loop over the outputs with the matrix's int8-to-
     float conversion fused in (what makes it read int8). It then also fuses the cheap elementwise
     ops that make the activations (a norm's scaling, the previous product's scale and bias, a
-    GELU's multiplies) into that loop, where they run again for every output: GPT-2's int8 MLP
-    down-projection (768 outputs of 3072 inputs) took 2.3x as long as the up-projection, which
-    reads as many bytes. XLA never fuses across a conditional, so passing ``x`` through one
-    makes it computed once. Both branches return ``x``; the predicate is a constant behind an
-    optimization barrier, so that XLA keeps the conditional and no value of ``x`` is read (on a
-    mesh, reading one would cost a collective). Other platforms fuse differently, and a GPU
-    conditional waits for its predicate, so they get ``x`` as it is.
+    GELU's multiplies) into that loop, where they run again for every output, so a product
+    whose activations are costly to make (GPT-2's int8 MLP down-projection after its GELU) takes
+    much longer than one that reads as many bytes. XLA never fuses across a conditional, so
+    passing ``x`` through one makes it computed once. Both branches return ``x``; the predicate
+    is a constant behind an optimization barrier, so that XLA keeps the conditional and no value
+    of ``x`` is read (on a mesh, reading one would cost a collective). Other platforms fuse
+    differently, and a GPU conditional waits for its predicate, so they get ``x`` as it is.
     """
 
     def through_conditional(x: Array) -> Array:
@@ -308,11 +308,9 @@ def attention(
     * ``T > 1`` (a prompt, a verified draft block): each KV head's ``G * T`` queries form one
       block of rows, so both products are plain [G*T, H] x [H, S] and [G*T, S] x [S, H] matrix
       products and the softmax runs over the last axis of their result. Written with the group
-      axis beside the slots instead (as the one-token path is), XLA on CPU computed the scores
-      transposed and copied the [T, S] weights twice per layer: a 512-token GPT-2 prefill spent
-      a quarter of its time in attention, most of it in those copies, and the whole prefill ran
-      1.2x (GPT-2) and 1.1x (SmolLM shape) slower on a 2-core CPU (``bench/run.py``'s
-      prefill512).
+      axis beside the slots instead (as the one-token path is), XLA on CPU computes the scores
+      transposed and copies the [T, S] weights twice per layer, which makes a long prefill
+      spend much of its attention time in copies.
     * ``T = 1`` (a decode step): both sums are a multiply and a sum over an axis that is not the
       minor one, reading the cache once in place (:func:`_decode_attention`).
 
@@ -349,10 +347,10 @@ def _decode_attention(
     The scores ``q . k`` sum the keys ``[H, S]`` over ``H`` and the output sums the values
     ``[S, H]`` over ``S``: neither is the minor axis, so XLA:CPU emits each as one loop over the
     block that reads it once, vectorized along the minor axis, with no copy. As matrix products
-    these were a few-row product per KV head (XLA's slow small-matrix kernel, see ``Dense``) that
-    XLA:CPU wanted with other operand layouts: at batch 1 it transposed each layer's keys and
-    copied them four times per step, and with values ``[S, H]`` the G-row product ran 2.5-4.2x
-    slower than the sum (SmolLM shape, b8 and b32).
+    they would be a few-row product per KV head (XLA's slow small-matrix kernel, see ``Dense``)
+    that XLA:CPU wants with other operand layouts: at batch 1 it transposes each layer's keys and
+    copies them on every step, and with values ``[S, H]`` the G-row product is several times
+    slower than the sum.
 
     Sums accumulate in float32 and are rounded where the matrix products round (the scores after
     the product and after the scale, the softmax weights, the output), explicitly, as in
@@ -371,7 +369,7 @@ def _decode_attention(
     batch, num_kv_heads, groups, head_dim = grouped.shape
     slots = values.shape[2]
     wide = jnp.promote_types(jnp.promote_types(grouped.dtype, keys.dtype), jnp.float32)
-    # No size-1 batch or group axis: XLA:CPU's library fusions ran these sums 20x slower with
+    # No size-1 batch or group axis: XLA:CPU's library fusions run these sums far slower with
     # the size-1 axes of B = 1 and G = 1 left in. (B and K stay separate axes, so rows sharded
     # on one mesh axis and KV heads on another need no gather.)
     heads = (num_kv_heads,) if batch == 1 else (batch, num_kv_heads)

@@ -22,8 +22,8 @@ What is quantized:
 Speed: int8 weights cost a quarter of float32's memory traffic where the compiler converts them
 inside the matrix product. XLA on CPU does so for one-row products (batch-1 decoding) when the
 product is written ``x @ w.T`` (``layers.linear``), and its activations are computed once
-before it (``layers._materialized``): 2.05x float32's speed for GPT-2 small and 2.35x for the
-SmolLM shape (``bench/quantize.py``, 128 tokens). With several rows it writes each
+before it (``layers._materialized``), so batch-1 decoding runs about twice as fast as float32
+(``bench/quantize.py``; figures in ``bench/README.md``). With several rows it writes each
 converted matrix to memory first, so batch > 1 and the prefill save memory but not time. The
 conversion is kept inside the decode loop on purpose (``layers._keep_in_loop``): XLA would
 otherwise hoist it out of the ``while_loop`` and hold a float copy of every matrix for the whole

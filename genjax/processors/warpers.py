@@ -1,8 +1,9 @@
 """Sampling warpers (truncation of the next-token distribution); re-exported by processors.
 
-Sorting the vocabulary is by far the most expensive step a warper can take (XLA's float sort of
-8 x 50257 scores takes about 100 ms on a CPU, against about 2 ms for the 256 largest), so the
-warpers that need sorted scores avoid a full sort:
+Sorting the vocabulary is by far the most expensive step a warper can take (on CPU, XLA's float
+sort of a GPT-2-sized vocabulary costs tens of times as much as ``lax.top_k`` of its 256 largest
+scores; ``bench/processors.py`` times both), so the warpers that need sorted scores avoid a full
+sort:
 
 * ``top_k``, ``top_p`` and ``top_h`` are :class:`SortedFilter` s. Each reads a per-row cut-off
   from the scores sorted in descending order and keeps the scores at or above it. They look only

@@ -29,11 +29,11 @@ MAX_TIME_CHECK_EVERY = 1
 """Default number of new tokens between two clock reads when ``max_time`` is set.
 
 1 reads after every token, as transformers does, so a call ends within one step of its budget.
-A read is a synchronous host callback, 0.2-0.8 ms on a shared 2-core CPU (jax 0.10). Measured
-with ``bench/max_time.py`` (4-layer, width-256 Llama): at batch 1 (1.1 ms per step) decoding ran
-38-50% slower with a read every token and 15-20% slower with one every 16; at batch 8 (10 ms per
-step) the difference was within the noise (under 3%). Models whose steps take several ms or more
-pay a few percent at most. The value is read when a program is traced and is not part of the jit
+A read is a synchronous host callback, a fixed cost per read that the loop waits for: it slows
+models whose steps take about a millisecond noticeably, and those whose steps take several
+milliseconds or more by a few percent at most (``bench/max_time.py`` measures it; figures in
+``bench/README.md``). A larger value reads less often and may overrun the budget by up to that
+many steps. The value is read when a program is traced and is not part of the jit
 cache key (call ``jax.clear_caches()`` after changing it); :func:`stopping_rules` takes it per
 call as ``check_time_every``."""
 

@@ -55,8 +55,8 @@ def stop_string_table(tokenizer: Any, stop_strings: str | Sequence[str]) -> Stop
 
     Runs on the host with numpy, once per (vocabulary, stop strings): the last 8 tables are
     cached, by vocabulary content and by tokenizer object (a tokenizer changed in place without
-    changing its number of tokens is not read again). Building takes about 5 s for a 128k-token
-    vocabulary on a slow CPU, as in transformers; a cached table comes back in milliseconds.
+    changing its number of tokens is not read again). Building is a Python pass over every
+    token, as in transformers (seconds for a large vocabulary); a cached table is a lookup.
 
     The vocabulary is cleaned as transformers' ``StopStringCriteria`` cleans it: a token stands
     for the text it adds when decoded after other text (so GPT-2's "Ġ" and SentencePiece's "▁"

@@ -5,8 +5,8 @@ each jitted separately and called on the same logits:
 
 * ``greedy``: ``argmax``, what greedy decoding does;
 * ``sample``: the processor chain ``processors.from_config`` builds for ``temperature``,
-  ``top_k`` and ``top_p`` (one shared ``lax.top_k`` of 256, see ``genjax/processors/warpers.py``), then
-  ``jax.random.categorical``;
+  ``top_k`` and ``top_p`` (one shared ``lax.top_k`` of 256, see
+  ``genjax/processors/warpers.py``), then ``jax.random.categorical``;
 * ``warpers``: that processor chain alone, then ``argmax`` (the warpers' own cost);
 * ``full sort``: the same warpers written with a full sort of the vocabulary per step (what a
   straightforward port does), then ``argmax``, for comparison;

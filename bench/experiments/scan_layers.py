@@ -1,4 +1,4 @@
-"""Why genjax unrolls its layers: a decode loop with the layers unrolled against ``lax.scan``.
+"""Experiment: a decode loop with its layers unrolled (genjax's way) against ``lax.scan``.
 
 Scanning over layer params stacked on a leading axis makes XLA compile one layer instead of
 ``L`` (MaxText's ``scan_layers`` does this), so it is the obvious lever on compile time. This
@@ -7,7 +7,7 @@ script measures what it costs at run time on this backend, on a decoder of the S
 float32 weights) written in plain ``jax.numpy``:
 
     unrolled  one Python loop over 30 per-layer param dicts; the KV cache is 30 arrays
-              float32[B, K, S, H] per keys and values (genjax's layout before session 11)
+              float32[B, K, S, H] per keys and values (one layout for both modes)
     scan      ``lax.scan`` over params stacked to [30, ...]; the cache is one float32[30, B, K, S,
               H] array per keys and values, scanned as inputs and written back as outputs
 
@@ -15,7 +15,7 @@ Each decodes ``--steps`` greedy tokens inside one ``lax.while_loop`` (cache in t
 slots), so the figures are steady per-step times with no dispatch. It prints the XLA compile
 time (lower + compile) and the median ms per step over ``--repeats`` calls, per mode and batch.
 
-Run:  python bench/scan_layers.py [--batches 1 8] [--steps 128] [--repeats 3]
+Run:  python bench/experiments/scan_layers.py [--batches 1 8] [--steps 128] [--repeats 3]
 """
 
 from __future__ import annotations

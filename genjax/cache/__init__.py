@@ -3,7 +3,8 @@
 ``kv`` is the float cache (keys ``[B, K, H, S]``, values ``[B, K, S, H]``, preallocated to its
 final length ``S``); ``quantized`` its int8 form; ``slots`` the fixed slot layout that lets one
 compiled program serve many prompt and output lengths (``max_cache_len``); ``memory`` sizes a
-cache before it is allocated.
+cache before it is allocated; ``paged`` the block pool of the serving engine (rows of
+different lengths in fixed-size blocks, per-row write indices).
 
 Layer:
     Floor 2. Imports only :mod:`genjax.errors` and :mod:`genjax.typing`.
@@ -24,6 +25,7 @@ from genjax.cache.kv import (
     slots_last,
 )
 from genjax.cache.memory import CacheRequest, cache_bytes, check_fits, free_bytes
+from genjax.cache.paged import SCRATCH_BLOCK, PagedKVCache
 from genjax.cache.quantized import (
     QuantizedKVCache,
     check_cache_options,
@@ -35,7 +37,9 @@ from genjax.cache.quantized import (
 __all__ = [
     "CacheRequest",
     "KVCache",
+    "PagedKVCache",
     "QuantizedKVCache",
+    "SCRATCH_BLOCK",
     "attention_bias",
     "cache_bytes",
     "check_cache_options",

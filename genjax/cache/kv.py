@@ -218,7 +218,8 @@ def attention_bias(
 
     Args:
         attention_mask: int or bool[B, S], nonzero where a slot holds a real token.
-        cache_index: int32[], the slot of the first query.
+        cache_index: int32[], the slot of the first query; or int32[B], one per row (a paged
+            cache, :class:`genjax.cache.PagedKVCache`, whose rows hold different lengths).
         query_length: ``T`` (static).
         dtype: the dtype of the returned bias.
         sliding_window: the window ``W`` (static), or None for full attention.
@@ -228,10 +229,14 @@ def attention_bias(
         is not (finite, so rows that see nothing, like padding queries, give no NaN).
     """
     length = attention_mask.shape[-1]
-    query_slots = cache_index + jnp.arange(query_length)[:, None]  # [T, 1]
+    cache_index = jnp.asarray(cache_index)
+    per_row = cache_index.ndim == 1
+    start = cache_index[:, None, None] if per_row else cache_index  # int32[B, 1, 1] or []
+    query_slots = start + jnp.arange(query_length)[:, None]  # [T, 1] or [B, T, 1]
     key_slots = jnp.arange(length)[None, :]  # [1, S]
-    allowed = key_slots <= query_slots  # [T, S]
+    allowed = key_slots <= query_slots  # [T, S] or [B, T, S]
     if sliding_window is not None:
         allowed = allowed & (query_slots - key_slots < sliding_window)
-    allowed = allowed[None, None] & (attention_mask[:, None, None, :] != 0)  # [B, 1, T, S]
+    allowed = allowed[:, None] if per_row else allowed[None, None]  # [B or 1, 1, T, S]
+    allowed = allowed & (attention_mask[:, None, None, :] != 0)  # [B, 1, T, S]
     return jnp.where(allowed, 0.0, jnp.finfo(dtype).min).astype(dtype)

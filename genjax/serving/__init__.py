@@ -1,7 +1,49 @@
-"""Serving many users at once: the continuous-batching engine and the OpenAI-compatible server.
+"""Serving many users at once: the continuous-batching engine.
 
-Empty for now; the engine (paged KV cache, scheduler, manager) and the HTTP server land here.
+``engine`` is the device side, one pure jitted step over a donated state (paged KV cache
+:class:`genjax.cache.PagedKVCache`, token history, per-row sampling values); ``scheduler`` the
+host side (block allocator, FIFO admission, chunked prefill, preemption); ``options`` checks a
+request's generation options; ``manager`` runs the loop in a background thread behind
+transformers v5's continuous-batching API (``init_continuous_batching``, ``generate_batch``).
 
 Layer:
     Floor 5. May import every floor below, ``generation`` included.
 """
+
+from genjax.serving.engine import (
+    EngineShape,
+    EngineState,
+    RowSettings,
+    StepInput,
+    StepOutput,
+    compile_step,
+    engine_step,
+    init_state,
+)
+from genjax.serving.manager import (
+    ContinuousBatchingConfig,
+    ContinuousBatchingManager,
+    GenerationOutput,
+    generate_batch,
+    init_continuous_batching,
+)
+from genjax.serving.scheduler import BlockAllocator, RequestStatus, Scheduler
+
+__all__ = [
+    "BlockAllocator",
+    "ContinuousBatchingConfig",
+    "ContinuousBatchingManager",
+    "EngineShape",
+    "EngineState",
+    "GenerationOutput",
+    "RequestStatus",
+    "RowSettings",
+    "Scheduler",
+    "StepInput",
+    "StepOutput",
+    "compile_step",
+    "engine_step",
+    "generate_batch",
+    "init_continuous_batching",
+    "init_state",
+]

@@ -1,0 +1,377 @@
+"""The device side of continuous batching: one pure jitted step over a donated engine state.
+
+The engine holds ``R`` slots (rows). A slot is free, prefilling (its prompt goes through the
+model ``C`` tokens per step) or decoding (one token per step). One call of :func:`engine_step`:
+
+1. applies the host's block tables and releases the rows the host stopped (cancelled, a stop
+   string, preempted);
+2. runs one prompt chunk of ``C`` tokens for one slot (chunked prefill; skipped with
+   ``lax.cond`` when there is none); after the prompt's last chunk it chooses the slot's first
+   new token and the slot starts decoding;
+3. decodes one token for every decoding slot (``B = R``, ``T = 1``), up to ``num_steps`` times
+   in a ``lax.while_loop`` that ends early when a row finishes (a scheduling event).
+
+So a long prompt never stalls the decoding rows: each step decodes while it prefills a chunk.
+The host (:mod:`genjax.serving.scheduler`) owns the block tables and chooses what each step does
+through a small :class:`StepInput`.
+
+Every request's tokens sit in its slot's history ``tokens[r, :lengths[r]]`` (prompt, then new
+tokens) so that history-dependent processors (the repetition penalty) see whole sequences. A
+decoding row's newest token is in the history but not yet in the cache::
+
+    history   p0 p1 p2 p3 g0 g1          lengths = 6, prompt_lengths = 4
+    cache     p0 p1 p2 p3 g0             index = 5; the next step feeds g1 at position 5
+
+Token choice per row follows transformers' order: repetition penalty, EOS blocked until
+``min_new_tokens``, then temperature, top-k, top-p, min-p; greedy rows take the argmax (the
+warpers never move it), sampling rows draw with ``fold_in(key, new_token_index)`` as
+:func:`genjax.generate` does, so a preempted and recomputed request draws the same tokens.
+
+Static or traced:
+    Static (the shape of the one compiled program): the model, ``R`` (``max_batch_size``), the
+    pool (``num_blocks``, ``block_size``, ``max_blocks_per_row``), the chunk ``C``, the most
+    decode steps per call ``K``, the most EOS ids per request ``E``. Traced: everything in
+    :class:`EngineState` and :class:`StepInput`: the requests' tokens, lengths, sampling values
+    (``do_sample`` included), seeds, EOS ids, limits, which slot prefills, the number of steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from genjax.cache import PagedKVCache
+from genjax.decoding.sampling import sample
+from genjax.processors import (
+    LogitsContext,
+    chain,
+    min_p,
+    repetition_penalty,
+    temperature,
+    top_k,
+    top_p,
+)
+from genjax.processors.base import NEG_INF
+from genjax.typing import Array, PyTree
+
+__all__ = ["EngineShape", "EngineState", "RowSettings", "StepInput", "StepOutput"]
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineShape:
+    """The static sizes of the engine (hashable: part of the compiled program)."""
+
+    max_batch_size: int  # R: slots decoded together
+    num_blocks: int  # blocks in the pool, the scratch block 0 included
+    block_size: int  # slots per block
+    max_blocks_per_row: int  # the longest request, in blocks
+    chunk: int  # C: prompt tokens prefilled per step
+    max_steps: int  # K: the most decode steps per call
+    max_eos: int  # E: the most EOS ids per request
+
+    @property
+    def max_length(self) -> int:
+        """``S``: the most tokens (prompt plus new) of one request."""
+        return self.max_blocks_per_row * self.block_size
+
+
+@struct.dataclass
+class RowSettings:
+    """Per-request generation values, one entry per row (all traced)."""
+
+    do_sample: Array  # bool[R]: draw tokens (else argmax)
+    temperature: Array  # float32[R]: 1.0 = off
+    top_k: Array  # int32[R]: 0 = off
+    top_p: Array  # float32[R]: 1.0 = off
+    min_p: Array  # float32[R]: 0.0 = off
+    repetition_penalty: Array  # float32[R]: 1.0 = off
+    max_new_tokens: Array  # int32[R]
+    min_new_tokens: Array  # int32[R]: EOS is blocked before this many new tokens
+    eos_token_ids: Array  # int32[R, E]: -1 fills unused entries
+    seed: Array  # int32[R]: the request's key is jax.random.key(seed)
+
+    @classmethod
+    def empty(cls, rows: int, max_eos: int) -> RowSettings:
+        """Neutral settings (greedy, nothing active) for ``rows`` rows; numpy, no compilation."""
+        return cls(
+            do_sample=np.zeros((rows,), bool),
+            temperature=np.ones((rows,), np.float32),
+            top_k=np.zeros((rows,), np.int32),
+            top_p=np.ones((rows,), np.float32),
+            min_p=np.zeros((rows,), np.float32),
+            repetition_penalty=np.ones((rows,), np.float32),
+            max_new_tokens=np.zeros((rows,), np.int32),
+            min_new_tokens=np.zeros((rows,), np.int32),
+            eos_token_ids=np.full((rows, max_eos), -1, np.int32),
+            seed=np.zeros((rows,), np.int32),
+        )
+
+
+@struct.dataclass
+class EngineState:
+    """Everything the device keeps between steps (donated to each step)."""
+
+    cache: PagedKVCache  # pools; block_tables int32[R, M]; index int32[R] = slots written
+    tokens: Array  # int32[R, S]: per slot, the prompt then the new tokens
+    lengths: Array  # int32[R]: tokens in `tokens` per slot
+    prompt_lengths: Array  # int32[R]: the request's own prompt (new tokens are counted after it)
+    decoding: Array  # bool[R]: the slot has a token to feed and decodes each step
+    settings: RowSettings  # [R] per-request values
+
+
+@struct.dataclass
+class StepInput:
+    """What the host asks of one step (small; not donated)."""
+
+    block_tables: Array  # int32[R, M]: the host's block tables (0: scratch)
+    release: Array  # bool[R]: rows to stop decoding before anything else
+    num_steps: Array  # int32[]: decode iterations to run, 1..K
+    prefill_slot: Array  # int32[]: the slot whose prompt chunk runs; -1: none
+    prefill_start: Array  # int32[]: the chunk's first position
+    prefill_tokens: Array  # int32[C]: the chunk (tokens past prefill_count are ignored)
+    prefill_count: Array  # int32[]: real tokens in the chunk, 1..C
+    prefill_last: Array  # bool[]: the chunk ends the prompt: choose the first new token
+    prompt_length: Array  # int32[]: the request's own prompt length (for a recomputed one,
+    #   shorter than the tokens prefilled)
+    row: RowSettings  # [1]: the prefilling request's settings, written on its first chunk
+    admit: Array  # bool[]: first chunk of a request: write `row` and `prompt_length`
+
+
+@struct.dataclass
+class StepOutput:
+    """What one step returns to the host."""
+
+    tokens: Array  # int32[K, R]: the token each decode iteration chose per row; -1: none
+    first_token: Array  # int32[]: the prefilled slot's first new token; -1: none
+    finished: Array  # bool[R]: rows that hit EOS or max_new_tokens during this step
+    steps: Array  # int32[]: decode iterations run
+
+
+def init_state(model, shape: EngineShape, dtype=None) -> EngineState:
+    """An empty engine state: every slot free, a zero pool (numpy then one device put)."""
+    cache = PagedKVCache.create(
+        num_layers=model.num_layers,
+        num_blocks=shape.num_blocks,
+        block_size=shape.block_size,
+        max_blocks_per_row=shape.max_blocks_per_row,
+        batch=shape.max_batch_size,
+        num_kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim,
+        dtype=model.dtype if dtype is None else jnp.dtype(dtype),
+    )
+    rows = shape.max_batch_size
+    state = EngineState(
+        cache=cache,
+        tokens=np.zeros((rows, shape.max_length), np.int32),
+        lengths=np.zeros((rows,), np.int32),
+        prompt_lengths=np.zeros((rows,), np.int32),
+        decoding=np.zeros((rows,), bool),
+        settings=RowSettings.empty(rows, shape.max_eos),
+    )
+    return jax.device_put(state)
+
+
+def choose_tokens(
+    logits: Array, tokens: Array, lengths: Array, prompt_lengths: Array, settings: RowSettings
+) -> Array:
+    """Processes float32[B, V] next-token logits per row and chooses int32[B] tokens.
+
+    Args:
+        logits: float32[B, V], the logits at each row's last token.
+        tokens: int32[B, S], each row's history (valid up to ``lengths``).
+        lengths: int32[B], tokens in the history (the next token goes to slot ``lengths``).
+        prompt_lengths: int32[B], the request's prompt length.
+        settings: the rows' :class:`RowSettings` ([B] each).
+    """
+    batch, vocab = logits.shape
+    num_new = lengths - prompt_lengths  # [B]
+    context = LogitsContext(
+        tokens=tokens,
+        length=lengths[:, None],  # per row: broadcasts against the slots [1, S]
+        offset=jnp.zeros((), jnp.int32),
+        prompt_end=prompt_lengths[:, None],
+        first_valid=jnp.zeros((batch,), jnp.int32),
+    )
+    scores = repetition_penalty(settings.repetition_penalty)(logits, context)
+    ids = settings.eos_token_ids  # [B, E]
+    is_eos = jnp.any(jnp.arange(vocab)[None, :, None] == ids[:, None, :], axis=-1)  # [B, V]
+    blocked = is_eos & (num_new < settings.min_new_tokens)[:, None]
+    scores = jnp.where(blocked, NEG_INF, scores)
+    warp = chain(
+        temperature(settings.temperature),
+        top_k(settings.top_k),
+        top_p(settings.top_p),
+        min_p(settings.min_p),
+    )
+    warped = warp(scores, context)
+    keys = jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.key(seed), i))(
+        settings.seed, num_new
+    )
+    drawn = jax.vmap(lambda key, row: sample(key, row[None])[0])(keys, warped)
+    greedy = jnp.argmax(scores, axis=-1).astype(jnp.int32)
+    return jnp.where(settings.do_sample, drawn, greedy)
+
+
+def _finished(token: Array, num_new: Array, settings: RowSettings) -> Array:
+    """bool[B]: the row's newest token (``num_new`` counted) ends it: EOS or the length limit."""
+    eos = jnp.any(token[:, None] == settings.eos_token_ids, axis=-1)
+    return eos | (num_new >= settings.max_new_tokens)
+
+
+def _rows(tree: PyTree, rows: Array) -> PyTree:
+    return jax.tree.map(lambda x: x[rows], tree)
+
+
+def _set_rows(tree: PyTree, rows: Array, values: PyTree) -> PyTree:
+    return jax.tree.map(lambda x, v: x.at[rows].set(v), tree, values)
+
+
+def _admit(state: EngineState, work: StepInput) -> EngineState:
+    """Writes a new request's settings into its slot (on its first chunk)."""
+    slot = jnp.maximum(work.prefill_slot, 0)[None]
+    take = work.admit & (work.prefill_slot >= 0)
+    settings = _set_rows(
+        state.settings,
+        slot,
+        jax.tree.map(
+            lambda new, old: jnp.where(take, new, old), work.row, _rows(state.settings, slot)
+        ),
+    )
+    prompt = jnp.where(take, work.prompt_length, state.prompt_lengths[slot])
+    return state.replace(
+        settings=settings, prompt_lengths=state.prompt_lengths.at[slot].set(prompt)
+    )
+
+
+def _prefill(model, params, state: EngineState, work: StepInput):
+    """Runs the chunk of ``work.prefill_slot``; returns the state, the first new token after a
+    prompt's last chunk (-1 otherwise) and whether that token already ends the request."""
+    chunk = work.prefill_tokens.shape[0]
+    slot = work.prefill_slot[None]  # [1]
+    start, count = work.prefill_start, work.prefill_count
+    part = state.cache.select_rows(slot).replace(index=start[None])
+    positions = (start + jnp.arange(chunk, dtype=jnp.int32))[None]  # [1, C]
+    mask = jnp.ones((1, part.length), jnp.int32)
+    logits, part = model.apply(params, work.prefill_tokens[None], positions, part, mask)
+    cache = state.cache.merge_rows(slot, part.replace(index=(start + count)[None]))
+    columns = jnp.where(jnp.arange(chunk) < count, positions[0], state.tokens.shape[1])
+    tokens = state.tokens.at[slot[0], columns].set(work.prefill_tokens, mode="drop")
+    length = start + count
+    state = state.replace(cache=cache, tokens=tokens, lengths=state.lengths.at[slot].set(length))
+
+    def first_token(state):
+        last = jax.lax.dynamic_index_in_dim(logits[0], count - 1, keepdims=True)  # [1, V]
+        settings = _rows(state.settings, slot)
+        prompt = state.prompt_lengths[slot]
+        token = choose_tokens(last, state.tokens[slot], length[None], prompt, settings)
+        done = _finished(token, length + 1 - prompt, settings)
+        state = state.replace(
+            tokens=state.tokens.at[slot, length].set(token, mode="drop"),
+            lengths=state.lengths.at[slot].add(1),
+            decoding=state.decoding.at[slot].set(~done),
+        )
+        return state, token[0], done[0]
+
+    def not_last(state):
+        return state, jnp.full((), -1, jnp.int32), jnp.zeros((), bool)
+
+    return jax.lax.cond(work.prefill_last, first_token, not_last, state)
+
+
+def _decode_once(model, params, state: EngineState) -> tuple[EngineState, Array, Array]:
+    """One token for every decoding row; returns the state, int32[R] tokens (-1 for rows not
+    decoding) and bool[R] rows that finished."""
+    live = state.decoding
+    rows = jnp.arange(state.lengths.shape[0])
+    fed = jnp.maximum(state.lengths - 1, 0)  # position of the token fed
+    # Rows not decoding write to the scratch block and read nothing that matters.
+    tables = jnp.where(live[:, None], state.cache.block_tables, 0)
+    view = state.cache.replace(block_tables=tables, index=fed)
+    mask = jnp.ones((live.shape[0], view.length), jnp.int32)
+    logits, view = model.apply(params, state.tokens[rows, fed][:, None], fed[:, None], view, mask)
+    cache = state.cache.replace(
+        keys=view.keys, values=view.values, index=jnp.where(live, fed + 1, state.cache.index)
+    )
+    token = choose_tokens(
+        logits[:, 0], state.tokens, state.lengths, state.prompt_lengths, state.settings
+    )
+    done = live & _finished(token, state.lengths + 1 - state.prompt_lengths, state.settings)
+    columns = jnp.where(live, state.lengths, state.tokens.shape[1])
+    state = state.replace(
+        cache=cache,
+        tokens=state.tokens.at[rows, columns].set(token, mode="drop"),
+        lengths=state.lengths + live,
+        decoding=live & ~done,
+    )
+    return state, jnp.where(live, token, -1), done
+
+
+def engine_step(
+    model, params: PyTree, state: EngineState, work: StepInput, *, max_steps: int
+) -> tuple[EngineState, StepOutput]:
+    """One host round trip: releases, one prefill chunk, then up to ``num_steps`` decode steps.
+
+    Pure; :func:`compile_step` jits it with ``model`` and ``max_steps`` static and ``state``
+    donated. The decode loop stops after ``work.num_steps`` iterations, when no row decodes, or
+    after an iteration in which a row finished (the host can then reuse its slot and blocks).
+
+    Args:
+        model: the model (static).
+        params: its parameters (traced).
+        state: the :class:`EngineState` (traced, donated).
+        work: the :class:`StepInput` (traced).
+        max_steps: ``K`` (static), the size of the output buffer; ``work.num_steps <= K``.
+
+    Returns:
+        ``(state, output)``: the new state and a :class:`StepOutput`.
+
+    Example:
+        >>> step = compile_step(model, max_steps=4)  # doctest: +SKIP
+        >>> state, out = step(params, state, work)  # doctest: +SKIP
+    """
+    state = state.replace(
+        cache=state.cache.replace(block_tables=work.block_tables),
+        decoding=state.decoding & ~work.release,
+    )
+    state = _admit(state, work)
+
+    def with_prefill(state):
+        return _prefill(model, params, state, work)
+
+    def without(state):
+        return state, jnp.full((), -1, jnp.int32), jnp.zeros((), bool)
+
+    state, first, first_done = jax.lax.cond(work.prefill_slot >= 0, with_prefill, without, state)
+    rows = state.lengths.shape[0]
+    buffer = jnp.full((max_steps, rows), -1, jnp.int32)
+    finished = jnp.zeros((rows,), bool).at[jnp.maximum(work.prefill_slot, 0)].set(first_done)
+    limit = jnp.minimum(work.num_steps, max_steps)
+
+    def cond(carry):
+        i, state, _, finished = carry
+        return (i < limit) & jnp.any(state.decoding) & ~(jnp.any(finished) & (i > 0))
+
+    def body(carry):
+        i, state, buffer, finished = carry
+        state, tokens, done = _decode_once(model, params, state)
+        return i + 1, state, buffer.at[i].set(tokens), finished | done
+
+    start = (jnp.zeros((), jnp.int32), state, buffer, finished)
+    steps, state, buffer, finished = jax.lax.while_loop(cond, body, start)
+    return state, StepOutput(tokens=buffer, first_token=first, finished=finished, steps=steps)
+
+
+@functools.cache
+def compile_step(model, max_steps: int):
+    """The jitted :func:`engine_step` for ``model`` with ``K = max_steps`` (both static), the
+    state donated: ``step(params, state, work) -> (state, output)``."""
+
+    def step(params, state, work):
+        return engine_step(model, params, state, work, max_steps=max_steps)
+
+    return jax.jit(step, donate_argnums=1)

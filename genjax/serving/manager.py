@@ -1,0 +1,449 @@
+"""The continuous-batching manager: transformers v5's ``ContinuousBatchingManager`` API over the
+pure engine step (:mod:`genjax.serving.engine`) and the host scheduler
+(:mod:`genjax.serving.scheduler`).
+
+One background thread runs the loop: take new requests and cancellations, plan a step, run the
+jitted step, hand the tokens to their requests, publish outputs. Callers talk to it through
+thread-safe queues; every wait has a timeout, and every request ends with one final
+:class:`GenerationOutput` (finished, cancelled or failed): ``stop()`` cancels what is left, and
+an error in the loop fails every request, so ``get_result`` and ``request_id_iter`` never hang.
+
+Example:
+    >>> manager = init_continuous_batching(model, params)  # doctest: +SKIP
+    >>> manager.start()  # doctest: +SKIP
+    >>> rid = manager.add_request([1, 2, 3], max_new_tokens=8)  # doctest: +SKIP
+    >>> manager.get_result(rid, timeout=60).generated_tokens  # doctest: +SKIP
+    >>> manager.stop()  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+
+from genjax.config import GenerationConfig
+from genjax.errors import InputError
+from genjax.serving.engine import EngineShape, compile_step, init_state
+from genjax.serving.options import build_request
+from genjax.serving.scheduler import RequestState, RequestStatus, Scheduler
+
+__all__ = [
+    "ContinuousBatchingConfig",
+    "ContinuousBatchingManager",
+    "GenerationOutput",
+    "generate_batch",
+    "init_continuous_batching",
+]
+
+_log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class ContinuousBatchingConfig:
+    """Static sizes of the engine (each one shapes the compiled step).
+
+    Attributes:
+        max_batch_size: ``R``, requests decoded together.
+        block_size: slots per cache block.
+        max_length: the most tokens (prompt plus new) of one request; rounded up to blocks.
+        num_blocks: blocks in the pool (the scratch block included); None: enough for
+            ``max_batch_size`` requests of ``max_length`` (no preemption).
+        prefill_chunk_size: ``C``, prompt tokens prefilled per step.
+        max_decode_steps: ``K``, decode steps per host round trip when nothing waits.
+        max_eos_tokens: the most EOS ids per request.
+        poll_interval: seconds the idle loop waits for new requests before looking again.
+    """
+
+    max_batch_size: int = 8
+    block_size: int = 16
+    max_length: int = 512
+    num_blocks: int | None = None
+    prefill_chunk_size: int = 32
+    max_decode_steps: int = 8
+    max_eos_tokens: int = 4
+    poll_interval: float = 0.05
+
+    def engine_shape(self) -> EngineShape:
+        """The :class:`EngineShape` these settings give."""
+        for name in ("max_batch_size", "block_size", "max_length", "prefill_chunk_size"):
+            if getattr(self, name) < 1:
+                raise InputError(f"ContinuousBatchingConfig.{name} must be >= 1.")
+        per_row = -(-self.max_length // self.block_size)
+        blocks = self.num_blocks or self.max_batch_size * per_row + 1
+        if blocks - 1 < per_row:
+            raise InputError(
+                f"num_blocks={blocks} holds {blocks - 1} usable blocks, fewer than the {per_row} "
+                f"one request of max_length={self.max_length} may need. Raise num_blocks to at "
+                f"least {per_row + 1} or lower max_length."
+            )
+        return EngineShape(
+            max_batch_size=self.max_batch_size,
+            num_blocks=blocks,
+            block_size=self.block_size,
+            max_blocks_per_row=per_row,
+            chunk=self.prefill_chunk_size,
+            max_steps=max(1, self.max_decode_steps),
+            max_eos=max(1, self.max_eos_tokens),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationOutput:
+    """One request's result (final) or progress (streaming)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    generated_tokens: list[int]
+    status: RequestStatus
+    finish_reason: str | None = None  # "stop", "length", "cancelled", "error"
+    error: str | None = None
+    created_time: float = 0.0
+    timestamps: list[float] = dataclasses.field(default_factory=list)
+
+    def is_finished(self) -> bool:
+        """True for a final output."""
+        return self.status in (
+            RequestStatus.FINISHED,
+            RequestStatus.CANCELLED,
+            RequestStatus.FAILED,
+        )
+
+
+def _output(request: RequestState) -> GenerationOutput:
+    return GenerationOutput(
+        request_id=request.request_id,
+        prompt_ids=list(request.prompt),
+        generated_tokens=list(request.generated),
+        status=request.status,
+        finish_reason=request.finish_reason,
+        error=request.error,
+        created_time=request.created_time,
+        timestamps=list(request.timestamps),
+    )
+
+
+class ContinuousBatchingManager:
+    """Runs requests through the engine in a background thread; see the module docstring.
+
+    Build it with :func:`init_continuous_batching`.
+    """
+
+    def __init__(self, model, params, generation_config=None, cb_config=None, tokenizer=None):
+        self.model, self.params, self.tokenizer = model, params, tokenizer
+        self.generation_config = generation_config or GenerationConfig()
+        self.cb_config = cb_config or ContinuousBatchingConfig()
+        self.shape = self.cb_config.engine_shape()
+        self._step = compile_step(model, self.shape.max_steps)
+        self._state = None
+        self._scheduler = Scheduler(self.shape, tokenizer)
+        self._inbox: queue.Queue = queue.Queue()
+        self._cancels: queue.Queue = queue.Queue()
+        self._results: queue.Queue = queue.Queue()  # final outputs, in finishing order
+        self._streams: dict[str, queue.Queue] = {}
+        self._finals: dict[str, GenerationOutput] = {}
+        self._lock = threading.Condition()
+        self._handlers: list[Callable[[GenerationOutput], Any]] = []
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._ids = itertools.count()
+        self._metrics = {"steps": 0, "tokens": 0, "preemptions": 0, "step_seconds": 0.0}
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    def warmup(self) -> None:
+        """Compiles the engine's programs (one step program and the state's allocation) now,
+        so that serving compiles nothing."""
+        if self._state is None:
+            self._state = init_state(self.model, self.shape)
+        work = Scheduler(self.shape)._step_input(1)
+        self._state, out = self._step(self.params, self._state, work)
+        jax.block_until_ready(out)
+
+    def start(self) -> None:
+        """Starts the background loop (warming up first if needed)."""
+        if self.is_running():
+            return
+        self.warmup()
+        self._stopping.clear()
+        self._thread = threading.Thread(target=self._run, name="genjax-cb", daemon=True)
+        self._thread.start()
+
+    def is_running(self) -> bool:
+        """True while the loop thread is alive."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def stop(self, block: bool = True, timeout: float | None = None) -> None:
+        """Stops the loop; requests not finished end CANCELLED. ``block`` waits for the thread
+        (at most ``timeout`` seconds)."""
+        self._stopping.set()
+        if block:
+            self.join(timeout)
+
+    def join(self, timeout: float | None = None) -> None:
+        """Waits for the loop thread to end (at most ``timeout`` seconds)."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # ---- requests -----------------------------------------------------------------------
+    def add_request(
+        self,
+        input_ids: Sequence[int],
+        request_id: str | None = None,
+        max_new_tokens: int | None = None,
+        streaming: bool = False,
+        generation_config: GenerationConfig | None = None,
+        seed: int | None = None,
+        **config_overrides,
+    ) -> str:
+        """Checks and queues one request; returns its id.
+
+        Args:
+            input_ids: int[P], the prompt.
+            request_id: a unique id; None makes one (``req_<n>``).
+            max_new_tokens: overrides the config's.
+            streaming: publish a partial output after each step that gave it tokens.
+            generation_config: replaces the manager's config for this request.
+            seed: the sampling seed (``jax.random.key(seed)``); None draws one.
+            **config_overrides: config fields for this request.
+
+        Raises:
+            UnsupportedError, InputError, GenerationConfigError: see
+            :func:`genjax.serving.options.build_request`; also InputError for a duplicate id.
+        """
+        config = generation_config or self.generation_config
+        if max_new_tokens is not None:
+            config_overrides["max_new_tokens"] = max_new_tokens
+        if config_overrides:
+            config, unused = config.update(**config_overrides)
+            if unused:
+                raise TypeError(f"add_request got unknown config fields {sorted(unused)}.")
+        if request_id is None:
+            request_id = f"req_{next(self._ids)}"
+        with self._lock:
+            if request_id in self._streams:
+                raise InputError(f"request_id {request_id!r} is already in use.")
+            request = build_request(
+                request_id,
+                input_ids,
+                config,
+                self.shape,
+                self.model.vocab_size,
+                seed=seed,
+                streaming=streaming,
+                tokenizer=self.tokenizer,
+            )
+            self._streams[request_id] = queue.Queue()
+        if self._stopping.is_set():
+            request.status, request.finish_reason = RequestStatus.CANCELLED, "cancelled"
+            self._publish(request, final=True)
+        else:
+            self._inbox.put(request)
+        return request_id
+
+    def add_requests(self, inputs: Sequence[Sequence[int]], **kwargs) -> list[str]:
+        """:meth:`add_request` for each prompt; returns their ids."""
+        return [self.add_request(ids, **kwargs) for ids in inputs]
+
+    def cancel_request(self, request_id: str) -> None:
+        """Cancels a request; it ends with a CANCELLED output (unless already finished)."""
+        self._cancels.put(request_id)
+
+    def register_result_handler(self, handler: Callable[[GenerationOutput], Any]) -> None:
+        """Calls ``handler(output)`` (in the loop thread) for every output published."""
+        self._handlers.append(handler)
+
+    def get_result(
+        self, request_id: str | None = None, timeout: float | None = None
+    ) -> GenerationOutput | None:
+        """The final output of ``request_id`` (or of the next request to finish, when None);
+        None after ``timeout`` seconds, or at once when the manager has stopped without it."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            wait = self.cb_config.poll_interval
+            if deadline is not None:
+                wait = min(wait, deadline - time.monotonic())
+                if wait <= 0:
+                    return None
+            if request_id is None:
+                try:
+                    return self._results.get(timeout=wait)
+                except queue.Empty:
+                    pass
+            else:
+                with self._lock:
+                    if request_id in self._finals:
+                        return self._finals[request_id]
+                    self._lock.wait(wait)
+                    if request_id in self._finals:
+                        return self._finals[request_id]
+            if not self.is_running() and self._stopping.is_set():
+                return self._finals.get(request_id) if request_id is not None else None
+
+    def request_id_iter(self, request_id: str, timeout: float | None = None) -> Iterator:
+        """Yields the request's outputs: partial ones when streaming, then the final one."""
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                output = stream.get(timeout=self.cb_config.poll_interval)
+            except queue.Empty:
+                if deadline is not None and time.monotonic() > deadline:
+                    return
+                if not self.is_running() and request_id not in self._finals:
+                    if self._stopping.is_set() or self._thread is None:
+                        return
+                continue
+            yield output
+            if output.is_finished():
+                return
+
+    def metrics(self) -> dict[str, Any]:
+        """Counters: steps, generated tokens, preemptions, device seconds, blocks in use."""
+        return {
+            **self._metrics,
+            "preemptions": self._scheduler.num_preemptions,
+            "blocks_in_use": self._scheduler.allocator.num_used,
+            "waiting": len(self._scheduler.waiting),
+            "running": len(self._scheduler.running),
+        }
+
+    # ---- the loop -----------------------------------------------------------------------
+    def _publish(self, request: RequestState, final: bool) -> None:
+        output = _output(request)
+        if final:
+            with self._lock:
+                self._finals[request.request_id] = output
+                self._lock.notify_all()
+            self._results.put(output)
+        if final or request.streaming:
+            self._streams[request.request_id].put(output)
+        for handler in self._handlers:
+            try:
+                handler(output)
+            except Exception:  # a user's handler must not stop the engine
+                _log.exception("result handler failed")
+
+    def _take_messages(self, scheduler: Scheduler, idle: bool) -> None:
+        wait = self.cb_config.poll_interval if idle else 0.0
+        try:
+            scheduler.add(self._inbox.get(timeout=wait) if wait else self._inbox.get_nowait())
+            while True:
+                scheduler.add(self._inbox.get_nowait())
+        except queue.Empty:
+            pass
+        while True:
+            try:
+                request_id = self._cancels.get_nowait()
+            except queue.Empty:
+                break
+            for request in [*scheduler.waiting, *scheduler.running]:
+                if request.request_id == request_id and not request.done:
+                    scheduler.finish(request, RequestStatus.CANCELLED, "cancelled")
+                    self._publish(request, final=True)
+
+    def _run_step(self, scheduler: Scheduler) -> None:
+        work = scheduler.plan()
+        if work is None:
+            return
+        begin = time.perf_counter()
+        self._state, out = self._step(self.params, self._state, work)
+        out = jax.device_get(out)
+        self._metrics["step_seconds"] += time.perf_counter() - begin
+        self._metrics["steps"] += 1
+        for request, count in scheduler.absorb(out):
+            self._metrics["tokens"] += count
+            if request.done:
+                self._publish(request, final=True)
+            elif count:
+                self._publish(request, final=False)
+
+    def _run(self) -> None:
+        scheduler = self._scheduler
+        try:
+            while not self._stopping.is_set():
+                self._take_messages(scheduler, idle=not scheduler.has_work)
+                self._run_step(scheduler)
+            reason, status, error = "cancelled", RequestStatus.CANCELLED, None
+        except Exception as exc:  # every request must still end
+            _log.exception("continuous-batching loop failed")
+            reason, status, error = "error", RequestStatus.FAILED, repr(exc)
+        self._stopping.set()
+        self._take_messages(scheduler, idle=False)
+        while not self._inbox.empty():
+            scheduler.add(self._inbox.get_nowait())
+        for request in [*scheduler.waiting, *scheduler.running]:
+            scheduler.finish(request, status, reason, error)
+            self._publish(request, final=True)
+
+
+def init_continuous_batching(
+    model,
+    params,
+    generation_config: GenerationConfig | None = None,
+    continuous_batching_config: ContinuousBatchingConfig | None = None,
+    tokenizer=None,
+) -> ContinuousBatchingManager:
+    """Builds a :class:`ContinuousBatchingManager` (not started).
+
+    Args:
+        model: a genjax decoder-only model (static: it shapes the compiled step).
+        params: its parameters (traced).
+        generation_config: the default config of requests; None: ``GenerationConfig()``.
+        continuous_batching_config: the engine's static sizes.
+        tokenizer: decodes new tokens for ``stop_strings``.
+
+    Example:
+        >>> manager = init_continuous_batching(model, params)  # doctest: +SKIP
+    """
+    return ContinuousBatchingManager(
+        model, params, generation_config, continuous_batching_config, tokenizer
+    )
+
+
+def generate_batch(
+    model,
+    params,
+    inputs: Sequence[Sequence[int]],
+    generation_config: GenerationConfig | None = None,
+    progress_bar: bool = False,
+    *,
+    continuous_batching_config: ContinuousBatchingConfig | None = None,
+    tokenizer=None,
+    timeout: float | None = None,
+) -> dict[str, GenerationOutput]:
+    """Runs every prompt of ``inputs`` through a fresh engine; returns ``{request_id: output}``.
+
+    Request ids are ``req_0, req_1, ...`` in the order of ``inputs``. ``progress_bar`` logs the
+    number of finished requests. ``timeout`` bounds the whole call (None: no bound).
+
+    Example:
+        >>> results = generate_batch(model, params, [[1, 2], [3]])  # doctest: +SKIP
+        >>> results["req_0"].generated_tokens  # doctest: +SKIP
+    """
+    manager = init_continuous_batching(
+        model, params, generation_config, continuous_batching_config, tokenizer
+    )
+    manager.start()
+    try:
+        ids = manager.add_requests(inputs)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        results = {}
+        for i, request_id in enumerate(ids):
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            output = manager.get_result(request_id, timeout=left)
+            if output is not None:
+                results[request_id] = output
+            if progress_bar:
+                _log.info("generate_batch: %d / %d requests finished", i + 1, len(ids))
+        return results
+    finally:
+        manager.stop(block=True, timeout=30)

@@ -1,0 +1,178 @@
+"""Per-request generation options: what the engine supports, checked in the caller's thread.
+
+A request's config is the manager's config, replaced by the request's ``generation_config`` when
+given, then updated by its keyword overrides. The engine runs, per row: greedy or sampling with
+``temperature``, ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``; ``max_new_tokens``
+(or ``max_length``), ``min_new_tokens``, EOS ids (a list), ``stop_strings`` (matched on the
+host with the tokenizer) and a ``seed``. Any other field set to a non-default value raises
+:class:`~genjax.errors.UnsupportedError` naming it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from genjax.config import GenerationConfig
+from genjax.config.fields import DEFAULT_GENERATION_PARAMS, FIELD_NAMES, METADATA_FIELDS
+from genjax.errors import InputError, UnsupportedError
+from genjax.processors import validate_config
+from genjax.serving.engine import EngineShape, RowSettings
+from genjax.serving.scheduler import RequestState
+
+SUPPORTED = frozenset(
+    {
+        "max_length",
+        "max_new_tokens",
+        "min_new_tokens",
+        "do_sample",
+        "temperature",
+        "top_k",
+        "top_p",
+        "min_p",
+        "repetition_penalty",
+        "eos_token_id",
+        "pad_token_id",
+        "bos_token_id",
+        "stop_strings",
+        "num_beams",
+        "use_cache",
+        "return_dict_in_generate",
+        "continuous_batching_config",
+        "prefill_chunk_size",
+        "cache_implementation",
+        "disable_compile",
+        "compile_config",
+    }
+)
+"""Fields a request may set; the others must keep their default."""
+
+_HARMLESS_DEFAULTS = {"min_length": 0, "num_return_sequences": 1, "output_scores": False}
+
+
+def check_supported(config: GenerationConfig) -> None:
+    """Raises UnsupportedError for beam search and for any unsupported non-default field."""
+    if (config.num_beams or 1) > 1:
+        raise UnsupportedError(
+            f"num_beams={config.num_beams}: beam search is not supported in continuous batching. "
+            "Use genjax.generate for beam search, or set num_beams=1."
+        )
+    for name in FIELD_NAMES:
+        if name in SUPPORTED or name in METADATA_FIELDS:
+            continue
+        value = getattr(config, name)
+        default = _HARMLESS_DEFAULTS.get(name, DEFAULT_GENERATION_PARAMS.get(name))
+        if value is not None and value != default:
+            raise UnsupportedError(
+                f"{name}={value!r} is not supported by the continuous-batching engine yet. "
+                f"Leave it unset (default {default!r}), or use genjax.generate for this request."
+            )
+
+
+def _eos_ids(config: GenerationConfig, max_eos: int) -> tuple[int, ...]:
+    eos = config.eos_token_id
+    if eos is None:
+        return ()
+    ids = tuple(int(i) for i in np.atleast_1d(np.asarray(eos)).tolist())
+    if len(ids) > max_eos:
+        raise InputError(
+            f"eos_token_id has {len(ids)} ids, but the engine holds at most {max_eos} per "
+            f"request. Raise ContinuousBatchingConfig.max_eos_tokens to {len(ids)}."
+        )
+    return ids
+
+
+def _row(config: GenerationConfig, eos: tuple[int, ...], seed: int, shape: EngineShape):
+    sampling = bool(config.do_sample)
+    ids = np.full((1, shape.max_eos), -1, np.int32)
+    ids[0, : len(eos)] = eos
+
+    def value(name, neutral, dtype):
+        v = getattr(config, name)
+        return np.asarray([neutral if (v is None or not sampling) else v], dtype)
+
+    return RowSettings(
+        do_sample=np.asarray([sampling], bool),
+        temperature=value("temperature", 1.0, np.float32),
+        top_k=value("top_k", 0, np.int32),
+        top_p=value("top_p", 1.0, np.float32),
+        min_p=value("min_p", 0.0, np.float32),
+        repetition_penalty=np.asarray([config.repetition_penalty or 1.0], np.float32),
+        max_new_tokens=np.zeros((1,), np.int32),
+        min_new_tokens=np.asarray([config.min_new_tokens or 0], np.int32),
+        eos_token_ids=ids,
+        seed=np.asarray([seed], np.int32),
+    )
+
+
+def build_request(
+    request_id: str,
+    input_ids,
+    config: GenerationConfig,
+    shape: EngineShape,
+    vocab_size: int,
+    *,
+    seed: int | None,
+    streaming: bool,
+    tokenizer=None,
+) -> RequestState:
+    """Checks one request and returns its host record (raises before anything is queued).
+
+    Raises:
+        UnsupportedError: beam search or another option the engine does not run.
+        InputError: ids outside ``[0, vocab_size)``, an empty prompt, a request longer than
+            the engine's ``max_length``, stop strings without a tokenizer, too many EOS ids.
+        GenerationConfigError: invalid values (as :func:`genjax.generate` raises them).
+    """
+    check_supported(config)
+    resolved = config.with_defaults()
+    validate_config(resolved, vocab_size)
+    prompt = np.asarray(input_ids)
+    if prompt.ndim == 2 and prompt.shape[0] == 1:
+        prompt = prompt[0]
+    if prompt.ndim != 1 or prompt.size == 0 or not np.issubdtype(prompt.dtype, np.integer):
+        raise InputError(
+            f"input_ids must be a non-empty list of token ids (int[P]), got an array of shape "
+            f"{prompt.shape} and dtype {prompt.dtype}."
+        )
+    if prompt.min() < 0 or prompt.max() >= vocab_size:
+        bad = int(prompt[(prompt < 0) | (prompt >= vocab_size)][0])
+        raise InputError(
+            f"input_ids holds id {bad}, outside the vocabulary [0, {vocab_size}). Tokenize with "
+            "the model's tokenizer."
+        )
+    length = prompt.size
+    if config.max_new_tokens is not None:
+        new = config.max_new_tokens
+    else:
+        new = resolved.max_length - length
+    if new < 1:
+        raise InputError(
+            f"nothing to generate: the prompt has {length} tokens and max_length is "
+            f"{resolved.max_length}. Set max_new_tokens."
+        )
+    if length + new > shape.max_length:
+        raise InputError(
+            f"prompt length {length} + max_new_tokens {new} = {length + new} tokens can never "
+            f"fit the engine's cache of {shape.max_length} tokens per request. Shorten the "
+            "request or raise ContinuousBatchingConfig.max_length."
+        )
+    stops = resolved.stop_strings
+    stops = () if stops is None else ((stops,) if isinstance(stops, str) else tuple(stops))
+    if stops and tokenizer is None:
+        raise InputError(
+            "stop_strings need a tokenizer: pass tokenizer= to init_continuous_batching."
+        )
+    eos = _eos_ids(resolved, shape.max_eos)
+    if seed is None:
+        seed = int(np.random.default_rng().integers(0, 2**31 - 1))
+    row = _row(resolved, eos, int(seed), shape)
+    row = row.replace(max_new_tokens=np.asarray([new], np.int32))
+    return RequestState(
+        request_id=request_id,
+        prompt=[int(t) for t in prompt],
+        row=row,
+        max_new_tokens=int(new),
+        eos_token_ids=eos,
+        stop_strings=stops,
+        streaming=streaming,
+    )

@@ -1,0 +1,334 @@
+"""The host side of continuous batching: the block allocator and the FIFO scheduler.
+
+Plain Python and numpy (no threads, no JAX computation, so nothing compiles here). The scheduler
+owns the block tables and the slot of each running request; each round trip it builds one
+:class:`~genjax.serving.engine.StepInput` with :meth:`Scheduler.plan` and reads the step's
+:class:`~genjax.serving.engine.StepOutput` back with :meth:`Scheduler.absorb`.
+
+Policy:
+
+* FIFO admission: the oldest waiting request takes a free slot when no other prompt is being
+  prefilled; its prompt then runs ``C`` tokens per step beside the decoding rows.
+* Blocks are allocated as requests grow, just before the step that writes them; a step runs
+  ``K`` decode iterations only when nothing waits for a slot or a prefill is in progress, else one.
+* When blocks run out, the newest running request is preempted: its blocks are freed, its slot
+  released, and it goes back to the front of the queue; readmitted, it prefills its prompt and
+  the tokens it already generated (recomputation, as vLLM's default preemption) and continues.
+* A finished request (EOS, ``max_new_tokens``, a stop string) frees its slot and blocks at once.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import time
+from typing import Any
+
+import numpy as np
+
+from genjax.cache import SCRATCH_BLOCK
+from genjax.serving.engine import EngineShape, RowSettings, StepInput, StepOutput
+
+__all__ = ["BlockAllocator", "RequestState", "RequestStatus", "Scheduler"]
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in its life; the last three are final."""
+
+    PENDING = "pending"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    FINISHED = "finished"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+
+
+class BlockAllocator:
+    """Hands out pool blocks ``1 .. num_blocks - 1`` (block 0 is the scratch block).
+
+    Example:
+        >>> allocator = BlockAllocator(4)
+        >>> allocator.allocate(2), allocator.num_free
+        ([1, 2], 1)
+        >>> allocator.allocate(2) is None  # all or nothing
+        True
+    """
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self._free = collections.deque(b for b in range(num_blocks) if b != SCRATCH_BLOCK)
+
+    @property
+    def num_free(self) -> int:
+        """Blocks not held by any request."""
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        """Blocks held by requests."""
+        return self.num_blocks - 1 - len(self._free)
+
+    def allocate(self, count: int) -> list[int] | None:
+        """``count`` blocks, or None (and nothing taken) when fewer are free."""
+        if count > len(self._free):
+            return None
+        return [self._free.popleft() for _ in range(count)]
+
+    def free(self, blocks: list[int]) -> None:
+        """Returns blocks to the pool."""
+        self._free.extend(blocks)
+
+
+@dataclasses.dataclass(eq=False)
+class RequestState:
+    """The host's record of one request."""
+
+    request_id: str
+    prompt: list[int]  # the prompt as given
+    row: RowSettings  # [1] values written into the slot on admission
+    max_new_tokens: int
+    eos_token_ids: tuple[int, ...]
+    stop_strings: tuple[str, ...] = ()
+    streaming: bool = False
+    created_time: float = dataclasses.field(default_factory=time.time)
+    generated: list[int] = dataclasses.field(default_factory=list)
+    timestamps: list[float] = dataclasses.field(default_factory=list)
+    status: RequestStatus = RequestStatus.PENDING
+    finish_reason: str | None = None
+    error: str | None = None
+    slot: int | None = None
+    blocks: list[int] = dataclasses.field(default_factory=list)
+    pending: list[int] = dataclasses.field(default_factory=list)  # prefill tokens (prompt + gen)
+    prefilled: int = 0  # tokens of `pending` already in the cache
+    admitted: bool = False  # its settings were written into the slot
+    order: int = 0  # admission counter: the largest is the newest (preempted first)
+    text_checked: int = 0  # characters of the decoded text already searched for stop strings
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self.prompt) + len(self.generated)
+
+    @property
+    def done(self) -> bool:
+        """True once the request has its final status."""
+        return self.status in (
+            RequestStatus.FINISHED,
+            RequestStatus.CANCELLED,
+            RequestStatus.FAILED,
+        )
+
+
+class Scheduler:
+    """FIFO admission, chunked prefill, block allocation and preemption (see the module doc).
+
+    Args:
+        shape: the engine's static sizes.
+        tokenizer: decodes tokens for stop strings; None when no request has stop strings.
+    """
+
+    def __init__(self, shape: EngineShape, tokenizer=None):
+        self.shape = shape
+        self.tokenizer = tokenizer
+        self.allocator = BlockAllocator(shape.num_blocks)
+        self.slots: list[RequestState | None] = [None] * shape.max_batch_size
+        self.waiting: collections.deque[RequestState] = collections.deque()
+        self.prefilling: RequestState | None = None
+        self.tables = np.zeros((shape.max_batch_size, shape.max_blocks_per_row), np.int32)
+        self.release = np.zeros((shape.max_batch_size,), bool)
+        self.num_preemptions = 0
+        self._admissions = 0
+        self._chunk: tuple[int, bool] | None = None  # (count, last) of the planned chunk
+
+    # ---- requests coming and going ------------------------------------------------------
+    def add(self, request: RequestState) -> None:
+        """Queues a request (FIFO)."""
+        self.waiting.append(request)
+
+    @property
+    def running(self) -> list[RequestState]:
+        """Requests holding a slot."""
+        return [r for r in self.slots if r is not None]
+
+    @property
+    def has_work(self) -> bool:
+        """True while any request waits or runs."""
+        return bool(self.waiting) or any(r is not None for r in self.slots)
+
+    def _vacate(self, request: RequestState) -> None:
+        """Frees the request's slot and blocks (its row is released on the next step)."""
+        if request.slot is not None:
+            self.release[request.slot] = True
+            self.tables[request.slot] = SCRATCH_BLOCK
+            self.slots[request.slot] = None
+            request.slot = None
+        self.allocator.free(request.blocks)
+        request.blocks = []
+        if self.prefilling is request:
+            self.prefilling = None
+
+    def finish(self, request: RequestState, status: RequestStatus, reason: str, error=None):
+        """Ends a request: frees what it holds and records its final status."""
+        if request in self.waiting:
+            self.waiting.remove(request)
+        self._vacate(request)
+        request.status, request.finish_reason, request.error = status, reason, error
+
+    def _preempt(self, request: RequestState) -> None:
+        self._vacate(request)
+        request.status = RequestStatus.PENDING
+        request.admitted = False
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+
+    # ---- planning a step ----------------------------------------------------------------
+    def _admit(self) -> None:
+        if self.prefilling is not None or not self.waiting or None not in self.slots:
+            return
+        request = self.waiting.popleft()
+        request.slot = self.slots.index(None)
+        self.slots[request.slot] = request
+        request.pending = request.prompt + request.generated
+        request.prefilled = 0
+        request.status = RequestStatus.PREFILLING
+        self._admissions += 1
+        request.order = self._admissions
+        self.prefilling = request
+
+    def _slots_needed(self, request: RequestState, steps: int) -> int:
+        """Cache slots the request writes in a step of ``steps`` decode iterations."""
+        cap = len(request.prompt) + request.max_new_tokens - 1  # the last token is never fed
+        if request is self.prefilling:
+            count = min(self.shape.chunk, len(request.pending) - request.prefilled)
+            end = request.prefilled + count
+            if end < len(request.pending):
+                return end
+            return max(end, min(end + steps, cap))
+        return max(request.num_tokens - 1, min(request.num_tokens - 1 + steps, cap))
+
+    def _allocate(self, steps: int) -> bool:
+        """Grows every running request's blocks for the step; False when the pool is short."""
+        size = self.shape.block_size
+        wanted = []
+        for request in self.running:
+            need = -(-self._slots_needed(request, steps) // size) - len(request.blocks)
+            if need > 0:
+                wanted.append((request, need))
+        if sum(n for _, n in wanted) > self.allocator.num_free:
+            return False
+        for request, need in wanted:
+            first = len(request.blocks)
+            request.blocks += self.allocator.allocate(need)
+            self.tables[request.slot, first : len(request.blocks)] = request.blocks[first:]
+        return True
+
+    def plan(self) -> StepInput | None:
+        """The next step's input, or None when nothing runs or waits."""
+        self._admit()
+        steps = 1 if self.prefilling is not None or self.waiting else self.shape.max_steps
+        while not self._allocate(steps):
+            if steps > 1:
+                steps = 1
+                continue
+            self._preempt(max(self.running, key=lambda r: r.order))
+        if not self.running:
+            return None
+        return self._step_input(steps)
+
+    def _step_input(self, steps: int) -> StepInput:
+        chunk = np.zeros((self.shape.chunk,), np.int32)
+        request = self.prefilling
+        slot, start, count, last, admit = -1, 0, 1, False, False
+        row = RowSettings.empty(1, self.shape.max_eos)
+        prompt_length = 0
+        if request is not None:
+            slot, start = request.slot, request.prefilled
+            count = min(self.shape.chunk, len(request.pending) - start)
+            last = start + count == len(request.pending)
+            chunk[:count] = request.pending[start : start + count]
+            admit, row, prompt_length = not request.admitted, request.row, len(request.prompt)
+            request.admitted = True
+            self._chunk = (count, last)
+        work = StepInput(
+            block_tables=self.tables.copy(),
+            release=self.release.copy(),
+            num_steps=np.asarray(steps, np.int32),
+            prefill_slot=np.asarray(slot, np.int32),
+            prefill_start=np.asarray(start, np.int32),
+            prefill_tokens=chunk,
+            prefill_count=np.asarray(count, np.int32),
+            prefill_last=np.asarray(last, bool),
+            prompt_length=np.asarray(prompt_length, np.int32),
+            row=row,
+            admit=np.asarray(admit, bool),
+        )
+        self.release[:] = False
+        return work
+
+    # ---- reading a step's output --------------------------------------------------------
+    def absorb(self, out: StepOutput) -> list[tuple[RequestState, int]]:
+        """Appends the step's tokens to their requests and finishes those that ended.
+
+        Args:
+            out: the step's output, as numpy arrays.
+
+        Returns:
+            ``(request, new_tokens)`` for every request that received tokens or finished.
+        """
+        updates: dict[int, tuple[RequestState, int]] = {}
+        now = time.time()
+
+        def add(request, token):
+            if request.done:
+                return
+            request.generated.append(int(token))
+            request.timestamps.append(now)
+            count = updates.get(id(request), (request, 0))[1]
+            updates[id(request)] = (request, count + 1)
+            self._check_end(request, token)
+
+        request = self.prefilling
+        if request is not None and self._chunk is not None:
+            count, last = self._chunk
+            request.prefilled += count
+            if last:
+                self.prefilling = None
+                request.status = RequestStatus.DECODING
+                add(request, out.first_token)
+        self._chunk = None
+        for i in range(int(out.steps)):
+            for slot, token in enumerate(out.tokens[i]):
+                owner = self.slots[slot]
+                if token >= 0 and owner is not None:
+                    add(owner, token)
+        for slot, ended in enumerate(out.finished):
+            owner = self.slots[slot]
+            if ended and owner is not None and not owner.done:
+                self._end_by_rule(owner)
+                updates.setdefault(id(owner), (owner, 0))
+        return list(updates.values())
+
+    def _end_by_rule(self, request: RequestState) -> None:
+        last = request.generated[-1] if request.generated else None
+        reason = "stop" if last in request.eos_token_ids else "length"
+        self.finish(request, RequestStatus.FINISHED, reason)
+
+    def _check_end(self, request: RequestState, token: int) -> None:
+        """Host-side end rules for the token just appended: EOS, the length, stop strings."""
+        if int(token) in request.eos_token_ids:
+            self.finish(request, RequestStatus.FINISHED, "stop")
+        elif len(request.generated) >= request.max_new_tokens:
+            self.finish(request, RequestStatus.FINISHED, "length")
+        elif request.stop_strings and self._stop_string_hit(request):
+            self.finish(request, RequestStatus.FINISHED, "stop")
+
+    def _stop_string_hit(self, request: RequestState) -> bool:
+        """True when the decoded new text now contains a stop string (checked from where the
+        last check could not have seen a match); the tokens after it are not kept."""
+        text = self.tokenizer.decode(request.generated)
+        longest = max(len(s) for s in request.stop_strings)
+        begin = max(0, request.text_checked - longest + 1)
+        request.text_checked = len(text)
+        return any(s in text[begin:] for s in request.stop_strings)

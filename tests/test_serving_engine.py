@@ -1,0 +1,304 @@
+"""The continuous-batching engine: paged cache, the pure step, the scheduler and the manager.
+
+One two-layer random Llama; one engine shape (3 slots, blocks of 4, 48 tokens per request), so
+the step compiles once for the file. Greedy requests through the engine must equal
+``genjax.generate`` of each request alone, token for token.
+"""
+
+import contextlib
+import functools
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import genjax
+from genjax import GenerationConfig
+from genjax.cache import KVCache, PagedKVCache, attention_bias
+from genjax.errors import GenerationConfigError, InputError, UnsupportedError
+from genjax.serving import (
+    ContinuousBatchingConfig,
+    RequestStatus,
+    RowSettings,
+    StepInput,
+    compile_step,
+    init_continuous_batching,
+    init_state,
+)
+from genjax.testing import write_random_checkpoint
+
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
+_COMPILED: list[str] | None = None
+
+
+def _on_event(event, duration, **kwargs):
+    if _COMPILED is not None and event == "/jax/core/compile/backend_compile_duration":
+        _COMPILED.append(kwargs.get("fun_name", "?"))
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_event)
+
+
+@contextlib.contextmanager
+def compiles():
+    global _COMPILED
+    previous, _COMPILED = _COMPILED, []
+    try:
+        yield _COMPILED
+    finally:
+        _COMPILED = previous
+
+
+# 13 usable blocks of 4 slots: three requests growing past ~17 tokens each force a preemption.
+CB = ContinuousBatchingConfig(
+    max_batch_size=3,
+    block_size=4,
+    max_length=48,
+    num_blocks=14,
+    prefill_chunk_size=8,
+    max_decode_steps=4,
+    poll_interval=0.01,
+)
+REF_NEW = 12  # reference generate calls make 12 tokens; shorter requests compare a prefix
+
+
+class _CharTokenizer:
+    """Token t decodes to one letter: enough to test stop strings on the host."""
+
+    def decode(self, ids):
+        return "".join(chr(ord("a") + int(t) % 26) for t in ids)
+
+
+@functools.cache
+def _model():
+    path = tempfile.mkdtemp(prefix="genjax-serving-")
+    write_random_checkpoint(path, "llama", num_hidden_layers=2)
+    return genjax.models.from_pretrained(path)
+
+
+@functools.cache
+def _manager():
+    model, params = _model()
+    manager = init_continuous_batching(
+        model, params, GenerationConfig(pad_token_id=0), CB, tokenizer=_CharTokenizer()
+    )
+    manager.start()
+    return manager
+
+
+@pytest.fixture(scope="module")
+def manager():
+    m = _manager()
+    yield m
+    m.stop(block=True, timeout=30)
+
+
+def _prompt(seed, length):
+    model, _ = _model()
+    return np.random.default_rng(seed).integers(3, model.vocab_size, length).tolist()
+
+
+@functools.cache
+def _reference(prompt: tuple, repetition_penalty=None, eos=None, min_new=None):
+    """Greedy new tokens of ``genjax.generate`` on the prompt alone, cut after EOS."""
+    model, params = _model()
+    config = GenerationConfig(
+        max_new_tokens=REF_NEW,
+        pad_token_id=0,
+        repetition_penalty=repetition_penalty,
+        eos_token_id=list(eos) if eos else None,
+        min_new_tokens=min_new,
+    )
+    out = genjax.generate(model, params, np.asarray([prompt], np.int32), config)
+    new = np.asarray(out.sequences)[0, len(prompt) :].tolist()
+    for i, token in enumerate(new):
+        if eos and token in eos:
+            return new[: i + 1]
+    return new
+
+
+# ---- the paged cache ------------------------------------------------------------------------
+def test_attention_bias_per_row_index_equals_scalar_rows():
+    mask = jnp.ones((2, 10), jnp.int32)
+    per_row = attention_bias(mask, jnp.array([3, 5], jnp.int32), 2, sliding_window=4)
+    for row, index in enumerate((3, 5)):
+        scalar = attention_bias(mask, jnp.asarray(index, jnp.int32), 2, sliding_window=4)
+        np.testing.assert_array_equal(per_row[row], scalar[row])
+
+
+def test_paged_cache_runs_the_model_like_the_contiguous_cache():
+    model, params = _model()
+    ids = jnp.asarray([_prompt(1, 6), _prompt(2, 6)], jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(6, dtype=jnp.int32), (2, 6))
+    dense = model.init_cache(2, 12)
+    paged = PagedKVCache.create(2, 8, 4, 3, 2, model.num_kv_heads, model.head_dim)
+    paged = paged.replace(block_tables=jnp.asarray([[5, 2, 7], [1, 6, 3]], jnp.int32))
+    mask = jnp.ones((2, 12), jnp.int32)
+    want, dense = model.apply(params, ids, positions, dense, mask)
+    got, paged = model.apply(params, ids, positions, paged, mask)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    token = jnp.argmax(want[:, -1], -1)[:, None].astype(jnp.int32)
+    want, _ = model.apply(params, token, positions[:, -1:] + 1, dense, mask)
+    got, paged = model.apply(params, token, positions[:, -1:] + 1, paged, mask)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    np.testing.assert_array_equal(paged.index, [7, 7])
+    assert isinstance(dense, KVCache)
+
+
+# ---- the step alone -------------------------------------------------------------------------
+def test_step_alone_prefills_chooses_and_decodes_a_hand_checked_request():
+    model, params = _model()
+    shape = CB.engine_shape()
+    state = init_state(model, shape)
+    step = compile_step(model, shape.max_steps)
+    prompt = _prompt(3, 3)
+    tables = np.zeros((3, shape.max_blocks_per_row), np.int32)
+    tables[1, :2] = [9, 4]  # slot 1 holds positions 0..7 in blocks 9 and 4
+    row = RowSettings.empty(1, shape.max_eos).replace(max_new_tokens=np.asarray([4], np.int32))
+    chunk = np.zeros((shape.chunk,), np.int32)
+    chunk[:3] = prompt
+    work = StepInput(
+        block_tables=tables,
+        release=np.zeros((3,), bool),
+        num_steps=np.asarray(2, np.int32),
+        prefill_slot=np.asarray(1, np.int32),
+        prefill_start=np.asarray(0, np.int32),
+        prefill_tokens=chunk,
+        prefill_count=np.asarray(3, np.int32),
+        prefill_last=np.asarray(True),
+        prompt_length=np.asarray(3, np.int32),
+        row=row,
+        admit=np.asarray(True),
+    )
+    state, out = step(params, state, work)
+    want = _reference(tuple(prompt))
+    # The chunk's last prompt logits give the first token; two decode steps give two more.
+    assert int(out.first_token) == want[0] and int(out.steps) == 2
+    np.testing.assert_array_equal(out.tokens[:2, 1], want[1:3])
+    np.testing.assert_array_equal(out.tokens[:, [0, 2]], -1)  # free slots chose nothing
+    np.testing.assert_array_equal(out.tokens[2:], -1)
+    assert not np.asarray(out.finished).any()
+    np.testing.assert_array_equal(state.lengths, [0, 6, 0])  # 3 prompt + 3 new tokens
+    np.testing.assert_array_equal(state.cache.index[1], 5)  # the newest token is not fed yet
+    np.testing.assert_array_equal(state.tokens[1, :6], prompt + want[:3])
+    np.testing.assert_array_equal(state.decoding, [False, True, False])
+    # Writes went to the row's blocks 9 and 4 (the chunk's padding and the free rows' decode
+    # steps to the scratch block 0); no other block was touched.
+    written = np.abs(np.asarray(state.cache.keys[0])).sum(axis=(1, 2, 3)) > 0
+    assert set(np.flatnonzero(written)) <= {0, 4, 9} and written[4] and written[9]
+
+
+# ---- the manager ----------------------------------------------------------------------------
+def _wait(predicate, timeout=120.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_engine_greedy_equals_generate_alone_across_a_mixed_workload(manager):
+    prompts = [_prompt(10 + i, n) for i, n in enumerate((5, 13, 3, 20, 9, 17, 2))]
+    first = _reference(tuple(prompts[2]))
+    eos = (first[3], 7)  # an id the greedy run meets at its 4th token, and one more
+    specs = [
+        dict(max_new_tokens=12),
+        dict(max_new_tokens=6, repetition_penalty=1.3),
+        dict(max_new_tokens=10, eos_token_id=list(eos)),
+        dict(max_new_tokens=11),
+        dict(max_new_tokens=10, eos_token_id=list(eos), min_new_tokens=5),
+        dict(max_new_tokens=9),
+        dict(max_new_tokens=12, repetition_penalty=1.3),
+    ]
+    rid = manager.add_request(prompts[0], streaming=True, **specs[0])
+    ids = [rid]
+    # Arrivals while the first request decodes.
+    next(manager.request_id_iter(rid, timeout=120))
+    ids += [manager.add_request(p, **s) for p, s in zip(prompts[1:], specs[1:], strict=True)]
+    outputs = [manager.get_result(i, timeout=300) for i in ids]
+    for prompt, spec, out in zip(prompts, specs, outputs, strict=True):
+        eos_ids = tuple(spec.get("eos_token_id", ())) or None
+        want = _reference(
+            tuple(prompt), spec.get("repetition_penalty"), eos_ids, spec.get("min_new_tokens")
+        )[: spec["max_new_tokens"]]
+        assert out.status is RequestStatus.FINISHED
+        assert out.generated_tokens == want, (spec, out.generated_tokens, want)
+        assert out.finish_reason == ("stop" if eos_ids and want[-1] in eos_ids else "length")
+        assert out.prompt_ids == prompt and len(out.timestamps) == len(want)
+    assert outputs[2].finish_reason == "stop" and len(outputs[2].generated_tokens) == 4
+    assert manager.metrics()["preemptions"] > 0  # 13 usable blocks for 7 requests of ~20
+    _wait(lambda: manager.metrics()["blocks_in_use"] == 0)
+
+
+def test_cancel_ends_with_cancelled_and_frees_every_block(manager):
+    rid = manager.add_request(_prompt(30, 10), max_new_tokens=30, streaming=True)
+    assert next(manager.request_id_iter(rid, timeout=120)).generated_tokens
+    manager.cancel_request(rid)
+    out = manager.get_result(rid, timeout=60)
+    assert out.status is RequestStatus.CANCELLED and out.finish_reason == "cancelled"
+    assert 0 < len(out.generated_tokens) < 30
+    assert list(manager.request_id_iter(rid, timeout=5))[-1].is_finished()
+    _wait(lambda: manager.metrics()["blocks_in_use"] == 0)
+
+
+def test_stop_strings_end_the_request_and_trim_what_follows(manager):
+    prompt = _prompt(40, 6)
+    want = _reference(tuple(prompt))
+    stop = _CharTokenizer().decode(want[2:4])
+    out = manager.get_result(
+        manager.add_request(prompt, max_new_tokens=12, stop_strings=[stop]), timeout=120
+    )
+    assert out.finish_reason == "stop"
+    text = _CharTokenizer().decode(out.generated_tokens)
+    assert stop in text and stop not in text[:-1]
+    assert out.generated_tokens == want[: len(out.generated_tokens)]
+
+
+def test_no_compilation_after_warmup_over_a_random_workload(manager):
+    rng = np.random.default_rng(5)
+    with compiles() as compiled:
+        ids = []
+        for i in range(6):
+            spec = dict(max_new_tokens=int(rng.integers(1, 10)))
+            if i % 2:
+                spec.update(do_sample=True, temperature=0.8, top_p=0.9, top_k=20, min_p=0.05)
+            if i % 3 == 0:
+                spec.update(repetition_penalty=1.2, eos_token_id=[5, 6], min_new_tokens=2)
+            ids.append(
+                manager.add_request(_prompt(50 + i, int(rng.integers(1, 30))), seed=i, **spec)
+            )
+        outs = [manager.get_result(i, timeout=300) for i in ids]
+    assert all(o.status is RequestStatus.FINISHED for o in outs)
+    assert compiled == []
+
+
+def test_add_request_rejects_what_the_engine_cannot_run(manager):
+    model, _ = _model()
+    with pytest.raises(UnsupportedError, match="no_repeat_ngram_size.*continuous-batching engine"):
+        manager.add_request([3, 4], no_repeat_ngram_size=2)
+    with pytest.raises(UnsupportedError, match="not supported in continuous batching"):
+        manager.add_request([3, 4], num_beams=2)
+    with pytest.raises(InputError, match="outside the vocabulary"):
+        manager.add_request([3, model.vocab_size])
+    with pytest.raises(InputError, match="can never fit"):
+        manager.add_request(list(range(3, 43)), max_new_tokens=10)
+    with pytest.raises(GenerationConfigError):
+        manager.add_request([3, 4], do_sample=True, temperature=-1.0)
+
+
+def test_stop_ends_every_request_and_waits_never_hang():
+    model, params = _model()
+    m = init_continuous_batching(model, params, GenerationConfig(pad_token_id=0), CB)
+    m.start()
+    ids = m.add_requests([_prompt(60 + i, 8) for i in range(5)], max_new_tokens=40)
+    m.stop(block=True, timeout=60)
+    assert not m.is_running()
+    outs = [m.get_result(i, timeout=10) for i in ids]
+    assert all(o is not None and o.is_finished() for o in outs)
+    assert {o.status for o in outs} <= {RequestStatus.FINISHED, RequestStatus.CANCELLED}
+    assert m.get_result("unknown", timeout=None) is None
+    late = m.add_request([3, 4], max_new_tokens=2)
+    assert m.get_result(late, timeout=None).status is RequestStatus.CANCELLED

@@ -325,7 +325,7 @@ def test_chi_square_catches_a_broken_acceptance_rule(small_pair, monkeypatch):
         token = jax.random.categorical(key, scores[rows, jnp.minimum(draft.count, width)])
         return draft.count, token.astype(jnp.int32)
 
-    monkeypatch.setattr(assisted, "_speculative", broken)
+    monkeypatch.setattr(assisted, "_accept_speculative", broken)
     jax.clear_caches()
     p_values, _ = _sampled_p_values(small_pair)
     jax.clear_caches()

@@ -187,7 +187,7 @@ def _cut_at_stops(
     """Applies the stopping rules after each of the ``count[b]`` (at most ``width``, static)
     tokens written at slot ``lengths[b]`` of ``tokens`` int32[B, S + T]; returns (int32[B] the
     count cut after the first token that finishes the row, bool[B] whether one did)."""
-    ends = lengths[:, None] + 1 + jnp.arange(width)[None, :]  # int32[B, T]
+    ends = lengths[:, None] + 1 + jnp.arange(width)[None, :]  # int32[B, width]
     stops = stop_flags(rules, tokens, ends) & (jnp.arange(width)[None, :] < count[:, None])
     stopped = jnp.any(stops, axis=1)
     return jnp.where(stopped, jnp.argmax(stops, axis=1) + 1, count), stopped

@@ -289,7 +289,7 @@ def _exact_joint(model, params):
     return p1[:, None, None, None] * p2[:, :, None, None] * p3[:, :, :, None] * p4
 
 
-def _sampled_p_values(small_pair, samples=8192, seed=0):
+def _sampled_p_values(small_pair, samples=8192, seed=0, **kw):
     (model, params), (draft, draft_params) = small_pair
     ids = np.repeat(PROMPT, samples, 0)
     out = genjax.generate(
@@ -300,6 +300,7 @@ def _sampled_p_values(small_pair, samples=8192, seed=0):
         key=jax.random.key(seed),
         assistant_model=draft,
         assistant_params=draft_params,
+        **kw,
     )
     new = np.asarray(out.sequences)[:, 3:]
     counts = np.zeros((VOCAB,) * 4)
@@ -317,18 +318,28 @@ def test_speculative_sampling_draws_from_the_target_distribution(small_pair):
 
 
 def test_chi_square_catches_a_broken_acceptance_rule(small_pair, monkeypatch):
-    """The test above has power: accepting every candidate must fail it."""
+    """The test above has power: accepting every candidate must fail it.
 
-    def broken(rules, scores, draft, key):
+    ``generate`` keeps one compiled program per static structure, and the patched rule is not
+    part of it. The call therefore passes its own do-nothing processor, a static argument no
+    other call shares: it compiles a fresh program with the broken rule in it (``traced``
+    proves it), and no later call can be handed that program.
+    """
+    traced = []
+
+    def broken(rules, scores, proposal, key):
+        traced.append(1)
         width = rules.num_candidates
         rows = jnp.arange(scores.shape[0])
-        token = jax.random.categorical(key, scores[rows, jnp.minimum(draft.count, width)])
-        return draft.count, token.astype(jnp.int32)
+        token = jax.random.categorical(key, scores[rows, jnp.minimum(proposal.count, width)])
+        return proposal.count, token.astype(jnp.int32)
 
-    monkeypatch.setattr(assisted, "_speculative", broken)
-    jax.clear_caches()
-    p_values, _ = _sampled_p_values(small_pair)
-    jax.clear_caches()
+    def unchanged(scores, context):
+        return scores
+
+    monkeypatch.setattr(assisted, "_accept_speculative", broken)
+    p_values, _ = _sampled_p_values(small_pair, logits_processor=[unchanged])
+    assert traced, "the broken rule was never traced: a cached program ran instead"
     assert min(p_values) < 1e-6, p_values
 
 

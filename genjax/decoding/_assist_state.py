@@ -60,15 +60,21 @@ class AssistRules:
 
 @struct.dataclass
 class AssistState:
-    """Everything the assisted loop carries from one iteration to the next."""
+    """Everything the assisted loop carries from one iteration to the next.
+
+    ``S = P + N`` is the buffer plain decoding has; the token buffer holds ``T`` slots more, so
+    that a block of candidates can be written past a row's end. ``Sc`` and ``Sd`` are the
+    target's and the draft's cache lengths (:func:`cache_lengths`). As everywhere in
+    :mod:`genjax.cache`, keys keep the slots last and values keep them before the head dim.
+    """
 
     tokens: Array  # int32[B, S + T]: per row padding, prompt, committed tokens, then pad
     lengths: Array  # int32[B]: filled slots per row; the newest token is not in either cache
     positions: Array  # int32[B]: position id of the newest token
-    cache: KVCache  # target keys/values L x [B, K, C, H]; index = next slot to write
-    cache_mask: Array  # int32[B, C]: 0 on padding and holes
-    draft_cache: KVCache | None  # draft keys/values L' x [B, K', D, H'], or None (lookup)
-    draft_mask: Array | None  # int32[B, D]
+    cache: KVCache  # target: keys L x [B, K, H, Sc], values L x [B, K, Sc, H]; index: next slot
+    cache_mask: Array  # int32[B, Sc]: 0 on padding and holes
+    draft_cache: KVCache | None  # draft: keys L' x [B, K', H', Sd], values L' x [B, K', Sd, H']
+    draft_mask: Array | None  # int32[B, Sd]; both None for prompt lookup
     draft_behind: Array  # bool[B]: the token before the newest is missing from the draft cache
     finished: Array  # bool[B]: rows a stopping rule has finished
     stop_lengths: Array  # int32[B]: the length at which a row finished (S when it has not)
@@ -120,7 +126,7 @@ def init_state(
     """
     batch, prompt_length = prompt.shape
     block = rules.num_candidates + 1
-    size = prompt_length + rules.num_new_tokens
+    sequence_slots = prompt_length + rules.num_new_tokens  # S
     pad = jnp.full((batch, rules.num_new_tokens + block), rules.pad_token_id, jnp.int32)
     recorded = (batch, rules.num_new_tokens + block, vocab_size)
     return AssistState(
@@ -133,7 +139,7 @@ def init_state(
         draft_mask=draft_mask,
         draft_behind=jnp.zeros((batch,), bool),
         finished=jnp.zeros((batch,), bool),
-        stop_lengths=jnp.full((batch,), size, jnp.int32),
+        stop_lengths=jnp.full((batch,), sequence_slots, jnp.int32),
         num_candidates=jnp.full((batch,), rules.num_candidates, jnp.int32),
         num_accepted=jnp.zeros((batch,), jnp.int32),
         iteration=jnp.zeros((), jnp.int32),
@@ -158,32 +164,41 @@ def _split_config(config: PyTree, batch: int) -> tuple[list, list, PyTree]:
     return leaves, axes, treedef
 
 
-def _view(row: Array, length: Array, pad: Array, size: int) -> Array:
-    """The first ``size`` slots of one row as plain decoding shows them: pad from ``length``."""
-    row = row[:size]
-    return jnp.where(jnp.arange(size) < length, row, pad)
+def sequence_slots(rules: AssistRules, tokens: Array) -> int:
+    """``S = P + N`` (static): the slots of plain decoding's buffer, the token buffer int32[B,
+    S + T] less the ``T`` spare slots that let a block of candidates run past a row's end."""
+    return tokens.shape[1] - rules.num_candidates - 1
+
+
+def _plain_view(row: Array, length: Array, pad: Array, num_slots: int) -> Array:
+    """The first ``num_slots`` slots of one row as plain decoding shows them: pad from
+    ``length`` on (the slots after it may hold candidates)."""
+    row = row[:num_slots]
+    return jnp.where(jnp.arange(num_slots) < length, row, pad)
 
 
 def process_rows(rules: AssistRules, logits: Array, tokens: Array, lengths: Array) -> Array:
     """Processed scores float32[B, V] of the token at slot ``lengths`` (int32[B]) of each row,
     with the row's own config values and length, as plain decoding would process them."""
     batch = logits.shape[0]
-    size = tokens.shape[1] - rules.num_candidates - 1  # S = P + N, the buffer plain decoding has
+    num_slots = sequence_slots(rules, tokens)
     context = rules.context
 
     leaves, axes, treedef = _split_config(rules.config, batch)
 
-    def one(leaves, scores, row, length, first_valid):
+    def process_row(leaves, scores, row, length, first_valid):
         config = jax.tree_util.tree_unflatten(treedef, leaves)
         process = from_config(
             config, rules.eos_token_ids, rules.extra, allowed_tokens_fn=rules.allowed_tokens_fn
         )
-        view = _view(row, length, rules.pad_token_id, size)
+        view = _plain_view(row, length, rules.pad_token_id, num_slots)
         ctx = context.replace(tokens=view[None], length=length, first_valid=first_valid[None])
         return process(scores[None].astype(jnp.float32), ctx)[0]
 
     in_axes = (axes, 0, 0, 0, 0)
-    return jax.vmap(one, in_axes=in_axes)(leaves, logits, tokens, lengths, context.first_valid)
+    return jax.vmap(process_row, in_axes=in_axes)(
+        leaves, logits, tokens, lengths, context.first_valid
+    )
 
 
 def process_block(rules: AssistRules, logits: Array, tokens: Array, lengths: Array) -> Array:
@@ -198,27 +213,29 @@ def stop_flags(rules: AssistRules, tokens: Array, lengths: Array) -> Array:
     """bool[B, T]: whether a stopping rule finishes row ``b`` once ``lengths[b, t]`` slots are
     filled (the newest token at ``lengths[b, t] - 1``). ``max_time`` is checked separately."""
     stopping = rules.stopping.replace(max_time=None, start_time=None)
-    size = tokens.shape[1] - rules.num_candidates - 1
+    num_slots = sequence_slots(rules, tokens)
 
-    def one(row, length):
-        view = _view(row, length, rules.pad_token_id, size)[None]
+    def stops_at(row, length):
+        view = _plain_view(row, length, rules.pad_token_id, num_slots)[None]
         step = length - rules.prompt_length - 1
         return finished_rows(stopping, jnp.zeros((1,), bool), view, length, step)[0]
 
-    per_row = jax.vmap(one, in_axes=(None, 0))  # over T
-    return jax.vmap(per_row, in_axes=(0, 0))(tokens, lengths)
+    over_lengths = jax.vmap(stops_at, in_axes=(None, 0))  # one row, its T lengths
+    return jax.vmap(over_lengths, in_axes=(0, 0))(tokens, lengths)
 
 
 # ----------------------------------------------------------------------------- small helpers
 
 
-def leading(flags: Array) -> Array:
-    """int32[B]: the number of leading True values of bool[B, G]."""
+def count_leading(flags: Array) -> Array:
+    """int32[B]: the number of leading True values of bool[B, G] (how many candidates in a row
+    pass a test before the first that fails)."""
     return jnp.sum(jnp.cumprod(flags.astype(jnp.int32), axis=1), axis=1)
 
 
 def write_block(tokens: Array, start: Array, block: Array, count: Array) -> Array:
-    """Writes ``block[b, :count[b]]`` (int32[B, G]) at slots ``start[b]..`` of each row."""
+    """Writes ``block[b, :count[b]]`` (int32[B, G]) at slots ``start[b]..`` of each row of
+    ``tokens`` int32[B, S + T]; returns the new buffer."""
     offset = jnp.arange(tokens.shape[1])[None, :] - start[:, None]
     inside = (offset >= 0) & (offset < count[:, None])
     picked = jnp.take_along_axis(block, jnp.clip(offset, 0, block.shape[1] - 1), axis=1)
@@ -231,7 +248,8 @@ def token_at(tokens: Array, slots: Array) -> Array:
 
 
 def clamp_positions(rules: AssistRules, positions: Array) -> Array:
-    """Position ids, clamped into the model's table (only never-committed slots reach it)."""
+    """Position ids (int32, any shape) clamped into the model's table: at least 0, below
+    ``max_position``. Only slots that are never committed reach past the table."""
     positions = jnp.maximum(positions, 0)
     if rules.max_position is not None:
         positions = jnp.minimum(positions, rules.max_position - 1)
@@ -252,8 +270,7 @@ def running_rows(state: AssistState, rules: AssistRules) -> Array:
     row keeps taking real tokens until all have finished, and then up to the longest finished
     length, where all rows are cut at the end.
     """
-    size = state.tokens.shape[1] - rules.num_candidates - 1
-    room = state.lengths < size
+    room = state.lengths < sequence_slots(rules, state.tokens)
     if rules.eos_token_ids is not None:
         return room & ~state.finished
     everyone = jnp.all(state.finished)

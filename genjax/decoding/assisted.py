@@ -66,9 +66,14 @@ Randomness: the first token draws with ``fold_in(key, 0)`` and iteration ``i`` w
 the acceptance test and the correction), so the same key gives the same tokens; the tokens differ
 from plain sampling with the same key, while their distribution is the same.
 
-Modules: this one runs the loop (commit, verify, decode, finish); ``_assist_state`` holds the
-call's rules and state and the row-wise helpers, ``_candidates`` the prompt-lookup and draft
-candidate generators, ``_assist_checks`` the checks made before tracing.
+Modules: this one runs the loop. One iteration (:func:`_iteration`) is four phases, one
+function each: ``_propose`` (candidates from prompt lookup or the draft), ``_verify`` (one target
+pass over the newest token and the candidates) and ``_accept`` (how many candidates each row
+keeps, and the target's own next token), then ``commit`` (write the tokens, apply the stopping
+rules) followed by the roll-backs of both caches (``_roll_back_target``, ``_roll_back_draft``)
+and the schedule (``_resize_rounds``). ``_assist_state`` holds the call's rules and state and the
+row-wise helpers, ``_candidates`` the prompt-lookup and draft candidate generators,
+``_assist_checks`` the checks made before tracing.
 
 References:
     Leviathan, Kalman, Matias 2023, "Fast Inference from Transformers via Speculative Decoding",
@@ -84,6 +89,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from genjax.cache import KVCache
 from genjax.decoding._assist_checks import check_call, check_config, is_assisted
 from genjax.decoding._assist_state import (
     AssistRules,
@@ -91,17 +97,24 @@ from genjax.decoding._assist_state import (
     cache_lengths,
     choose,
     clamp_positions,
+    count_leading,
     init_state,
-    leading,
     make_rules,
     process_block,
     process_rows,
     running_rows,
+    sequence_slots,
     stop_flags,
     token_at,
     write_block,
 )
-from genjax.decoding._candidates import DraftCarry, StepFn, draft_candidates, lookup_candidates
+from genjax.decoding._candidates import (
+    Proposal,
+    StepFn,
+    draft_candidates,
+    lookup_candidates,
+    lookup_proposal,
+)
 from genjax.stopping import time_is_up
 from genjax.typing import Array, PyTree
 
@@ -116,6 +129,7 @@ __all__ = [
     "first_token",
     "init_state",
     "is_assisted",
+    "lookup_candidates",
     "make_rules",
 ]
 
@@ -144,31 +158,39 @@ def commit(
     Returns:
         The new state and int32[B], the tokens each row committed.
     """
-    size = state.tokens.shape[1] - rules.num_candidates - 1
-    width = block.shape[1]
+    num_slots = sequence_slots(rules, state.tokens)
     running = running_rows(state, rules)
-    count = jnp.where(running, jnp.minimum(count, size - state.lengths), 0)
+    count = jnp.where(running, jnp.minimum(count, num_slots - state.lengths), 0)
     tokens = write_block(state.tokens, state.lengths, block, count)
-    ends = state.lengths[:, None] + 1 + jnp.arange(width)[None, :]  # int32[B, T]
-    stops = stop_flags(rules, tokens, ends) & (jnp.arange(width)[None, :] < count[:, None])
-    stopped = jnp.any(stops, axis=1)
-    count = jnp.where(stopped, jnp.argmax(stops, axis=1) + 1, count)
+    count, stopped = _cut_at_stops(rules, tokens, state.lengths, count, block.shape[1])
     # Slots after the committed tokens go back to pad (they may hold candidates).
     slots = jnp.arange(tokens.shape[1])[None, :]
     tokens = jnp.where(slots < (state.lengths + count)[:, None], tokens, rules.pad_token_id)
     lengths = state.lengths + count
-    newly = stopped & ~state.finished
+    newly_finished = stopped & ~state.finished
     step = state.lengths - rules.prompt_length
     state = state.replace(
         tokens=tokens,
         lengths=lengths,
         positions=state.positions + count,
         finished=state.finished | stopped,
-        stop_lengths=jnp.where(newly, lengths, state.stop_lengths),
+        stop_lengths=jnp.where(newly_finished, lengths, state.stop_lengths),
         scores=_record(state.scores, scores, step),
         raw_logits=_record(state.raw_logits, logits, step),
     )
     return state, count
+
+
+def _cut_at_stops(
+    rules: AssistRules, tokens: Array, lengths: Array, count: Array, width: int
+) -> tuple[Array, Array]:
+    """Applies the stopping rules after each of the ``count[b]`` (at most ``width``, static)
+    tokens written at slot ``lengths[b]`` of ``tokens`` int32[B, S + T]; returns (int32[B] the
+    count cut after the first token that finishes the row, bool[B] whether one did)."""
+    ends = lengths[:, None] + 1 + jnp.arange(width)[None, :]  # int32[B, width]
+    stops = stop_flags(rules, tokens, ends) & (jnp.arange(width)[None, :] < count[:, None])
+    stopped = jnp.any(stops, axis=1)
+    return jnp.where(stopped, jnp.argmax(stops, axis=1) + 1, count), stopped
 
 
 def _record(buffer: Array | None, values: Array, step: Array) -> Array | None:
@@ -177,10 +199,10 @@ def _record(buffer: Array | None, values: Array, step: Array) -> Array | None:
     if buffer is None:
         return None
 
-    def one(row, block, at):
+    def write_row(row, block, at):
         return jax.lax.dynamic_update_slice(row, block.astype(row.dtype), (at, 0))
 
-    return jax.vmap(one)(buffer, values, step)
+    return jax.vmap(write_row)(buffer, values, step)
 
 
 def first_token(state: AssistState, logits: Array, rules: AssistRules) -> AssistState:
@@ -188,17 +210,103 @@ def first_token(state: AssistState, logits: Array, rules: AssistRules) -> Assist
     scores = process_rows(rules, logits, state.tokens, state.lengths)
     key = jax.random.fold_in(state.key, 0)
     token = choose(rules, scores, key)
-    state, _ = commit(
-        state, rules, token[:, None], jnp.ones_like(token), scores[:, None], logits[:, None]
-    )
+    one_each = jnp.ones_like(token)
+    state, _ = commit(state, rules, token[:, None], one_each, scores[:, None], logits[:, None])
     return state
 
 
-# ----------------------------------------------------------------------------- verification
+# ----------------------------------------------------------------------------- one iteration
 
 
-def _speculative(
-    rules: AssistRules, scores: Array, draft: DraftCarry, key: Array
+def _iteration(
+    state: AssistState,
+    rules: AssistRules,
+    target: StepFn,
+    params: PyTree,
+    draft: StepFn | None,
+    draft_params: PyTree,
+) -> AssistState:
+    """One propose → verify → accept → commit round for every row, then the roll-backs."""
+    key = jax.random.fold_in(state.key, state.iteration + 1)
+    draft_key, verify_key = jax.random.split(key)
+    running = running_rows(state, rules)
+    proposal = _propose(state, rules, running, draft_key, draft, draft_params)
+    logits, scores, cache, mask = _verify(state, rules, proposal, target, params)
+    accepted, token = _accept(rules, scores, proposal, verify_key)
+    block = _accepted_block(proposal.candidates, accepted, token)
+    state = state.replace(tokens=proposal.tokens)
+    state, taken = commit(state, rules, block, accepted + 1, scores, logits)
+    state = _roll_back_target(state, rules, cache, mask, taken, running)
+    state = state.replace(
+        num_accepted=state.num_accepted + jnp.minimum(accepted, taken),
+        iteration=state.iteration + 1,
+    )
+    if draft is not None:
+        state = _roll_back_draft(state, rules, proposal, taken, running)
+        state = _resize_rounds(state, rules, accepted, proposal.count, running)
+    if rules.stopping.max_time is not None:
+        late = time_is_up(rules.stopping, state.iteration, jnp.max(state.lengths))
+        state = state.replace(finished=state.finished | late)
+    return state
+
+
+def _propose(
+    state: AssistState,
+    rules: AssistRules,
+    running: Array,
+    key: Array,
+    draft: StepFn | None,
+    draft_params: PyTree,
+) -> Proposal:
+    """Candidates for every running row, from the draft or (``draft`` None) prompt lookup.
+
+    A row proposes at most its ``num_candidates`` and leaves one slot of ``S`` free for the
+    target's own token; rows that are done propose none.
+    """
+    room = sequence_slots(rules, state.tokens) - state.lengths - 1
+    limit = jnp.where(running, jnp.minimum(state.num_candidates, room), 0)
+    if draft is None:
+        return lookup_proposal(state, rules, limit)
+    return draft_candidates(state, rules, limit, key, draft, draft_params)
+
+
+def _verify(
+    state: AssistState, rules: AssistRules, proposal: Proposal, target: StepFn, params: PyTree
+) -> tuple[Array, Array, KVCache, Array]:
+    """Scores the newest token and all ``G`` candidates with the target in one pass of
+    ``T = G + 1`` tokens, written at the cache index with their mask slots open.
+
+    Returns:
+        (logits float32[B, T, V] raw, scores float32[B, T, V] processed row by row as plain
+        decoding would, the target cache after the pass, its mask int32[B, Sc]). Position ``t``
+        scores the token that would follow candidate ``t`` (``t = 0``: the newest token).
+    """
+    batch = state.lengths.shape[0]
+    block = rules.num_candidates + 1
+    mask = jax.lax.dynamic_update_slice(
+        state.cache_mask, jnp.ones((batch, block), jnp.int32), (0, state.cache.index)
+    )
+    newest = token_at(proposal.tokens, state.lengths - 1)
+    feed = jnp.concatenate([newest[:, None], proposal.candidates], axis=1)
+    position_ids = clamp_positions(rules, state.positions[:, None] + jnp.arange(block)[None, :])
+    logits, cache = target(params, feed, position_ids, state.cache, mask)
+    scores = process_block(rules, logits, proposal.tokens, state.lengths)
+    return logits, scores, cache, mask
+
+
+def _accept(
+    rules: AssistRules, scores: Array, proposal: Proposal, key: Array
+) -> tuple[Array, Array]:
+    """(accepted int32[B], next token int32[B]): how many leading candidates each row keeps, and
+    the target's token after them. Speculative sampling needs the draft's distribution ``q``,
+    which only a draft that samples has; greedy decoding and prompt lookup match tokens."""
+    if proposal.probs is not None:
+        return _accept_speculative(rules, scores, proposal, key)
+    return _accept_matching(rules, scores, proposal, key)
+
+
+def _accept_speculative(
+    rules: AssistRules, scores: Array, proposal: Proposal, key: Array
 ) -> tuple[Array, Array]:
     """The speculative sampling rule: (accepted int32[B], next token int32[B]).
 
@@ -210,104 +318,73 @@ def _speculative(
     batch = scores.shape[0]
     rows = jnp.arange(batch)
     p = jax.nn.softmax(scores, axis=-1)  # float32[B, T, V]
-    picked = draft.candidates[..., None]
+    picked = proposal.candidates[..., None]
     p_x = jnp.take_along_axis(p[:, :width], picked, axis=-1)[..., 0]
-    q_x = jnp.take_along_axis(draft.probs, picked, axis=-1)[..., 0]
+    q_x = jnp.take_along_axis(proposal.probs, picked, axis=-1)[..., 0]
     accept_key, next_key = jax.random.split(key)
     u = jax.random.uniform(accept_key, (batch, width))
-    proposed = jnp.arange(width)[None, :] < draft.count[:, None]
-    accepted = leading(proposed & (u * q_x <= p_x))
+    proposed = jnp.arange(width)[None, :] < proposal.count[:, None]
+    accepted = count_leading(proposed & (u * q_x <= p_x))
     p_a = p[rows, accepted]
-    q_a = draft.probs[rows, jnp.minimum(accepted, width - 1)]
+    q_a = proposal.probs[rows, jnp.minimum(accepted, width - 1)]
     residual = jnp.maximum(p_a - q_a, 0.0)
-    rejected = (accepted < draft.count) & (jnp.sum(residual, axis=-1) > 0)
+    rejected = (accepted < proposal.count) & (jnp.sum(residual, axis=-1) > 0)
     weights = jnp.where(rejected[:, None], residual, p_a)
     token = jax.random.categorical(next_key, jnp.log(weights), axis=-1).astype(jnp.int32)
     return accepted, token
 
 
-def _matching(
-    rules: AssistRules, scores: Array, candidates: Array, count: Array, key: Array
+def _accept_matching(
+    rules: AssistRules, scores: Array, proposal: Proposal, key: Array
 ) -> tuple[Array, Array]:
     """Greedy (or prompt-lookup sampling) acceptance: candidates are accepted while they equal
     the target's choice at their position; returns (accepted int32[B], next token int32[B])."""
     chosen = choose(rules, scores, key)  # int32[B, T]
-    width = candidates.shape[1]
-    proposed = jnp.arange(width)[None, :] < count[:, None]
-    accepted = leading(proposed & (candidates == chosen[:, :width]))
+    width = proposal.candidates.shape[1]
+    proposed = jnp.arange(width)[None, :] < proposal.count[:, None]
+    accepted = count_leading(proposed & (proposal.candidates == chosen[:, :width]))
     return accepted, token_at(chosen, accepted)
 
 
-def _iteration(
+def _accepted_block(candidates: Array, accepted: Array, token: Array) -> Array:
+    """int32[B, T]: each row's accepted candidates, then the target's token (slots after it
+    hold the token again and are never committed)::
+
+        candidates  7 8 9     accepted 2, token 5  ->  7 8 5 5
+    """
+    offsets = jnp.arange(candidates.shape[1] + 1)[None, :]
+    padded = jnp.concatenate([candidates, candidates[:, :1]], axis=1)
+    return jnp.where(offsets < accepted[:, None], padded, token[:, None])
+
+
+# ----------------------------------------------------------------------------- roll-backs
+
+
+def _roll_back_target(
     state: AssistState,
     rules: AssistRules,
-    target: StepFn,
-    params: PyTree,
-    draft: StepFn | None,
-    draft_params: PyTree,
+    cache: KVCache,
+    mask: Array,
+    taken: Array,
+    running: Array,
 ) -> AssistState:
-    """One draft → verify → commit round for every row."""
-    batch = state.lengths.shape[0]
-    width = rules.num_candidates
-    block = width + 1
-    size = state.tokens.shape[1] - block
-    key = jax.random.fold_in(state.key, state.iteration + 1)
-    draft_key, verify_key = jax.random.split(key)
-    running = running_rows(state, rules)
-    limit = jnp.where(running, jnp.minimum(state.num_candidates, size - state.lengths - 1), 0)
-    if draft is None:
-        candidates, count = lookup_candidates(state, rules, limit)
-        tokens = write_block(state.tokens, state.lengths, candidates, count)
-        proposal = None
-    else:
-        proposal, draft_mask = draft_candidates(state, rules, limit, draft_key, draft, draft_params)
-        candidates, count, tokens = proposal.candidates, proposal.count, proposal.tokens
-
-    # Verify: the newest token and all candidates in one pass of T = G + 1 tokens.
+    """Keeps the target's slots of this pass (at ``state.cache.index``) that hold committed
+    tokens and makes the rest holes; the index moves past the longest running row's tokens (at
+    least one), so the next pass overwrites slots no row kept."""
     index = state.cache.index
-    mask = jax.lax.dynamic_update_slice(
-        state.cache_mask, jnp.ones((batch, block), jnp.int32), (0, index)
-    )
-    feed = jnp.concatenate([token_at(tokens, state.lengths - 1)[:, None], candidates], axis=1)
-    where = clamp_positions(rules, state.positions[:, None] + jnp.arange(block)[None, :])
-    logits, cache = target(params, feed, where, state.cache, mask)
-    scores = process_block(rules, logits, tokens, state.lengths)
-    if proposal is not None and rules.do_sample:
-        accepted, token = _speculative(rules, scores, proposal, verify_key)
-    else:
-        accepted, token = _matching(rules, scores, candidates, count, verify_key)
-    offsets = jnp.arange(block)[None, :]
-    padded = jnp.concatenate([candidates, candidates[:, :1]], axis=1)
-    chosen = jnp.where(offsets < accepted[:, None], padded, token[:, None])
-    state = state.replace(tokens=tokens)
-    state, taken = commit(state, rules, chosen, accepted + 1, scores, logits)
-
-    # Roll back: holes where a row committed fewer tokens; the index moves past the longest.
+    offsets = jnp.arange(rules.num_candidates + 1)[None, :]
     kept = (offsets < taken[:, None]).astype(jnp.int32)
     advance = jnp.maximum(jnp.max(jnp.where(running, taken, 0)), 1)
-    state = state.replace(
+    return state.replace(
         cache=cache.replace(index=index + advance),
         cache_mask=jax.lax.dynamic_update_slice(mask, kept, (0, index)),
-        num_accepted=state.num_accepted + jnp.minimum(accepted, taken),
-        iteration=state.iteration + 1,
     )
-    if proposal is not None:
-        state = _roll_back_draft(state, rules, proposal, draft_mask, taken, running)
-        if rules.schedule != "constant":
-            grown = jnp.where(accepted >= count, state.num_candidates + 2, state.num_candidates - 1)
-            grown = jnp.clip(grown, 1, width)
-            state = state.replace(num_candidates=jnp.where(running, grown, state.num_candidates))
-    if rules.stopping.max_time is not None:
-        late = time_is_up(rules.stopping, state.iteration, jnp.max(state.lengths))
-        state = state.replace(finished=state.finished | late)
-    return state
 
 
 def _roll_back_draft(
     state: AssistState,
     rules: AssistRules,
-    proposal: DraftCarry,
-    mask: Array,
+    proposal: Proposal,
     taken: Array,
     running: Array,
 ) -> AssistState:
@@ -315,16 +392,34 @@ def _roll_back_draft(
     the newest and the committed candidates kept, the rest holes; advances its index."""
     width = rules.num_candidates
     index = state.draft_cache.index
-    seen = jnp.minimum(taken - 1, proposal.steps - 1)  # committed candidates the draft has read
+    steps = proposal.draft_steps
+    read = jnp.minimum(taken - 1, steps - 1)  # committed candidates the draft has read
     slots = jnp.arange(width + 1)[None, :]
-    kept = jnp.where(slots == 0, state.draft_behind[:, None], (slots - 1 <= seen[:, None]))
+    kept = jnp.where(slots == 0, state.draft_behind[:, None], (slots - 1 <= read[:, None]))
     kept = kept & (taken[:, None] > 0)
-    advance = jnp.maximum(jnp.max(jnp.where(running, seen + 2, 0)), 2)
+    advance = jnp.maximum(jnp.max(jnp.where(running, read + 2, 0)), 2)
     return state.replace(
-        draft_cache=proposal.cache.replace(index=index + advance),
-        draft_mask=jax.lax.dynamic_update_slice(mask, kept.astype(jnp.int32), (0, index)),
-        draft_behind=(taken - 1 == proposal.steps) & (taken > 0),
+        draft_cache=proposal.draft_cache.replace(index=index + advance),
+        draft_mask=jax.lax.dynamic_update_slice(
+            proposal.draft_mask, kept.astype(jnp.int32), (0, index)
+        ),
+        draft_behind=(taken - 1 == steps) & (taken > 0),
     )
+
+
+def _resize_rounds(
+    state: AssistState, rules: AssistRules, accepted: Array, proposed: Array, running: Array
+) -> AssistState:
+    """The "heuristic" schedules: a running row proposes two more candidates next round after
+    one where it accepted all it proposed, one fewer otherwise, within ``[1, G]``."""
+    if rules.schedule == "constant":
+        return state
+    resized = jnp.where(accepted >= proposed, state.num_candidates + 2, state.num_candidates - 1)
+    resized = jnp.clip(resized, 1, rules.num_candidates)
+    return state.replace(num_candidates=jnp.where(running, resized, state.num_candidates))
+
+
+# ----------------------------------------------------------------------------- the loop
 
 
 def decode(
@@ -373,18 +468,18 @@ def finish(state: AssistState, rules: AssistRules) -> tuple[Array, Array | None,
     """Returns (sequences int32[B, P+N], scores, logits float32[B, N, V] or None): the buffer
     cut to ``P + N`` slots (and, without EOS ids, at the longest finished length once every row
     finished, as plain decoding stops there), steps past a row's end zeroed."""
-    size = state.tokens.shape[1] - rules.num_candidates - 1
-    end = jnp.full((), size, jnp.int32)
+    num_slots = sequence_slots(rules, state.tokens)
+    end = jnp.full((), num_slots, jnp.int32)
     if rules.eos_token_ids is None:
         end = jnp.where(jnp.all(state.finished), jnp.max(state.stop_lengths), end)
-    slots = jnp.arange(size)[None, :]
-    sequences = jnp.where(slots < end, state.tokens[:, :size], rules.pad_token_id)
+    slots = jnp.arange(num_slots)[None, :]
+    sequences = jnp.where(slots < end, state.tokens[:, :num_slots], rules.pad_token_id)
     steps = jnp.arange(rules.num_new_tokens)[None, :, None]
-    done = (jnp.minimum(state.lengths, end) - rules.prompt_length)[:, None, None]
+    num_steps = (jnp.minimum(state.lengths, end) - rules.prompt_length)[:, None, None]
 
     def cut(buffer):
         if buffer is None:
             return None
-        return jnp.where(steps < done, buffer[:, : rules.num_new_tokens], 0.0)
+        return jnp.where(steps < num_steps, buffer[:, : rules.num_new_tokens], 0.0)
 
     return sequences, cut(state.scores), cut(state.raw_logits)

@@ -70,6 +70,33 @@ def test_matches_recorded_transformers(arch, name):
 
 
 @pytest.mark.parity
+def test_right_padding_warning_is_transformers_own_text():
+    import logging
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(FIXTURES / "llama").eval()
+    messages = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logger = logging.getLogger("transformers.generation.utils")
+    logger.addHandler(handler)
+    try:
+        with torch.inference_mode():
+            hf.generate(
+                torch.tensor([[5, 6, 7], [5, 6, 0]]),
+                attention_mask=torch.tensor([[1, 1, 1], [1, 1, 0]]),
+                max_new_tokens=2,
+                do_sample=False,
+                pad_token_id=0,
+            )
+    finally:
+        logger.removeHandler(handler)
+    assert RIGHT_PADDING in messages
+
+
+@pytest.mark.parity
 @pytest.mark.parametrize("arch", ARCHS)
 def test_matches_live_transformers(arch, tmp_path):
     import importlib.util
@@ -252,6 +279,55 @@ def test_bad_input_raises_a_clear_error(change, error, words):
     with pytest.raises(error) as info:
         genjax.generate(model, params, ids, config, attention_mask=mask)
     assert words in str(info.value)
+
+
+# transformers v5's warning (generation/utils.py), word for word.
+RIGHT_PADDING = (
+    "A decoder-only architecture is being used, but right-padding was detected! For correct "
+    "generation results, please set `padding_side='left'` when initializing the tokenizer."
+)
+
+
+@pytest.mark.parametrize(
+    "mask, words",
+    [
+        ([[1, 1, 1], [0, 0, 0], [0, 1, 1]], "rows [1] are all 0"),
+        ([[0, 0, 0], [0, 0, 0], [0, 0, 1]], "rows [0, 1] are all 0"),
+        (np.array([[1, 1, 1], [0, 0.5, 1], [0, 1, 1]], np.float32), "float32 values 0.5"),
+        (np.array([[1, 1, 1], [0, np.nan, 1], [0, 1, 1]], np.float32), "values nan"),
+        ([[1, 2, 1], [1, 1, 1], [0, 1, 1]], "int64 values 2"),
+    ],
+)
+def test_a_mask_with_an_empty_row_or_values_other_than_0_and_1_is_refused(mask, words):
+    model, params, _, _ = _llama()
+    config = GenerationConfig(max_new_tokens=2, pad_token_id=0)
+    with pytest.raises(InputError, match="attention_mask") as info:
+        genjax.generate(model, params, np.ones((3, 3), np.int32), config, attention_mask=mask)
+    assert words in str(info.value)
+
+
+def test_right_padding_warns_as_transformers_does_when_values_are_concrete():
+    model, params, _, _ = _llama()
+    config = GenerationConfig(max_new_tokens=2, pad_token_id=0)
+    ids = np.array([[5, 6, 7], [5, 6, 0]], np.int32)
+    right = np.array([[1, 1, 1], [1, 1, 0]], np.int32)
+    with pytest.warns(UserWarning) as caught:
+        genjax.generate(model, params, ids, config, attention_mask=right)
+    assert [str(w.message) for w in caught] == [RIGHT_PADDING]
+    assert caught[0].filename == __file__  # points at the caller's generate line
+    with pytest.warns(UserWarning, match="right-padding was detected"):  # no mask: the last id
+        genjax.generate(model, params, ids, config)
+    eos_as_pad = GenerationConfig(max_new_tokens=2, eos_token_id=[7, 0])
+    with pytest.warns(UserWarning, match="right-padding was detected"):
+        genjax.generate(model, params, ids[::-1], eos_as_pad)
+    # Left padding, a single row, or values only known inside the user's jit: no warning
+    # (warnings are errors in this suite) and no check.
+    genjax.generate(model, params, ids[:, ::-1], config, attention_mask=right[:, ::-1])
+    genjax.generate(model, params, ids[1:], config, attention_mask=right[1:])
+    generate = functools.partial(genjax.generate, model)
+    run = jax.jit(lambda p, i, m: generate(p, i, config, attention_mask=m).sequences)
+    assert run(params, ids, right).shape == (2, 5)
+    assert run(params, ids, np.zeros_like(right)).shape == (2, 5)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -16,12 +16,14 @@ import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 import genjax
+import genjax.tokenizer
 from genjax import GenerationConfig
 from genjax.errors import GenerationConfigError, InputError
 from genjax.stopping import stop_string_hits, stop_string_table
 from genjax.stopping.stop_strings import _byte_alphabet
 
 FIXTURES = Path(__file__).parent / "fixtures"
+CHECKPOINT_TOKENIZER = FIXTURES / "stop_strings"  # made by make_stop_string_fixtures.py
 SPECIALS = ["<pad>", "<s>", "</s>"]
 MERGES = [
     ("s", "t"),
@@ -208,12 +210,71 @@ def test_a_plain_vocabulary_matches_on_characters():
         (None, [""], InputError, "non-empty"),
         (None, [], InputError, "non-empty"),
         (object(), ["stop"], TypeError, "get_vocab"),
-        (_PlainVocab(["a", "b"]), ["xyz"], InputError, "no token"),
+        (_PlainVocab(["a", "b"]), ["xyz"], InputError, r"\['xyz'\] can never match"),
+        # "b" ends "zab" and "a" continues it, but nothing spells the "z"; "ab" is fine.
+        (_PlainVocab(["a", "b"]), ["ab", "zab"], InputError, r"\['zab'\] can never match"),
+        (_PlainVocab(["a", "Ġthe", "."]), [". "], InputError, "only get_vocab"),
     ],
 )
 def test_stop_string_table_rejects_bad_input(tokenizer, stop_strings, error, words):
     with pytest.raises(error, match=words):
         stop_string_table(tokenizer or _tokenizer(), stop_strings)
+
+
+# ------------------------------------------------- a checkpoint's byte-level tokenizer, recorded
+
+
+def _checkpoint_tokenizer(kind: str):
+    if kind == "genjax":
+        return genjax.tokenizer.from_pretrained(CHECKPOINT_TOKENIZER)
+    if kind == "tokenizers":
+        return Tokenizer.from_file(str(CHECKPOINT_TOKENIZER / "tokenizer.json"))
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(CHECKPOINT_TOKENIZER)
+
+
+_hits_per_length = jax.jit(jax.vmap(stop_string_hits, in_axes=(None, None, 0)))
+
+
+def _stops_per_length(table, ids: np.ndarray) -> np.ndarray:
+    """bool[B, L]: [r, k] the check on ids[r, : k + 1]."""
+    lengths = jnp.arange(1, ids.shape[1] + 1, dtype=jnp.int32)
+    return np.asarray(_hits_per_length(table, jnp.asarray(ids, jnp.int32), lengths)).T
+
+
+def _check_recorded_stops(tokenizer) -> None:
+    records = json.loads((CHECKPOINT_TOKENIZER / "cases.json").read_text(encoding="utf-8"))
+    random_ids = np.asarray(records["random"]["ids"])
+    for x, stop_strings in enumerate(records["meta"]["stop_sets"]):
+        table = stop_string_table(tokenizer, stop_strings)
+        for case in records["texts"]:
+            got = _stops_per_length(table, np.asarray([case["ids"]]))[0]
+            assert np.flatnonzero(got).tolist() == case["stops"][x], (stop_strings, case["text"])
+        expected = np.array([[c == "1" for c in row] for row in records["random"]["stops"][x]])
+        np.testing.assert_array_equal(_stops_per_length(table, random_ids), expected)
+
+
+@pytest.mark.parametrize("kind", ["genjax", "tokenizers"])
+def test_a_byte_level_checkpoint_tokenizer_stops_where_transformers_stops(kind):
+    """ ". " ends inside "ĠThe", "\n\n" is two "Ċ" tokens: both need the tokens read as bytes,
+    from genjax's own tokenizer as from the tokenizers library's."""
+    tokenizer = _checkpoint_tokenizer(kind)
+    records = json.loads((CHECKPOINT_TOKENIZER / "cases.json").read_text(encoding="utf-8"))
+    if kind == "genjax":
+        for case in records["texts"]:
+            assert tokenizer.encode(case["text"], add_special_tokens=False) == case["ids"]
+    assert records["texts"][0]["stops"][:3] == [[7], [16], [5, 16, 17]]
+    _check_recorded_stops(tokenizer)
+
+
+def test_a_byte_level_pre_tokenizer_alone_means_bytes():
+    tokenizer = Tokenizer.from_file(str(CHECKPOINT_TOKENIZER / "tokenizer.json"))
+    tokenizer.decoder = None  # the ByteLevel pre-tokenizer still says "Ġ" is a space
+    with_decoder = stop_string_table(_checkpoint_tokenizer("tokenizers"), [". ", "\n\n"])
+    table = stop_string_table(tokenizer, [". ", "\n\n"])
+    for name in ("positions", "end_lengths", "token_lengths", "target_lengths"):
+        np.testing.assert_array_equal(getattr(table, name), getattr(with_decoder, name))
 
 
 # ----------------------------------------------------------------------------- in generate
@@ -244,29 +305,31 @@ def _counting(scores, context):
 _counting.traces = 0
 
 
-def _generate(**config):
+def _generate(stop_strings=STOP_STRINGS, tokenizer=None, **config):
     model, params, records = _llama()
     config = GenerationConfig(max_new_tokens=10, pad_token_id=0, eos_token_id=126, **config)
     return genjax.generate(
         model,
         params,
         records["greedy/input_ids"],
-        config.replace(stop_strings=STOP_STRINGS),
+        config.replace(stop_strings=stop_strings),
         attention_mask=records["greedy/attention_mask"],
-        tokenizer=_tokenizer(),
+        tokenizer=_tokenizer() if tokenizer is None else tokenizer,
         stopping_criteria=[_stops_at_25],
         logits_processor=[_counting],
     )
 
 
-def _expected_with_stops(sequences: np.ndarray, prompt: int) -> tuple[np.ndarray, list[int]]:
+def _expected_with_stops(
+    sequences: np.ndarray, prompt: int, stop_strings=STOP_STRINGS
+) -> tuple[np.ndarray, list[int]]:
     """The recorded sequences cut where transformers' rules would stop each row, then padded."""
     out, steps = sequences.copy(), []
     for row in out:
         step = next(
             i
             for i in range(prompt, row.shape[0])
-            if _oracle(row[: i + 1], STOP_STRINGS) or row[i] == STOP_TOKEN
+            if _oracle(row[: i + 1], stop_strings) or row[i] == STOP_TOKEN
         )
         row[step + 1 :] = 0
         steps.append(step - prompt)
@@ -279,6 +342,19 @@ def test_generate_stops_each_row_at_its_stop_string_or_criterion():
     expected, steps = _expected_with_stops(records["greedy/sequences"], prompt)
     assert steps == [2, 4, 3]  # row 0 "t78", row 1 token 25, row 2 "de"
     out = _generate(max_time=1e6)  # a budget that changes nothing
+    np.testing.assert_array_equal(out.sequences, expected)
+
+
+def test_generate_reads_genjax_tokenizer_on_bytes():
+    """genjax's own Tokenizer over the same byte-level vocabulary: " st7" needs "Ġst" read as
+    " st", so row 0 now stops one token earlier, at "7"."""
+    _, _, records = _llama()
+    prompt = records["greedy/input_ids"].shape[1]
+    stop_strings = (" st7", "de")
+    expected, steps = _expected_with_stops(records["greedy/sequences"], prompt, stop_strings)
+    assert steps == [1, 4, 3]
+    tokenizer = genjax.tokenizer.Tokenizer(backend=_tokenizer(), special_tokens={})
+    out = _generate(stop_strings, tokenizer, max_time=1e6)
     np.testing.assert_array_equal(out.sequences, expected)
 
 
@@ -444,6 +520,29 @@ def test_byte_fallback_tokenizer_matches_transformers():
     expected = theirs(torch.from_numpy(ids).long(), None).numpy()
     assert expected.mean() > 0.03
     np.testing.assert_array_equal(_hits(table, jnp.asarray(ids), jnp.int32(7)), expected)
+
+
+@pytest.mark.parity
+def test_byte_level_checkpoint_records_match_live_transformers(tmp_path):
+    """The recording rerun live equals the stored one, and transformers' own tokenizer object,
+    loaded from the same folder, gives genjax the same tables as genjax's tokenizer."""
+    import sys
+
+    sys.path.insert(0, str(FIXTURES))
+    from make_stop_string_fixtures import build_records
+
+    stored = json.loads((CHECKPOINT_TOKENIZER / "cases.json").read_text(encoding="utf-8"))
+    live = build_records(tmp_path)
+    assert live["texts"] == stored["texts"] and live["random"] == stored["random"]
+    assert (tmp_path / "tokenizer.json").read_text() == (
+        CHECKPOINT_TOKENIZER / "tokenizer.json"
+    ).read_text()
+    _check_recorded_stops(_checkpoint_tokenizer("transformers"))
+    for stop_strings in stored["meta"]["stop_sets"]:
+        ours = stop_string_table(_checkpoint_tokenizer("genjax"), stop_strings)
+        theirs = stop_string_table(_checkpoint_tokenizer("transformers"), stop_strings)
+        for name in ("positions", "end_lengths", "token_lengths", "target_lengths"):
+            np.testing.assert_array_equal(getattr(ours, name), getattr(theirs, name))
 
 
 @pytest.mark.parity

@@ -6,6 +6,8 @@ are prepared with numpy when they are concrete, so a new prompt shape compiles n
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -86,6 +88,7 @@ def check_inputs(model, input_ids, attention_mask, key, config):
                 f"`attention_mask` must have the shape of `input_ids` {tuple(input_ids.shape)}; "
                 f"got {tuple(attention_mask.shape)}."
             )
+    check_padding(model, input_ids, attention_mask, config)
     if config.do_sample and key is None:
         raise InputError(
             "sampling (do_sample=True) needs an explicit PRNG key: pass key=jax.random.key(seed)."
@@ -103,6 +106,67 @@ def check_inputs(model, input_ids, attention_mask, key, config):
     if key is not None and key.shape != ():
         raise InputError(f"`key` must be a single key of shape (); got shape {key.shape}.")
     return input_ids, attention_mask, key
+
+
+RIGHT_PADDING_WARNING = (
+    "A decoder-only architecture is being used, but right-padding was detected! For correct "
+    "generation results, please set `padding_side='left'` when initializing the tokenizer."
+)  # transformers v5's text, word for word
+
+
+def check_padding(model, input_ids, attention_mask, config) -> None:
+    """Checks the attention mask's values and warns on right padding, when they are concrete.
+
+    Raises :class:`InputError` for a mask holding values other than 0 and 1 (a float mask of
+    weights, say: positions are counted from the mask) and for a row with no token to attend to.
+    Warns, as transformers does for a decoder-only model and a batch of more than one row, when
+    some row ends in padding: the mask's last column holds a 0 or, without a mask, the last
+    input id is the pad id (``pad_token_id``, else the first EOS id). Tracers are skipped, so
+    ``generate`` stays usable inside the user's ``jit``; so are the row checks of a global array
+    this process holds only part of.
+    """
+    if attention_mask is not None and not isinstance(attention_mask, jax.core.Tracer):
+        values = np.unique(local_values(attention_mask))
+        wrong = [v for v in values.tolist() if v not in (0, 1)]  # NaN is never 0 or 1
+        if wrong:
+            shown = ", ".join(repr(v) for v in wrong[:5]) + (", ..." if len(wrong) > 5 else "")
+            raise InputError(
+                f"`attention_mask` must hold only 0 (padding) and 1 (a token); got "
+                f"{attention_mask.dtype} values {shown}. Pass a 0/1 mask, e.g. "
+                f"(mask > 0).astype(np.int32), as the tokenizer returns it."
+            )
+        if _fully_readable(attention_mask):
+            mask = np.asarray(attention_mask)
+            empty = np.flatnonzero(~mask.astype(bool).any(axis=1)).tolist()
+            if empty:
+                raise InputError(
+                    f"`attention_mask` rows {empty} are all 0: those prompts have no token to "
+                    f"attend to and would generate garbage. Give every prompt at least one token "
+                    f"(e.g. the BOS token) or leave the empty prompts out."
+                )
+    if input_ids.shape[0] < 2 or getattr(model, "is_encoder_decoder", False):
+        return
+    if attention_mask is not None:
+        if isinstance(attention_mask, jax.core.Tracer) or not _fully_readable(attention_mask):
+            return
+        right_padded = bool((np.asarray(attention_mask)[:, -1] == 0).any())
+    else:
+        pad = config.pad_token_id
+        if pad is None and config.eos_token_id is not None:
+            pad = config.eos_token_id
+        traced = (input_ids, pad)
+        if pad is None or any(isinstance(x, jax.core.Tracer) for x in traced):
+            return
+        if not _fully_readable(input_ids):
+            return
+        pad = np.ravel(np.asarray(pad))[0]
+        right_padded = bool((np.asarray(input_ids)[:, -1] == pad).any())
+    if right_padded:
+        warnings.warn(RIGHT_PADDING_WARNING, UserWarning, stacklevel=4)
+
+
+def _fully_readable(x) -> bool:
+    return not (isinstance(x, jax.Array) and not x.is_fully_addressable)
 
 
 def local_values(x) -> np.ndarray:

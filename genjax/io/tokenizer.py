@@ -46,6 +46,12 @@ class Tokenizer:
     chat_template: str | None = None
 
     # ------------------------------------------------------------------ ids and tokens
+    @property
+    def backend_tokenizer(self) -> Any:
+        """The `tokenizers.Tokenizer` (transformers' name for it), where stop strings read the
+        vocabulary, its decoder and its pre-tokenizer (a byte-level one is matched on bytes)."""
+        return self.backend
+
     def get_vocab(self) -> dict[str, int]:
         """Token string -> id, added tokens included."""
         return self.backend.get_vocab(with_added_tokens=True)

@@ -34,8 +34,13 @@ Differences from transformers:
     * ``max_time`` counts from the start of the compiled program (before the prefill, as
       transformers starts before its prefill), so input checks and compilation are not counted;
       the clock is ``time.monotonic``, not ``time.time``.
-    * A tokenizer with only ``get_vocab()`` is accepted for stop strings: its tokens are taken as
-      their text (transformers needs a full tokenizer).
+    * Besides a transformers tokenizer, stop strings accept a ``tokenizers.Tokenizer``, any
+      object exposing one as ``backend_tokenizer`` (genjax's own :class:`genjax.tokenizer.
+      Tokenizer`), read the same way, and a tokenizer with only ``get_vocab()``, whose tokens
+      are taken as their text. A ``tokenizers.Tokenizer`` with no decoder but a ByteLevel
+      pre-tokenizer is matched on bytes too.
+    * A stop string no sequence of tokens can spell raises :class:`~genjax.errors.InputError`
+      naming it (transformers raises only when no token can end any of the stop strings).
 
 References:
     Hugging Face transformers' ``generation/stopping_criteria.py`` (``StopStringCriteria``,

@@ -65,8 +65,10 @@ def stop_string_table(tokenizer: Any, stop_strings: str | Sequence[str]) -> Stop
 
     Args:
         tokenizer: the vocabulary's source: a transformers tokenizer (``get_vocab``, calling it,
-            ``convert_ids_to_tokens``, ``convert_tokens_to_string``), a ``tokenizers.Tokenizer``,
+            ``convert_ids_to_tokens``, ``convert_tokens_to_string``), a ``tokenizers.Tokenizer``
+            or an object holding one as ``backend_tokenizer`` (``genjax.tokenizer.Tokenizer``),
             or any object with ``get_vocab()`` alone, whose tokens are then taken as their text.
+            A ByteLevel decoder (or, without a decoder, a ByteLevel pre-tokenizer) means bytes.
         stop_strings: one non-empty string or a sequence of them.
 
     Returns:
@@ -74,7 +76,7 @@ def stop_string_table(tokenizer: Any, stop_strings: str | Sequence[str]) -> Stop
         its shapes, and ``window``, are static).
 
     Raises:
-        InputError: empty stop strings, or no token can end any of them.
+        InputError: empty stop strings, or a stop string no sequence of tokens spells (named).
         TypeError: ``tokenizer`` has no ``get_vocab()``.
 
     Example:
@@ -94,7 +96,7 @@ def stop_string_table(tokenizer: Any, stop_strings: str | Sequence[str]) -> Stop
     table = _BY_CONTENT.get(key)
     if table is None:
         targets = tuple(s.encode("utf-8") for s in strings) if source.mode else strings
-        table = _build_table(source.clean(vocab), targets)
+        table = _build_table(source.clean(vocab), targets, source.hint())
     _remember(_BY_CONTENT, key, table)
     _remember(_BY_TOKENIZER, quick, (tokenizer, table))
     return table
@@ -198,13 +200,24 @@ class _VocabSource:
         if callable(getattr(tokenizer, "convert_tokens_to_string", None)) and callable(tokenizer):
             backend = getattr(tokenizer, "backend_tokenizer", None)
             return cls(tokenizer, getattr(backend, "decoder", None), "transformers")
-        if callable(getattr(tokenizer, "id_to_token", None)) and hasattr(tokenizer, "decoder"):
-            return cls(tokenizer, tokenizer.decoder, "tokenizers")
+        for backend in (tokenizer, getattr(tokenizer, "backend_tokenizer", None)):
+            if _is_tokenizers_backend(backend):
+                return cls(backend, _byte_level_hint(backend), "tokenizers")
         return cls(tokenizer, None, "plain")
 
     def fingerprint(self) -> tuple:
         state = _decoder_state(self.decoder)
         return (self.kind, self.mode, None if state is None else json.dumps(state, sort_keys=True))
+
+    def hint(self) -> str:
+        """Advice for a stop string no token sequence spells, from how the vocabulary was read."""
+        if self.kind == "plain":
+            return (
+                f" The tokenizer ({type(self.tokenizer).__name__}) has only get_vocab(), so each "
+                f'token is taken as its own text; a byte-level vocabulary ("Ġ" for a space) '
+                f"needs a transformers tokenizer or a tokenizers.Tokenizer to be read as bytes."
+            )
+        return ""
 
     def size(self) -> int:
         """The number of tokens, added ones included, read cheaply where the tokenizer can."""
@@ -272,6 +285,26 @@ class _VocabSource:
         return self.tokenizer.convert_tokens_to_string(tokens)
 
 
+def _is_tokenizers_backend(backend: Any) -> bool:
+    """Whether ``backend`` looks like a ``tokenizers.Tokenizer`` (the library's, or an object
+    with its reading methods)."""
+    return all(
+        callable(getattr(backend, name, None)) for name in ("get_vocab", "id_to_token", "encode")
+    ) and hasattr(backend, "decoder")
+
+
+def _byte_level_hint(backend: Any) -> Any:
+    """The decoder that decides the matching mode of a ``tokenizers.Tokenizer``: its own, or,
+    when it has none, its pre-tokenizer, so that a ByteLevel pre-tokenizer alone still means
+    byte-level tokens ("Ġ" for a space)."""
+    decoder = backend.decoder
+    if decoder is None:
+        pre_tokenizer = getattr(backend, "pre_tokenizer", None)
+        if "ByteLevel" in set(_types_named(_decoder_state(pre_tokenizer))):
+            return pre_tokenizer
+    return decoder
+
+
 def _decoder_state(decoder: Any) -> Any:
     """The decoder's JSON description as a Python value, or None."""
     if decoder is None:
@@ -336,16 +369,40 @@ def _token_fits(stop: str | bytes, token: str | bytes) -> tuple[list[int], list[
     return positions, ends
 
 
-def _build_table(clean: dict[int, str | bytes], targets: tuple) -> StopStringTable:
+def _can_spell(per: dict[int, tuple[list[int], list[int]]], lengths: dict, size: int) -> bool:
+    """Whether some chain of tokens spells the stop string: from a token's end length, earlier
+    tokens at valid positions grow the matched count until it reaches ``size``."""
+    steps = collections.defaultdict(set)  # matched count -> lengths of the tokens fitting there
+    for index, (positions, _) in per.items():
+        for matched in positions:
+            steps[matched].add(lengths[index])
+    frontier = [end for _, ends in per.values() for end in ends]
+    seen = set()
+    while frontier:
+        matched = frontier.pop()
+        if matched >= size:
+            return True
+        if matched not in seen:
+            seen.add(matched)
+            frontier.extend(matched + length for length in steps[matched])
+    return False
+
+
+def _build_table(clean: dict[int, str | bytes], targets: tuple, hint: str) -> StopStringTable:
     fits = [{index: _token_fits(stop, text) for index, text in clean.items()} for stop in targets]
-    most_positions = max((len(p) for per in fits for p, _ in per.values()), default=0)
-    most_ends = max((len(e) for per in fits for _, e in per.values()), default=0)
-    if most_ends == 0:
+    lengths = {index: len(text) for index, text in clean.items()}
+    never = [
+        t for t, per in zip(targets, fits, strict=True) if not _can_spell(per, lengths, len(t))
+    ]
+    if never:
+        names = [t.decode("utf-8") if isinstance(t, bytes) else t for t in never]
         raise InputError(
-            f"no token of the tokenizer's vocabulary can end any of the stop strings "
-            f"{[t.decode('utf-8') if isinstance(t, bytes) else t for t in targets]}; they "
-            f"probably hold characters the vocabulary lacks. Check the stop strings."
+            f"the stop strings {names} can never match: no sequence of the tokenizer's tokens "
+            f"spells them, so they probably hold characters the vocabulary lacks.{hint} Remove "
+            f"them or pass the model's own tokenizer."
         )
+    most_positions = max((len(p) for per in fits for p, _ in per.values()), default=0)
+    most_ends = max(len(e) for per in fits for _, e in per.values())
     rows = max(clean) + 2  # the last row is the spare one for ids outside the vocabulary
     positions = np.full((rows, len(targets), max(most_positions, 1)), _NO_MATCH, np.int32)
     end_lengths = np.full((rows, len(targets), most_ends), _NO_MATCH, np.int32)

@@ -83,20 +83,22 @@ def warmup(
     """Compiles ahead of time the programs ``generate`` will run, so its first call compiles
     nothing.
 
-    For each batch size and prompt length, it runs ``genjax.generate`` with the same config and
-    keyword arguments, except that the program is compiled (``lower(...).compile()``) and not
-    run. Prompt lengths in one bucket share a program, and with ``max_cache_len`` every prompt
-    length and ``max_new_tokens`` share one per batch size, so the later entries cost nearly
-    nothing. Pass the same config, ``prompt_buckets`` and keyword arguments (``mesh``,
-    ``logits_processor``...) that the real calls will use: anything static that differs
-    compiles a new program at the call.
+    For each batch size and prompt length, it plans a call on a batch of zeros exactly as
+    ``genjax.generate`` does (:func:`genjax.generation.plan.prepare`, with the same config and
+    keyword arguments), then lowers and compiles that plan's program
+    (``jax.jit(...).lower(...).compile()``, which fills the cache ``generate`` looks in); it
+    runs nothing unless ``run_once``. Prompt lengths in one bucket share a program, and with
+    ``max_cache_len`` every prompt length and ``max_new_tokens`` share one per batch size, so
+    the later entries cost nearly nothing. Pass the same config, ``prompt_buckets`` and keyword
+    arguments (``mesh``, ``logits_processor``...) that the real calls will use: anything static
+    that differs compiles a new program at the call.
 
-    With ``run_once=True`` each program also runs once, on a batch of zeros, so the one-off
-    work of a program's first execution (on CPU, building XLA's matrix-product runtimes: seconds
-    for a 135M model) is done before the first real call too. A bucketed program runs the
-    config's ``max_new_tokens`` (a full generation: its length is static); a ``max_cache_len``
-    program runs 2 new tokens, enough to run the decoding loop's body, since its length is
-    traced.
+    With ``run_once=True`` the compiled program also runs once, on a batch of zeros, so the
+    one-off work of a program's first execution (on CPU, building XLA's matrix-product
+    runtimes: seconds for a 135M model) is done before the first real call too. A bucketed
+    program runs the config's ``max_new_tokens`` (a full generation: its length is static); a
+    ``max_cache_len`` program runs 2 new tokens, enough to run the decoding loop's body, since
+    its length is traced.
 
     Static or traced: the values of traced config fields (temperature, top_p, EOS ids...) and
     of the key do not matter; their presence does (a config with ``temperature=1.0`` compiles

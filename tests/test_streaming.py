@@ -245,15 +245,15 @@ def test_new_streamers_compile_nothing_and_no_streamer_compiles_no_callback(setu
 
 def _lowered_with_stream(model, params, ids, config, stream_id):
     """The program generate compiles for a streamer (no bucket padding here)."""
+    import dataclasses
+
     from genjax.generation.entry import _generate_jit
+    from genjax.generation.plan import CallRequest, prepare
 
     mask = jnp.ones(ids.shape, jnp.int32)
-    offset = jnp.asarray(0, jnp.int32)
-    key = jax.random.key(0)
-    return _generate_jit(
-        model, params, ids, mask, config.with_defaults(), key, offset, None,
-        stream_id=stream_id, max_new_tokens=4, logits_processor=(),
-    ).sequences  # fmt: skip
+    call = prepare(model, params, ids, config, CallRequest(attention_mask=mask))
+    plan = dataclasses.replace(call.plan, streaming=True)
+    return _generate_jit(plan, *call.arguments(stream_id)).sequences
 
 
 def test_concurrent_streams_each_get_their_own_tokens(setup):

@@ -1,10 +1,20 @@
 """``generate``: validate a call, plan it, prefill, run the right decoding loop, assemble outputs.
 
-``entry`` is :func:`generate` itself and its jitted programs; ``inputs`` validates the call and
-derives its lengths and layout on the host; ``prefill`` holds the pieces every program shares
-(the prompt pass, stopping state, special ids); ``outputs`` the output type and transition
-scores; ``buckets`` the prompt-length policies; ``compiling`` ahead-of-time warm-up and the
-persistent compile cache; ``pmap`` the ``jax.pmap`` form.
+``plan`` checks a call and decides everything about it on the host, once: its
+:class:`~genjax.generation.plan.CallPlan` (the mode, the program's prompt width and recorded
+steps, the ``max_cache_len`` slot layout, the sharding layout, the user's processors and
+stopping criteria, streaming, the output flags, the KV caches; frozen and hashable) and the
+arrays the program traces. ``entry`` is :func:`generate` itself and its one jitted program,
+whose single static argument is the plan and whose three loops (sampling, beams, assisted) read
+it; ``inputs`` holds the host checks ``plan`` calls (arrays, lengths, layout, stop strings);
+``prefill`` the pieces every loop shares inside the program (the prompt pass, stopping state,
+special ids); ``outputs`` the output type and transition scores; ``buckets`` the prompt-length
+policies; ``compiling`` :func:`warmup` (it plans each call as ``generate`` does, then lowers
+and compiles the same program) and the persistent compile cache; ``pmap`` the ``jax.pmap``
+form. The call flow::
+
+    generate ─> plan.prepare ─> PreparedCall ─> entry._generate_jit(plan, params, arrays...)
+    warmup   ─> plan.prepare ─> PreparedCall ─> entry.lower_program(call).compile()
 
 Layer:
     Floor 5. May import every floor below (config, processors, stopping, cache, models,

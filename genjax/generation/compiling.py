@@ -36,8 +36,9 @@ from jax.experimental.compilation_cache import compilation_cache
 from genjax.config import GenerationConfig
 from genjax.errors import InputError, UnsupportedError
 from genjax.generation import buckets
-from genjax.generation import entry as _generate
+from genjax.generation.entry import lower_program
 from genjax.generation.inputs import effective_config
+from genjax.generation.plan import CallRequest, PreparedCall, prepare
 from genjax.typing import PyTree
 
 __all__ = ["WarmupEntry", "disable_compile_cache", "enable_compile_cache", "warmup"]
@@ -82,20 +83,22 @@ def warmup(
     """Compiles ahead of time the programs ``generate`` will run, so its first call compiles
     nothing.
 
-    For each batch size and prompt length, it runs ``genjax.generate`` with the same config and
-    keyword arguments, except that the program is compiled (``lower(...).compile()``) and not
-    run. Prompt lengths in one bucket share a program, and with ``max_cache_len`` every prompt
-    length and ``max_new_tokens`` share one per batch size, so the later entries cost nearly
-    nothing. Pass the same config, ``prompt_buckets`` and keyword arguments (``mesh``,
-    ``logits_processor``...) that the real calls will use: anything static that differs
-    compiles a new program at the call.
+    For each batch size and prompt length, it plans a call on a batch of zeros exactly as
+    ``genjax.generate`` does (:func:`genjax.generation.plan.prepare`, with the same config and
+    keyword arguments), then lowers and compiles that plan's program
+    (``jax.jit(...).lower(...).compile()``, which fills the cache ``generate`` looks in); it
+    runs nothing unless ``run_once``. Prompt lengths in one bucket share a program, and with
+    ``max_cache_len`` every prompt length and ``max_new_tokens`` share one per batch size, so
+    the later entries cost nearly nothing. Pass the same config, ``prompt_buckets`` and keyword
+    arguments (``mesh``, ``logits_processor``...) that the real calls will use: anything static
+    that differs compiles a new program at the call.
 
-    With ``run_once=True`` each program also runs once, on a batch of zeros, so the one-off
-    work of a program's first execution (on CPU, building XLA's matrix-product runtimes: seconds
-    for a 135M model) is done before the first real call too. A bucketed program runs the
-    config's ``max_new_tokens`` (a full generation: its length is static); a ``max_cache_len``
-    program runs 2 new tokens, enough to run the decoding loop's body, since its length is
-    traced.
+    With ``run_once=True`` the compiled program also runs once, on a batch of zeros, so the
+    one-off work of a program's first execution (on CPU, building XLA's matrix-product
+    runtimes: seconds for a 135M model) is done before the first real call too. A bucketed
+    program runs the config's ``max_new_tokens`` (a full generation: its length is static); a
+    ``max_cache_len`` program runs 2 new tokens, enough to run the decoding loop's body, since
+    its length is traced.
 
     Static or traced: the values of traced config fields (temperature, top_p, EOS ids...) and
     of the key do not matter; their presence does (a config with ``temperature=1.0`` compiles
@@ -143,37 +146,29 @@ def warmup(
             )
     config = effective_config(config, {})
     fixed = generate_kwargs.get("max_cache_len", config.max_cache_len)
-    policy = buckets.resolve(prompt_buckets)
+    buckets.resolve(prompt_buckets)  # a bad policy fails before anything is traced
     if key is None:
         key = jax.random.key(0)
     entries = []
     for batch in batch_sizes:
         for length in prompt_lengths:
-            kwargs = dict(generate_kwargs)
+            kwargs = dict(generate_kwargs, key=key, prompt_buckets=prompt_buckets)
             wanted = kwargs.get("max_new_tokens", config.max_new_tokens)
             if fixed is not None and (wanted is None or length + wanted > fixed):
                 kwargs["max_new_tokens"] = max(fixed - length, 1)  # traced: any N that fits
-            record = []
-            token = _generate._AHEAD_OF_TIME.set(record)
-            try:
-                _dummy_call(model, params, config, (batch, length), key, prompt_buckets, kwargs)
-            finally:
-                _generate._AHEAD_OF_TIME.reset(token)
-            (seconds, compiled), *_ = record
+            call = _dummy_call(model, params, config, (batch, length), kwargs)
+            start = time.perf_counter()
+            compiled = lower_program(call).compile()
+            seconds = time.perf_counter() - start
             run_seconds = None
             if run_once:
                 if fixed is not None:  # its length is traced: 2 new tokens run the loop body
                     kwargs["max_new_tokens"] = min(2, fixed - length)
+                    call = _dummy_call(model, params, config, (batch, length), kwargs)
                 start = time.perf_counter()
-                out = _dummy_call(
-                    model, params, config, (batch, length), key, prompt_buckets, kwargs
-                )
-                jax.block_until_ready(out.sequences)
+                jax.block_until_ready(compiled(*call.arguments()).sequences)
                 run_seconds = time.perf_counter() - start
-            if fixed is None:
-                padded = policy.length(length)
-            else:
-                padded = fixed + policy.granularity - 1
+            padded = call.plan.width
             entries.append(WarmupEntry(batch, length, padded, seconds, compiled, run_seconds))
     return entries
 
@@ -237,18 +232,12 @@ def disable_compile_cache() -> None:
     compilation_cache.reset_cache()
 
 
-def _dummy_call(model, params, config, shape, key, prompt_buckets, kwargs):
-    """``generate`` on a batch of zeros of ``shape`` (int32[B, P]) with every slot attended."""
-    return _generate.generate(
-        model,
-        params,
-        np.zeros(shape, np.int32),
-        config,
-        attention_mask=np.ones(shape, np.int32),
-        key=key,
-        prompt_buckets=prompt_buckets,
-        **kwargs,
-    )
+def _dummy_call(model, params, config, shape, kwargs) -> PreparedCall:
+    """The prepared ``generate`` call on a batch of zeros of ``shape`` (int32[B, P]) with every
+    slot attended; ``kwargs`` are ``generate``'s keyword arguments."""
+    ids = np.zeros(shape, np.int32)
+    request = CallRequest.of(attention_mask=np.ones(shape, np.int32), **kwargs)
+    return prepare(model, params, ids, config, request)
 
 
 def _positive_ints(name: str, values) -> tuple[int, ...]:

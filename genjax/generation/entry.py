@@ -28,10 +28,13 @@ every greedy or sampling call with ``P + N <= max_cache_len`` and the same batch
 program, and outputs have ``max_cache_len`` columns (see :mod:`genjax.cache.slots`).
 :func:`genjax.warmup` compiles programs ahead of time.
 
-Modules: this one holds the entry point and the compiled program's three decoding paths;
-:mod:`genjax.generation.inputs` checks and prepares the arguments on the host,
-:mod:`genjax.generation.prefill` holds
-what every path does first inside the program (special ids, stopping rules, prefill).
+Structure: ``generate`` checks and plans the call once on the host
+(:func:`genjax.generation.plan.prepare`: a hashable :class:`~genjax.generation.plan.CallPlan`
+and the arrays to trace), then runs ``_generate_jit(plan, params, input_ids, attention_mask,
+traced)``, whose one static argument is the plan. Inside it, the plan's mode picks one of three
+loops (sampling, beams, assisted), which read their static options from the plan and share what
+:mod:`genjax.generation.prefill` does first (special ids, stopping rules, prefill).
+:func:`lower_program` lowers the same program for :func:`genjax.warmup`.
 
 Differences from transformers forced by static shapes: outputs always hold ``N`` steps
 (see :mod:`genjax.outputs`); ``use_cache=False`` gives the same tokens through the cache.
@@ -39,20 +42,14 @@ Differences from transformers forced by static shapes: outputs always hold ``N``
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import functools
-import time
 from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from genjax.cache import slots as cache_slots
-from genjax.cache.memory import check_fits
-from genjax.cache.quantized import check_cache_options, init_cache
-from genjax.cache.slots import pad_prompt
+from genjax.cache.quantized import init_cache
 from genjax.config import GenerationConfig
 from genjax.decoding import assisted, beam
 from genjax.decoding.sampling import (
@@ -63,31 +60,18 @@ from genjax.decoding.sampling import (
     sampling_chooser,
 )
 from genjax.generation import buckets
-from genjax.generation.inputs import (
-    as_int32,
-    cache_requests,
-    call_layout,
-    check_assisted_extras,
-    check_inputs,
-    check_mode,
-    effective_config,
-    infer_attention_mask,
-    num_new_tokens,
-    stop_string_table_for,
-)
 from genjax.generation.outputs import GenerateOutput
+from genjax.generation.plan import CallPlan, CallRequest, Mode, PreparedCall, TracedInputs, prepare
 from genjax.generation.prefill import (
     accepts_logits_to_keep,
-    is_quantized,
     prefill,
     prompt_context,
     special_ids,
     start_stopping,
 )
-from genjax.processors import Processor, from_config, validate_config
-from genjax.sharding import Layout
-from genjax.stopping import StopCriterion, StoppingRules, as_criteria
-from genjax.streaming import check_streamer, stream_to, token_hook
+from genjax.processors import Processor, from_config
+from genjax.stopping import StopCriterion, StoppingRules
+from genjax.streaming import stream_to, token_hook
 from genjax.typing import Array, PyTree
 
 MIN_BUCKET = buckets.DEFAULT.size
@@ -213,247 +197,150 @@ def generate(
         >>> out.sequences.shape
         (1, 13)
     """
-    config = effective_config(config, config_overrides)
-    resolved = config.with_defaults()
-    check_mode(resolved, assistant_model)
-    validate_config(resolved, model.vocab_size)
-    check_cache_options(resolved.cache_implementation, resolved.cache_config)
-    input_ids, attention_mask, key = check_inputs(model, input_ids, attention_mask, key, resolved)
-    layout = call_layout(model, mesh, rules, input_ids.shape[0])
-    if assisted.is_assisted(resolved, assistant_model):
-        assisted.check_call(resolved, model, assistant_model, assistant_params, len(input_ids))
-        check_assisted_extras(streamer, layout)
-    prompt_length = input_ids.shape[1]
-    max_new_tokens = num_new_tokens(config, resolved, prompt_length, model)
-    policy = buckets.resolve(prompt_buckets)
-    slots = cache_slots.plan(
-        resolved,
-        policy,
-        prompt_length,
-        max_new_tokens,
-        assisted.is_assisted(resolved, assistant_model),
+    request = CallRequest(
+        attention_mask=attention_mask,
+        key=key,
+        logits_processor=logits_processor,
+        allowed_tokens_fn=allowed_tokens_fn,
+        stopping_criteria=stopping_criteria,
+        tokenizer=tokenizer,
+        streamer=streamer,
+        mesh=mesh,
+        rules=rules,
+        assistant_model=assistant_model,
+        assistant_params=assistant_params,
+        prompt_buckets=prompt_buckets,
+        overrides=config_overrides,
     )
-    if resolved.min_new_tokens is not None:  # transformers: min_new_tokens overrides min_length
-        resolved = resolved.replace(min_length=0)
-    stopping_criteria = as_criteria(stopping_criteria)
-    stop_strings = stop_string_table_for(resolved, tokenizer)
-    if streamer is not None:
-        traced = (params, input_ids, attention_mask, key)
-        traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(traced))
-        check_streamer(streamer, input_ids, resolved, traced)
-    prompt_ids = input_ids  # as given, for the streamer
-
-    pad_token_id, eos_token_ids = special_ids(resolved)
-    if attention_mask is None:
-        attention_mask = infer_attention_mask(input_ids, pad_token_id, eos_token_ids)
-    input_ids, attention_mask = as_int32(input_ids), as_int32(attention_mask)
-    offset, bounds, cache_new = 0, None, max_new_tokens
-    if slots is not None:  # one program for every P + N <= max_cache_len: see cache_slots
-        input_ids, attention_mask, offset, prompt_end = slots.place(
-            input_ids, attention_mask, pad_token_id
-        )
-        bounds = jax.device_put(np.array([prompt_end, prompt_end + max_new_tokens], np.int32))
-        resolved = resolved.replace(max_new_tokens=None, max_length=None)  # traced in bounds
-        max_new_tokens, cache_new = slots.max_steps, 0
-    elif not isinstance(input_ids, jax.core.Tracer):
-        offset = policy.length(prompt_length) - prompt_length
-        input_ids, attention_mask = pad_prompt(input_ids, attention_mask, pad_token_id, offset)
-    check_fits(cache_requests(model, resolved, input_ids.shape, cache_new, assistant_model), layout)
-    if mesh is not None:  # concrete arrays only; inside a user's jit the constraints place them
-        params = layout.place_params(params)
-        input_ids, attention_mask = layout.place_rows(input_ids, attention_mask)
-    with stream_to(streamer, prompt_ids) as stream_id:  # puts the prompt; None: no streamer
-        out = _run_program(
-            model,
-            params,
-            input_ids,
-            attention_mask,
-            resolved,
-            key if key is not None else jax.random.key(0),
-            jnp.asarray(offset, jnp.int32),
-            stop_strings,
-            stream_id=stream_id,
-            layout=layout,
-            max_new_tokens=max_new_tokens,
-            logits_processor=tuple(logits_processor),
-            allowed_tokens_fn=allowed_tokens_fn,
-            stopping_criteria=stopping_criteria,
-            assistant=assistant_model,
-            assistant_params=assistant_params,
-            slots=slots,
-            bounds=bounds,
-        )
+    call = prepare(model, params, input_ids, config, request)
+    with stream_to(streamer, call.prompt_ids) as stream_id:  # puts the prompt; None: no streamer
+        out = _generate_jit(call.plan, *call.arguments(stream_id))  # see lower_program
         if stream_id is not None:
             out = jax.block_until_ready(out)  # every token has reached the streamer
-    if offset and slots is None:
-        out = out.replace(sequences=out.sequences[:, offset:])
+    out = call.finish(out)
     if streamer is not None:
         streamer.end()
     return out
 
 
-_AHEAD_OF_TIME: contextvars.ContextVar[list | None] = contextvars.ContextVar(
-    "genjax_ahead_of_time", default=None
-)
-"""Set by :func:`genjax.warmup` to a list: ``generate`` then compiles instead of running."""
+def lower_program(call: PreparedCall) -> jax.stages.Lowered:
+    """The program ``generate`` runs for ``call``, lowered: ``.compile()`` fills the same cache
+    ``generate`` looks in (used by :func:`genjax.warmup`). Without a streamer: a streamed call
+    compiles its program the first time."""
+    return _generate_jit.lower(call.plan, *call.arguments())
 
 
-def _run_program(*args, **kwargs) -> GenerateOutput:
-    """Runs :func:`_generate_jit`. Under :func:`genjax.warmup` it compiles the program ahead of
-    time instead (``lower(...).compile()``, which fills the jit's cache), appends ``(seconds,
-    compiled)`` to the warm-up's list and returns zeros shaped like the output."""
-    record = _AHEAD_OF_TIME.get()
-    if record is None:
-        return _generate_jit(*args, **kwargs)
-    start = time.perf_counter()
-    compiled = _generate_jit.lower(*args, **kwargs).compile()
-    record.append((time.perf_counter() - start, compiled))
-    # Device arrays, so that generate's own steps on the output (the bucket trim) run too.
-    return jax.tree.map(
-        lambda s: jax.device_put(np.zeros(s.shape, s.dtype), s.sharding), compiled.out_info
-    )
-
-
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "model",
-        "max_new_tokens",
-        "logits_processor",
-        "allowed_tokens_fn",
-        "stopping_criteria",
-        "layout",
-        "assistant",
-        "slots",
-    ),
-)
+@functools.partial(jax.jit, static_argnums=0)
 def _generate_jit(
-    model,
-    params,
-    input_ids,
-    attention_mask,
-    config,
-    key,
-    offset,
-    stop_strings=None,
-    *,
-    stream_id=None,
-    layout: Layout | None = None,
-    max_new_tokens,
-    logits_processor,
-    allowed_tokens_fn=None,
-    stopping_criteria=(),
-    assistant=None,
-    assistant_params=None,
-    slots: cache_slots.FixedSlots | None = None,
-    bounds=None,
+    plan: CallPlan, params: PyTree, input_ids: Array, attention_mask: Array, traced: TracedInputs
 ) -> GenerateOutput:
-    """The compiled body of ``generate``: prefill, repeat rows for ``num_return_sequences``,
-    decode. ``offset`` (traced) counts the bucket padding slots at the start of each row;
-    ``stop_strings`` is a :class:`~genjax.stopping.StopStringTable` or None; ``stream_id``
-    (int32[], traced) names the registered streamer, or is None for no streaming; ``layout``
-    (static) shards inputs, loop carry and outputs, or is None. With ``max_cache_len``,
-    ``slots`` (static) is the buffer layout of :mod:`genjax.cache.slots`, ``bounds`` int32[2]
-    (traced) the prompt's end and the loop's end in it, and ``max_new_tokens`` the steps
-    recorded in ``scores``/``logits``."""
-    if layout is not None:
-        input_ids, attention_mask = layout.constrain((input_ids, attention_mask))
+    """The compiled body of ``generate``: start the stopping rules, then run the plan's loop.
+
+    Args:
+        plan: the call's :class:`~genjax.generation.plan.CallPlan` (static).
+        params: the model parameters (traced).
+        input_ids: int32[B, W] prompts laid out in the program's slots (``W = plan.width``).
+        attention_mask: int32[B, W], 1 on real prompt tokens.
+        traced: the config, key, padding ``o``, slot bounds, stop-string tables, draft params
+            and stream id (all traced).
+    """
+    if plan.layout is not None:
+        input_ids, attention_mask = plan.layout.constrain((input_ids, attention_mask))
+    config = traced.config
     pad_token_id, eos_token_ids = special_ids(config)
     stopping, input_ids = start_stopping(
-        config, eos_token_ids, stopping_criteria, stop_strings, offset, input_ids
+        config, eos_token_ids, plan.stopping_criteria, traced.stop_strings, traced.offset, input_ids
     )
     call = _Call(
-        model=model,
+        plan=plan,
         params=params,
         input_ids=input_ids,
         attention_mask=attention_mask,
-        config=config,
-        key=key,
-        offset=offset,
+        traced=traced,
         pad_token_id=pad_token_id,
         eos_token_ids=eos_token_ids,
         stopping=stopping,
-        max_new_tokens=max_new_tokens,
-        logits_processor=logits_processor,
-        allowed_tokens_fn=allowed_tokens_fn,
-        layout=layout,
     )
-    if assisted.is_assisted(config, assistant):
-        return _generate_assisted(call, assistant, assistant_params)
-    if config.num_beams > 1:
-        return _generate_beams(call)
-    return _generate_sampling(call, stream_id, slots, bounds)
+    return _LOOPS[plan.mode](call)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Call:
-    """What the three decoding paths share, inside the trace: the (traced) inputs, the special
-    ids, the started stopping rules, and the static options."""
+    """What the three loops share, inside the trace: the plan (static), the traced inputs, the
+    special ids and the started stopping rules."""
 
-    model: object
+    plan: CallPlan
     params: PyTree
-    input_ids: Array  # int32[B, P], bucket-padded
-    attention_mask: Array  # int32[B, P]
-    config: GenerationConfig  # resolved; its traced fields are tracers here
-    key: Array
-    offset: Array  # int32[]: bucket padding slots at the start of each row
+    input_ids: Array  # int32[B, W]: laid out in the program's slots
+    attention_mask: Array  # int32[B, W]
+    traced: TracedInputs  # its config's traced fields are tracers here
     pad_token_id: Array  # int32[]
     eos_token_ids: Array | None  # int32[E]
     stopping: StoppingRules  # clock started before the prefill
-    max_new_tokens: int  # N (static)
-    logits_processor: tuple  # the user's processors (static)
-    allowed_tokens_fn: Callable | None  # static
-    layout: Layout | None  # static
+
+    @property
+    def config(self) -> GenerationConfig:
+        """The resolved config (traced fields are tracers)."""
+        return self.traced.config
 
     def processors(self) -> Processor:
         """The processor chain of the config, in transformers' order."""
         return from_config(
             self.config,
             self.eos_token_ids,
-            extra=self.logits_processor,
-            allowed_tokens_fn=self.allowed_tokens_fn,
+            extra=self.plan.logits_processor,
+            allowed_tokens_fn=self.plan.allowed_tokens_fn,
         )
 
-    def prefill(self, max_new_tokens: int | None = None):
-        """:func:`genjax.generation.prefill.prefill` of the model into ``P + max_new_tokens``
-        slots (default ``N``)."""
-        new = self.max_new_tokens if max_new_tokens is None else max_new_tokens
+    def prefill(self, new_slots: int | None = None, *, draft: bool = False):
+        """:func:`genjax.generation.prefill.prefill` of the model (the assistant when
+        ``draft``) into ``W + new_slots`` slots (default ``N``)."""
+        model, params = self.plan.model, self.params
+        if draft:
+            model, params = self.plan.assistant, self.traced.assistant_params
         return prefill(
-            self.model,
-            self.params,
+            model,
+            params,
             self.input_ids,
             self.attention_mask,
-            new,
+            self.plan.steps if new_slots is None else new_slots,
             self.pad_token_id,
-            is_quantized(self.config),
+            self.plan.quantized,
         )
+
+    def constrain(self):
+        """The loops' ``constrain`` hook: the layout's shardings, or None."""
+        return None if self.plan.layout is None else self.plan.layout.constrain
 
     def finish(self, out: GenerateOutput) -> GenerateOutput:
         """The output, sharded as the layout says."""
-        return out if self.layout is None else self.layout.constrain(out)
+        return out if self.plan.layout is None else self.plan.layout.constrain(out)
 
 
-def _generate_sampling(call: _Call, stream_id, slots, bounds) -> GenerateOutput:
-    """Greedy decoding and sampling: prefill once, repeat rows for ``num_return_sequences``,
-    run :func:`genjax.decoding.sampling.decode`."""
-    config, input_ids, attention_mask = call.config, call.input_ids, call.attention_mask
-    batch, prompt_length = input_ids.shape
-    copies = config.num_return_sequences
+def _generate_sampling(call: _Call) -> GenerateOutput:
+    """Greedy decoding and sampling: prefill once (into the slot buffer with
+    ``max_cache_len``), repeat rows for ``num_return_sequences``, run
+    :func:`genjax.decoding.sampling.decode`."""
+    plan, traced, attention_mask = call.plan, call.traced, call.attention_mask
+    batch, width = call.input_ids.shape
+    copies = plan.num_return_sequences
 
     def rows(x):  # row b -> rows b*R .. b*R+R-1, by a reshape: sharded rows stay in place
         return jnp.repeat(x, copies, axis=0)
 
-    length = jnp.asarray(prompt_length, jnp.int32)
-    if slots is None:
+    length = jnp.asarray(width, jnp.int32)
+    if plan.slots is None:
         logits, cache, cache_mask, tokens = call.prefill()
     else:
-        cache = init_cache(call.model, batch, slots.buffer_length, is_quantized(config))
-        keep_one = accepts_logits_to_keep(call.model)
-        logits, cache, cache_mask = slots.prefill(
-            call.model, call.params, input_ids, attention_mask, bounds[0], cache, keep_one=keep_one
-        )
-        logits, tokens, length = logits[:, None], input_ids, bounds[0]
-    recorded = (batch * copies, call.max_new_tokens, logits.shape[-1])
+        cache = init_cache(plan.model, batch, plan.slots.buffer_length, plan.quantized)
+        keep_one = accepts_logits_to_keep(plan.model)
+        prompt_end = traced.bounds[0]
+        logits, cache, cache_mask = plan.slots.prefill(
+            plan.model, call.params, call.input_ids, attention_mask, prompt_end, cache,
+            keep_one=keep_one,
+        )  # fmt: skip
+        logits, tokens, length = logits[:, None], call.input_ids, prompt_end
+    recorded = (batch * copies, plan.steps, logits.shape[-1])
     state = DecodeState(
         tokens=rows(tokens),
         length=length,
@@ -461,25 +348,27 @@ def _generate_sampling(call: _Call, stream_id, slots, bounds) -> GenerateOutput:
         cache=cache.repeat_rows(copies),
         attention_mask=rows(cache_mask),
         finished=jnp.zeros((batch * copies,), bool),
-        key=call.key,
-        scores=jnp.zeros(recorded) if config.output_scores else None,
-        raw_logits=jnp.zeros(recorded) if config.output_logits else None,
+        key=traced.key,
+        scores=jnp.zeros(recorded) if plan.output_scores else None,
+        raw_logits=jnp.zeros(recorded) if plan.output_logits else None,
     )
-    context = prompt_context(state.tokens, state.length, state.attention_mask, call.offset)
-    if slots is not None:  # transformers' max_length = P + N, traced
-        context = context.replace(max_length=bounds[1] - call.offset)
+    context = prompt_context(state.tokens, state.length, state.attention_mask, traced.offset)
+    if plan.slots is not None:  # transformers' max_length = P + N, traced
+        context = context.replace(max_length=traced.bounds[1] - traced.offset)
     rules = DecodeRules(
         process=call.processors(),
-        choose=sampling_chooser() if config.do_sample else greedy_chooser(),
+        choose=sampling_chooser() if plan.do_sample else greedy_chooser(),
         context=context,
         pad_token_id=call.pad_token_id,
         stopping=call.stopping,
-        on_token=None if stream_id is None else token_hook(stream_id),
-        constrain=None if call.layout is None else call.layout.constrain,
-        end=None if slots is None else bounds[1],
+        on_token=token_hook(traced.stream_id) if plan.streaming else None,
+        constrain=call.constrain(),
+        end=None if plan.slots is None else traced.bounds[1],
     )
-    state = decode(call.model.apply, call.params, state, rows(logits[:, -1]), rules)
-    sequences = state.tokens if slots is None else slots.sequences(state.tokens, call.offset)
+    state = decode(plan.model.apply, call.params, state, rows(logits[:, -1]), rules)
+    sequences = state.tokens
+    if plan.slots is not None:
+        sequences = plan.slots.sequences(state.tokens, traced.offset)
     return call.finish(
         GenerateOutput(sequences=sequences, scores=state.scores, logits=state.raw_logits)
     )
@@ -488,35 +377,36 @@ def _generate_sampling(call: _Call, stream_id, slots, bounds) -> GenerateOutput:
 def _generate_beams(call: _Call) -> GenerateOutput:
     """Beam search / beam sampling: prefill each prompt once, repeat its cache rows for the M
     beams, run :func:`genjax.decoding.beam.beam_search`, return the R best hypotheses."""
-    config = call.config
+    plan, config = call.plan, call.config
     batch = call.input_ids.shape[0]
-    num_beams = config.num_beams
+    num_beams = plan.num_beams
     logits, cache, cache_mask, tokens = call.prefill()
-    recorded = (batch * num_beams, call.max_new_tokens, logits.shape[-1])
+    recorded = (batch * num_beams, plan.steps, logits.shape[-1])
     state = beam.init_state(
         tokens,
         cache,
         cache_mask,
-        call.key,
+        call.traced.key,
         num_beams=num_beams,
-        num_new_tokens=call.max_new_tokens,
-        scores_shape=recorded if config.output_scores else None,
-        logits_shape=recorded if config.output_logits else None,
+        num_new_tokens=plan.steps,
+        scores_shape=recorded if plan.output_scores else None,
+        logits_shape=recorded if plan.output_logits else None,
     )
+    offset = call.traced.offset
     rules = beam.BeamRules(
         process=call.processors(),
-        do_sample=bool(config.do_sample),
+        do_sample=plan.do_sample,
         early_stopping=config.early_stopping,
-        context=prompt_context(state.tokens, state.length, state.attention_mask, call.offset),
+        context=prompt_context(state.tokens, state.length, state.attention_mask, offset),
         length_penalty=config.length_penalty,
         eos_token_ids=call.eos_token_ids,
         stopping=call.stopping,
-        constrain=None if call.layout is None else call.layout.constrain,
+        constrain=call.constrain(),
     )
     first_logits = jnp.repeat(logits[:, -1], num_beams, axis=0)
-    state = beam.beam_search(call.model.apply, call.params, state, first_logits, rules)
+    state = beam.beam_search(plan.model.apply, call.params, state, first_logits, rules)
     sequences, sequences_scores, beam_indices = beam.best_hypotheses(
-        state, config.num_return_sequences
+        state, plan.num_return_sequences
     )
     return call.finish(
         GenerateOutput(
@@ -529,11 +419,12 @@ def _generate_beams(call: _Call) -> GenerateOutput:
     )
 
 
-def _generate_assisted(call: _Call, assistant, assistant_params) -> GenerateOutput:
+def _generate_assisted(call: _Call) -> GenerateOutput:
     """Assisted generation (:mod:`genjax.decoding.assisted`): prefill the target and the draft
-    (None for prompt lookup) into caches sized for the rolled-back slots, then draft, verify
+    (none for prompt lookup) into caches sized for the rolled-back slots, then draft, verify
     and commit in one loop."""
-    config, model = call.config, call.model
+    plan, config, traced = call.plan, call.config, call.traced
+    model, assistant = plan.model, plan.assistant
     batch, prompt_length = call.input_ids.shape
     limits = [getattr(m, "max_position_embeddings", None) for m in (model, assistant)]
     limits = [limit for limit in limits if limit is not None]
@@ -541,35 +432,34 @@ def _generate_assisted(call: _Call, assistant, assistant_params) -> GenerateOutp
         config,
         eos_token_ids=call.eos_token_ids,
         pad_token_id=call.pad_token_id,
-        context=prompt_context(call.input_ids, prompt_length, call.attention_mask, call.offset),
+        context=prompt_context(call.input_ids, prompt_length, call.attention_mask, traced.offset),
         stopping=call.stopping,
-        num_new_tokens=call.max_new_tokens,
+        num_new_tokens=plan.steps,
         with_draft=assistant is not None,
-        extra=call.logits_processor,
-        allowed_tokens_fn=call.allowed_tokens_fn,
+        extra=plan.logits_processor,
+        allowed_tokens_fn=plan.allowed_tokens_fn,
         max_position=min(limits) if limits else None,
     )
-    sizes = assisted.cache_lengths(prompt_length, call.max_new_tokens, batch, rules.num_candidates)
+    sizes = assisted.cache_lengths(prompt_length, plan.steps, batch, rules.num_candidates)
     logits, cache, cache_mask, _ = call.prefill(sizes[0] - prompt_length)
     draft_cache = draft_mask = None
     if assistant is not None:
-        draft = dataclasses.replace(call, model=assistant, params=assistant_params)
-        _, draft_cache, draft_mask, _ = draft.prefill(sizes[1] - prompt_length)
+        _, draft_cache, draft_mask, _ = call.prefill(sizes[1] - prompt_length, draft=True)
     state = assisted.init_state(
         call.input_ids,
         cache,
         cache_mask,
         draft_cache,
         draft_mask,
-        call.key,
+        traced.key,
         rules,
         vocab_size=logits.shape[-1],
-        record_scores=bool(config.output_scores),
-        record_logits=bool(config.output_logits),
+        record_scores=plan.output_scores,
+        record_logits=plan.output_logits,
     )
     draft_step = None if assistant is None else assistant.apply
     state = assisted.decode(
-        model.apply, call.params, draft_step, assistant_params, state, logits[:, -1], rules
+        model.apply, call.params, draft_step, traced.assistant_params, state, logits[:, -1], rules
     )
     sequences, scores, raw_logits = assisted.finish(state, rules)
     return GenerateOutput(
@@ -578,3 +468,11 @@ def _generate_assisted(call: _Call, assistant, assistant_params) -> GenerateOutp
         logits=raw_logits,
         num_accepted_tokens=state.num_accepted,
     )
+
+
+_LOOPS = {
+    Mode.SAMPLING: _generate_sampling,
+    Mode.BEAMS: _generate_beams,
+    Mode.ASSISTED: _generate_assisted,
+}
+"""The body of each :class:`~genjax.generation.plan.Mode`."""

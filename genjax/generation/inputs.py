@@ -12,16 +12,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from genjax.cache.memory import CacheRequest
 from genjax.config import GenerationConfig
-from genjax.decoding import assisted, beam
 from genjax.errors import InputError, ShardingError, UnsupportedError
-from genjax.generation.prefill import is_quantized
 from genjax.sharding import Layout, context_layout, layout_for
 from genjax.stopping import stop_string_table
 from genjax.typing import Array
-
-SUPPORTED_MODES = ("greedy_search", "sample", "beam_search", "beam_sample", "assisted_generation")
 
 
 def effective_config(config: GenerationConfig | None, overrides: dict) -> GenerationConfig:
@@ -41,20 +36,6 @@ def effective_config(config: GenerationConfig | None, overrides: dict) -> Genera
                 f"GenerationConfig fields. Check their spelling against GenerationConfig."
             )
     return config
-
-
-def check_mode(config: GenerationConfig, assistant_model=None) -> None:
-    if assisted.is_assisted(config, assistant_model):
-        assisted.check_config(config, assistant_model)
-    if config.num_beams > 1:
-        beam.check_supported(config)
-    mode = str(config.get_generation_mode(assistant_model).value)
-    if mode not in SUPPORTED_MODES:
-        raise UnsupportedError(
-            f"generation mode {mode!r} is not supported by genjax yet; supported: "
-            f"{', '.join(SUPPORTED_MODES)}. Set num_beams=1 and leave assistant / contrastive "
-            f"/ DoLa options unset."
-        )
 
 
 def check_inputs(model, input_ids, attention_mask, key, config):
@@ -274,23 +255,3 @@ def as_int32(x) -> Array:
     if isinstance(x, (jax.Array, jax.core.Tracer)):
         return jnp.asarray(x, jnp.int32)
     return jax.device_put(np.asarray(x, np.int32))
-
-
-def cache_requests(model, config, shape, max_new_tokens: int, assistant) -> list[CacheRequest]:
-    """The KV caches a call allocates, as :func:`prefill` sizes them (``shape`` is the padded
-    ``[B, P]`` of the prompt), for the memory check before anything is allocated."""
-    batch, prompt_length = shape
-    quantized = is_quantized(config)
-    if assisted.is_assisted(config, assistant):
-        width = (
-            config.num_assistant_tokens
-            if assistant is not None
-            else config.prompt_lookup_num_tokens
-        )
-        sizes = assisted.cache_lengths(prompt_length, max_new_tokens, batch, int(width))
-        requests = [CacheRequest(model, batch, sizes[0], quantized)]
-        if assistant is not None:
-            requests.append(CacheRequest(assistant, batch, sizes[1], quantized))
-        return requests
-    copies = config.num_beams if config.num_beams > 1 else config.num_return_sequences
-    return [CacheRequest(model, batch * copies, prompt_length + max_new_tokens, quantized)]

@@ -4,7 +4,8 @@ Static or traced:
     Static (a change compiles a new program): the model, the batch size, the prompt bucket
     length and the number of new tokens ``N`` (without ``max_cache_len``), ``max_cache_len``
     and the bucket policy, ``num_return_sequences``, ``num_beams``, ``early_stopping``, which
-    processors are enabled, the output flags, the user's extra processors and stopping criteria,
+    processors are enabled, the output flags, the kinds and static settings of the user's extra
+    processors (their values are traced), plain-function processors and stopping criteria,
     whether ``max_time`` is set, the number of stop strings and the shapes of their tables,
     whether a ``streamer`` is given, and the ``mesh`` and sharding ``rules`` (or the mesh set by
     ``jax.set_mesh``; see :mod:`genjax.sharding`).
@@ -84,7 +85,7 @@ from genjax.generation.prefill import (
     special_ids,
     start_stopping,
 )
-from genjax.processors import Processor, from_config, validate_config
+from genjax.processors import Processor, as_processors, from_config, validate_config
 from genjax.sharding import Layout
 from genjax.stopping import StopCriterion, StoppingRules, as_criteria
 from genjax.streaming import check_streamer, stream_to, token_hook
@@ -148,8 +149,12 @@ def generate(
             and is not an EOS id, else all ones.
         key: a PRNG key (``jax.random.key(seed)``); required when sampling.
         logits_processor: extra processors (``(scores[B, V], context) -> scores``) applied after
-            the configured ones and before the sampling warpers, as in transformers. Static:
-            pass the same objects to reuse a compiled program.
+            the configured ones and before the sampling warpers, as in transformers (see
+            :func:`genjax.processors.as_processors`). genjax's processors are pytrees: their
+            values are traced (a fresh ``temperature(0.7)`` reuses the program compiled for
+            ``temperature(0.5)``), their kinds and static settings are static. A plain function
+            is static: pass the same one to reuse a compiled program. A transformers
+            ``LogitsProcessor`` raises TypeError.
         allowed_tokens_fn: a jittable ``fn(tokens int32[B, S], length int32[]) -> bool[B, V]``
             mask of the tokens allowed next, transformers' ``prefix_allowed_tokens_fn`` (see
             :func:`genjax.processors.allowed_tokens`). Static: pass the same function to reuse a
@@ -200,7 +205,8 @@ def generate(
             without a ``tokenizer``; ``P + N > max_cache_len``; a bad ``prompt_buckets``.
         CacheMemoryError: an InputError: the KV caches would not fit in the devices' free
             memory (the message gives both figures; see :mod:`genjax.cache.memory`).
-        TypeError: a stopping criterion that is not a hashable callable.
+        TypeError: a stopping criterion that is not a hashable callable; a logits processor
+            that is a transformers ``LogitsProcessor``, not callable, or a plain unhashable one.
         GenerationConfigError: an invalid config.
         UnsupportedError: a generation mode or option genjax does not support yet (also beam
             search or assisted generation with ``max_cache_len``).
@@ -236,6 +242,7 @@ def generate(
     if resolved.min_new_tokens is not None:  # transformers: min_new_tokens overrides min_length
         resolved = resolved.replace(min_length=0)
     stopping_criteria = as_criteria(stopping_criteria)
+    logits_processor = as_processors(logits_processor)
     stop_strings = stop_string_table_for(resolved, tokenizer)
     if streamer is not None:
         traced = (params, input_ids, attention_mask, key)
@@ -275,7 +282,7 @@ def generate(
             stream_id=stream_id,
             layout=layout,
             max_new_tokens=max_new_tokens,
-            logits_processor=tuple(logits_processor),
+            logits_processor=logits_processor,
             allowed_tokens_fn=allowed_tokens_fn,
             stopping_criteria=stopping_criteria,
             assistant=assistant_model,
@@ -319,7 +326,6 @@ def _run_program(*args, **kwargs) -> GenerateOutput:
     static_argnames=(
         "model",
         "max_new_tokens",
-        "logits_processor",
         "allowed_tokens_fn",
         "stopping_criteria",
         "layout",
@@ -401,7 +407,7 @@ class _Call:
     eos_token_ids: Array | None  # int32[E]
     stopping: StoppingRules  # clock started before the prefill
     max_new_tokens: int  # N (static)
-    logits_processor: tuple  # the user's processors (static)
+    logits_processor: tuple  # the user's processors (pytrees: values traced, kinds static)
     allowed_tokens_fn: Callable | None  # static
     layout: Layout | None  # static
 

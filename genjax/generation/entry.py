@@ -508,6 +508,7 @@ def _generate_beams(call: _Call) -> GenerateOutput:
         num_new_tokens=call.max_new_tokens,
         scores_shape=recorded if config.output_scores else None,
         logits_shape=recorded if config.output_logits else None,
+        fill_token_id=beam.fill_token_id(call.pad_token_id, call.eos_token_ids),
     )
     rules = beam.BeamRules(
         process=call.processors(),

@@ -4,8 +4,9 @@ ahead-of-time warm-up, the loop updating its cache in place, and the persistent 
 Compilations are counted with JAX's monitoring events (one backend compile event per XLA
 program, named ``jit(<function>)``), so "compiles nothing" means no XLA program at all was built,
 not only that the generate program was reused. The model is a one-layer random Llama; the file
-builds three generate programs, all for batch 2: greedy with prompt buckets of multiples of 24,
-greedy with ``max_cache_len``, and sampling with ``max_cache_len``; and a subprocess builds one.
+builds four generate programs, all for batch 2: greedy with prompt buckets of multiples of 24,
+greedy with ``max_cache_len`` (with and without a user processor), and sampling with
+``max_cache_len``; and a subprocess builds one.
 """
 
 import contextlib
@@ -178,6 +179,26 @@ def test_max_cache_len_sampling_values_keys_and_lengths_compile_nothing():
     np.testing.assert_array_equal(argmax[:, :21], sequences)
     assert short.shape == (2, MAX_CACHE_LEN) and np.all(short[:, 34:] == 0)
     np.testing.assert_array_equal(short[:, :4], ids[:, 5:])
+
+
+def test_a_fresh_user_processor_with_new_values_compiles_nothing():
+    """User processors are pytrees: their values are traced, so ``temperature(0.7)`` reuses the
+    program compiled for ``temperature(0.5)`` (only the kind of processor is static)."""
+    _, _, _, ids, mask = _setup()
+    sequences, scores = _reference()
+
+    def run(processor):
+        out = _generate(ids, mask, max_cache_len=MAX_CACHE_LEN, logits_processor=[processor])
+        return np.asarray(out.sequences[:, :21]), np.asarray(out.scores[:, :12])
+
+    hot = run(genjax.processors.temperature(0.5))
+    with compiles() as compiled:
+        warm = run(genjax.processors.temperature(0.7))
+        cool = run(genjax.processors.temperature(2))  # a Python int: the same float32 leaf
+    assert compiled == []
+    for (got_sequences, got_scores), value in ((hot, 0.5), (warm, 0.7), (cool, 2.0)):
+        np.testing.assert_array_equal(got_sequences, sequences)  # greedy: argmax unchanged
+        np.testing.assert_allclose(got_scores, scores / value, rtol=1e-5, atol=1e-5)
 
 
 def _computations(hlo: str) -> dict[str, list[str]]:

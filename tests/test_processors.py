@@ -353,6 +353,7 @@ def test_traced_values_do_not_recompile():
         (lambda: P.sequence_bias([[[5], 1.0, 2.0]]), "pair [token_ids, bias]"),
         (lambda: P.suppress_tokens([1.5]), "suppress_tokens=[1.5]"),
         (lambda: P.no_repeat_ngram_size(0), "int >= 1"),
+        (lambda: P.encoder_no_repeat_ngram_size(1.5), "encoder_no_repeat_ngram_size=1.5"),
         (lambda: P.bad_words_ids([[5], [400]])(_logits(0), CTX), "[400] outside the vocabulary"),
         (lambda: P.sequence_bias({(1, 20): 1.0})(_logits(0), CTX), "vocab_size=12"),
     ],
@@ -370,7 +371,6 @@ def test_bad_processor_settings_raise_clear_errors(factory, words):
         (dict(forced_eos_token_id=[2, 40]), GenerationConfigError, "[40] outside"),
         (dict(guidance_scale=1.5), UnsupportedError, "guidance_scale=1.5"),
         (dict(token_healing=True), UnsupportedError, "token_healing"),
-        (dict(encoder_no_repeat_ngram_size=3), UnsupportedError, "encoder-decoder models only"),
     ],
 )
 def test_from_config_validates_before_tracing(change, error, words):
@@ -378,6 +378,84 @@ def test_from_config_validates_before_tracing(change, error, words):
     with pytest.raises(error) as info:
         P.from_config(config, jnp.array([2]), vocab_size=VOCAB)
     assert words in str(info.value)
+
+
+def test_encoder_options_read_only_the_users_prompt():
+    # Slots: 2 of genjax padding (token 3), the prompt [1, 2, 1] (slots 2..4), new tokens [4, 1].
+    x = np.abs(_logits(26, batch=1)) + 1.0  # positive scores: a reward multiplies them
+    ctx = _context([[3, 3, 1, 2, 1, 4, 1]], offset=2, prompt_end=5, first_valid=[2])
+    rewarded = np.asarray(P.encoder_repetition_penalty(2.0)(x, ctx))
+    expected = x.copy()
+    expected[0, [1, 2]] *= 2.0  # prompt tokens only: not 3 (genjax padding), not 4 (new)
+    np.testing.assert_allclose(rewarded, expected, rtol=1e-6)
+    negative = -x
+    expected = negative.copy()
+    expected[0, [1, 2]] /= 2.0
+    np.testing.assert_allclose(P.encoder_repetition_penalty(2.0)(negative, ctx), expected)
+    # The newest token is 1; the prompt's bigrams starting with 1 continue with 2 only ([1, 2]).
+    banned = np.isneginf(np.asarray(P.encoder_no_repeat_ngram_size(2)(x, ctx)))
+    np.testing.assert_array_equal(np.flatnonzero(banned[0]), [2])
+    # Size 1 bans every prompt token; the padding's 3 and the new 4 stay.
+    banned = np.isneginf(np.asarray(P.encoder_no_repeat_ngram_size(1)(x, ctx)))
+    np.testing.assert_array_equal(np.flatnonzero(banned[0]), [1, 2])
+
+
+def test_processors_are_pytrees_whose_values_are_traced():
+    traces = []
+
+    @jax.jit
+    def run(process, x):
+        traces.append(1)
+        return process(x, CTX)
+
+    def build(t, k, p, penalty, bias):
+        return P.chain(
+            P.sequence_bias([[[1, 2], bias], [[4], bias]]),
+            P.repetition_penalty(penalty),
+            P.encoder_repetition_penalty(penalty),
+            P.no_repeat_ngram_size(2),
+            lambda scores, context: scores,
+            P.temperature(t),
+            P.top_k(k),
+            P.top_p(p),
+        )
+
+    x = _logits(27)
+    first = build(0.5, 3, 0.9, 1.2, 1.0)
+    second = build(1, 5, 0.8, 2.0, -1.0)  # Python ints and floats alike
+    assert jax.tree.structure(first) != jax.tree.structure(build(0.5, 3, 0.9, 1.2, 1.0))
+    same = first.processors[:4] + first.processors[5:]
+    assert jax.tree.structure(P.chain(*same)) == jax.tree.structure(
+        P.chain(*(second.processors[:4] + second.processors[5:]))
+    )
+    fn = first.processors[4].settings[0][1]
+    second = P.chain(*second.processors[:4], fn, *second.processors[5:])
+    np.testing.assert_allclose(run(first, x), first(x, CTX), rtol=1e-6)
+    np.testing.assert_allclose(run(second, x), second(x, CTX), rtol=1e-6)
+    assert len(traces) == 1
+    # top_k and top_p were merged into one sorted filter with two stages; a new kind of
+    # processor, or a new static setting, is a new structure.
+    assert isinstance(first.processors[-1], P.SortedFilter)
+    assert len(first.processors[-1].stages) == 2
+    assert jax.tree.structure(P.top_k(3)) != jax.tree.structure(P.top_k(3, min_tokens_to_keep=2))
+    assert jax.tree.structure(P.top_k(3)) != jax.tree.structure(P.top_p(0.3))
+
+
+def test_transformers_processors_are_rejected_with_a_clear_error():
+    class LogitsProcessor:  # the name of transformers' base class
+        def __call__(self, input_ids, scores):
+            return scores
+
+    class RepetitionPenaltyLogitsProcessor(LogitsProcessor):
+        pass
+
+    for bad in ([RepetitionPenaltyLogitsProcessor()], RepetitionPenaltyLogitsProcessor()):
+        with pytest.raises(TypeError, match="RepetitionPenaltyLogitsProcessor is a transformers"):
+            P.as_processors(bad)
+    with pytest.raises(TypeError, match="context.tokens"):
+        P.chain(P.temperature(0.5), RepetitionPenaltyLogitsProcessor())
+    with pytest.raises(TypeError, match="got int 3"):
+        P.as_processors([3])
 
 
 # --- properties --------------------------------------------------------------------------------

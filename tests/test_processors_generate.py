@@ -137,8 +137,6 @@ def test_new_processor_values_compile_nothing():
         ),
         (dict(guidance_scale=2.0), UnsupportedError, "not supported"),
         (dict(watermarking_config={"bias": 2.0}), UnsupportedError, "watermarking"),
-        (dict(encoder_repetition_penalty=1.2), UnsupportedError, "encoder-decoder"),
-        (dict(encoder_no_repeat_ngram_size=2), UnsupportedError, "encoder-decoder"),
     ],
 )
 def test_bad_processor_settings_raise_before_tracing(change, error, words):
@@ -147,6 +145,23 @@ def test_bad_processor_settings_raise_before_tracing(change, error, words):
     with pytest.raises(error) as info:
         genjax.generate(model, params, ids, config, attention_mask=mask)
     assert words in str(info.value)
+
+
+def test_transformers_logits_processor_raises_before_tracing():
+    class LogitsWarper:  # transformers' names, without importing it
+        def __call__(self, input_ids, scores):
+            return scores
+
+    class TemperatureLogitsWarper(LogitsWarper):
+        pass
+
+    model, params, ids, mask = _model("llama")
+    config = GenerationConfig(max_new_tokens=2, pad_token_id=0)
+    with pytest.raises(TypeError, match="TemperatureLogitsWarper is a transformers"):
+        genjax.generate(
+            model, params, ids, config, attention_mask=mask,
+            logits_processor=[TemperatureLogitsWarper()],
+        )  # fmt: skip
 
 
 @pytest.mark.parity

@@ -53,11 +53,15 @@ Static or traced:
     Traced: ``length_penalty`` (scalar or per prompt ``[B]``), the EOS ids, the PRNG key, the
     processor settings and all state.
 
+The slots of a returned sequence after its end hold transformers v5's fill value
+(:func:`fill_token_id`): ``pad_token_id`` when it is set and not 0, else the first EOS id; -1 when
+there is no EOS id (no hypothesis can then end early, so it shows only if a stopping criterion
+ends the search).
+
 Differences from transformers: every output holds ``N`` steps, a static shape (see
-:mod:`genjax.outputs`); the slots of a returned sequence after its end hold ``pad_token_id``
-(transformers v5 writes ``pad_token_id or eos_token_id[0]``, i.e. ``eos_token_id[0]`` when the
-pad id is 0, a falsy tensor); beam sampling draws with JAX's PRNG, so its tokens differ from
-torch's for the same seed (its processed scores match).
+:mod:`genjax.outputs`), transformers cuts them to the longest returned hypothesis; beam sampling
+draws with JAX's PRNG, so its tokens differ from torch's for the same seed (its processed scores
+match).
 
 Randomness: continuations at new-token index ``i`` are drawn with ``fold_in(key, i)``.
 
@@ -180,6 +184,29 @@ def check_supported(config) -> None:
         )
 
 
+def fill_token_id(pad_token_id: Array, eos_token_ids: Array | None) -> Array:
+    """int32[]: the token transformers v5's beam search writes after a hypothesis' end.
+
+    transformers fills its sequences with ``pad_token_id or eos_token_id[0] if eos_token_id is
+    not None else -1``: a pad id of 0 is falsy, so it gives the first EOS id, as does an unset
+    pad id (transformers sets it to the first EOS id beforehand, and so does genjax).
+
+    Args:
+        pad_token_id: int32[] (traced).
+        eos_token_ids: int32[E] (traced), or None (static).
+
+    Example:
+        >>> int(fill_token_id(jnp.int32(0), jnp.array([7, 9])))
+        7
+        >>> int(fill_token_id(jnp.int32(5), jnp.array([7, 9])))
+        5
+    """
+    if eos_token_ids is None:
+        return jnp.asarray(-1, jnp.int32)
+    pad = jnp.asarray(pad_token_id, jnp.int32)
+    return jnp.where(pad != 0, pad, jnp.atleast_1d(eos_token_ids)[0]).astype(jnp.int32)
+
+
 def init_state(
     tokens: Array,
     cache: KVCache,
@@ -190,12 +217,13 @@ def init_state(
     num_new_tokens: int,
     scores_shape: tuple[int, int, int] | None = None,
     logits_shape: tuple[int, int, int] | None = None,
+    fill_token_id: Array | None = None,
 ) -> BeamState:
     """The state after prefill, with every prompt's row repeated ``M`` times.
 
     Args:
-        tokens: int32[B, S]: the prompt, then ``N`` slots holding ``pad_token_id`` (they become
-            the slots after a hypothesis' end).
+        tokens: int32[B, S]: the prompt, then ``N`` slots (they become the slots after a
+            hypothesis' end, unless ``fill_token_id`` replaces them).
         cache: the prefilled cache with ``B`` rows.
         attention_mask: int32[B, S] over every slot (new slots 1); the first new token's
             position id is the number of real prompt tokens.
@@ -203,6 +231,8 @@ def init_state(
         num_beams: ``M`` (static).
         num_new_tokens: ``N`` (static).
         scores_shape, logits_shape: ``(B*M, N, V)`` to record processed scores / raw logits.
+        fill_token_id: int32[] written into the ``N`` new slots first (see
+            :func:`fill_token_id`), so that it follows each hypothesis' end; None keeps them.
 
     Returns:
         A :class:`BeamState`; beam 0 of each prompt starts at score 0 and the others at -1e9,
@@ -214,6 +244,8 @@ def init_state(
         (8, 24)
     """
     batch, length = tokens.shape
+    if fill_token_id is not None:
+        tokens = tokens.at[:, length - num_new_tokens :].set(fill_token_id)
     new = jnp.repeat(tokens[:, None, length - num_new_tokens :], num_beams, axis=1)
     running = jnp.full((batch, num_beams), EXCLUDED, jnp.float32).at[:, 0].set(0.0)
     no_indices = jnp.full((batch, num_beams, num_new_tokens), -1, jnp.int32)
@@ -420,9 +452,9 @@ def best_hypotheses(state: BeamState, num_return_sequences: int) -> tuple[Array,
 
     Returns:
         ``(sequences int32[B*R, S], sequences_scores float32[B*R], beam_indices int32[B*R, N])``;
-        ``sequences`` holds the prompt then the hypothesis' new tokens, ``pad_token_id`` after its
-        end (the value of the new slots given to :func:`init_state`); ``beam_indices`` holds -1
-        after the end.
+        ``sequences`` holds the prompt then the hypothesis' new tokens, then the value of the new
+        slots given to :func:`init_state` (``fill_token_id``) after its end; ``beam_indices``
+        holds -1 after the end.
 
     Example:
         >>> sequences, sequences_scores, beam_indices = best_hypotheses(state, 2)

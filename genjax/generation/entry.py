@@ -4,7 +4,8 @@ Static or traced:
     Static (a change compiles a new program): the model, the batch size, the prompt bucket
     length and the number of new tokens ``N`` (without ``max_cache_len``), ``max_cache_len``
     and the bucket policy, ``num_return_sequences``, ``num_beams``, ``early_stopping``, which
-    processors are enabled, the output flags, the user's extra processors and stopping criteria,
+    processors are enabled, the output flags, the kinds and static settings of the user's extra
+    processors (their values are traced), plain-function processors and stopping criteria,
     whether ``max_time`` is set, the number of stop strings and the shapes of their tables,
     whether a ``streamer`` is given, and the ``mesh`` and sharding ``rules`` (or the mesh set by
     ``jax.set_mesh``; see :mod:`genjax.sharding`).
@@ -132,8 +133,12 @@ def generate(
             and is not an EOS id, else all ones.
         key: a PRNG key (``jax.random.key(seed)``); required when sampling.
         logits_processor: extra processors (``(scores[B, V], context) -> scores``) applied after
-            the configured ones and before the sampling warpers, as in transformers. Static:
-            pass the same objects to reuse a compiled program.
+            the configured ones and before the sampling warpers, as in transformers (see
+            :func:`genjax.processors.as_processors`). genjax's processors are pytrees: their
+            values are traced (a fresh ``temperature(0.7)`` reuses the program compiled for
+            ``temperature(0.5)``), their kinds and static settings are static. A plain function
+            is static: pass the same one to reuse a compiled program. A transformers
+            ``LogitsProcessor`` raises TypeError.
         allowed_tokens_fn: a jittable ``fn(tokens int32[B, S], length int32[]) -> bool[B, V]``
             mask of the tokens allowed next, transformers' ``prefix_allowed_tokens_fn`` (see
             :func:`genjax.processors.allowed_tokens`). Static: pass the same function to reuse a
@@ -184,7 +189,8 @@ def generate(
             without a ``tokenizer``; ``P + N > max_cache_len``; a bad ``prompt_buckets``.
         CacheMemoryError: an InputError: the KV caches would not fit in the devices' free
             memory (the message gives both figures; see :mod:`genjax.cache.memory`).
-        TypeError: a stopping criterion that is not a hashable callable.
+        TypeError: a stopping criterion that is not a hashable callable; a logits processor
+            that is a transformers ``LogitsProcessor``, not callable, or a plain unhashable one.
         GenerationConfigError: an invalid config.
         UnsupportedError: a generation mode or option genjax does not support yet (also beam
             search or assisted generation with ``max_cache_len``).
@@ -288,7 +294,7 @@ class _Call:
         return from_config(
             self.config,
             self.eos_token_ids,
-            extra=self.plan.logits_processor,
+            extra=self.traced.logits_processor,
             allowed_tokens_fn=self.plan.allowed_tokens_fn,
         )
 
@@ -391,6 +397,7 @@ def _generate_beams(call: _Call) -> GenerateOutput:
         num_new_tokens=plan.steps,
         scores_shape=recorded if plan.output_scores else None,
         logits_shape=recorded if plan.output_logits else None,
+        fill_token_id=beam.fill_token_id(call.pad_token_id, call.eos_token_ids),
     )
     offset = call.traced.offset
     rules = beam.BeamRules(
@@ -436,7 +443,7 @@ def _generate_assisted(call: _Call) -> GenerateOutput:
         stopping=call.stopping,
         num_new_tokens=plan.steps,
         with_draft=assistant is not None,
-        extra=plan.logits_processor,
+        extra=traced.logits_processor,
         allowed_tokens_fn=plan.allowed_tokens_fn,
         max_position=min(limits) if limits else None,
     )

@@ -26,9 +26,10 @@ slots, ``N`` traced).
 Static or traced:
     Static (fields of :class:`CallPlan`; a change compiles a new program): the mode, the model
     and the assistant, the program's prompt width (bucket or slot buffer), the recorded steps,
-    the ``max_cache_len`` slot layout, the sharding layout, the user's processors and stopping
-    criteria, whether a streamer is given, the output flags, the KV caches. Traced
-    (:class:`TracedInputs`; a change reuses the program): the config's traced fields, the key,
+    the ``max_cache_len`` slot layout, the sharding layout, the user's stopping criteria,
+    whether a streamer is given, the output flags, the KV caches; and the treedef of the user's
+    processors (their kinds and static settings). Traced (:class:`TracedInputs`; a change
+    reuses the program): the user's processors' values, the config's traced fields, the key,
     the padding ``o``, with ``max_cache_len`` the prompt's end and the loop's end, the
     stop-string tables' contents and the stream id. Host only (:class:`PreparedCall`): the
     prompt length ``P``, the new tokens ``N`` asked for, the bucket policy, ``o`` as an int.
@@ -66,7 +67,7 @@ from genjax.generation.inputs import (
 )
 from genjax.generation.outputs import GenerateOutput
 from genjax.generation.prefill import is_quantized, special_ids
-from genjax.processors import Processor, validate_config
+from genjax.processors import Processor, as_processors, validate_config
 from genjax.sharding import Layout
 from genjax.stopping import StopCriterion, StopStringTable, as_criteria
 from genjax.streaming import check_streamer
@@ -145,7 +146,6 @@ class CallPlan:
     num_beams: int  # M
     output_scores: bool
     output_logits: bool
-    logits_processor: tuple  # the user's extra processors
     allowed_tokens_fn: Callable | None
     stopping_criteria: tuple  # the user's extra stopping criteria
     assistant: Any  # the draft model, or None (also for prompt lookup)
@@ -169,6 +169,7 @@ class TracedInputs:
     bounds: Array | None  # int32[2] with max_cache_len: the prompt's end e and e + N; else None
     stop_strings: StopStringTable | None  # the stop-string tables, or None
     assistant_params: PyTree  # the draft's params, or None
+    logits_processor: tuple = ()  # the user's processors: pytrees, values traced, kinds static
     stream_id: Array | None = None  # int32[]: the registered streamer (plan.streaming)
 
 
@@ -260,6 +261,7 @@ def prepare(model, params: PyTree, input_ids, config, request: CallRequest) -> P
         bounds=bounds,
         stop_strings=stop_strings,
         assistant_params=request.assistant_params,
+        logits_processor=as_processors(request.logits_processor),
     )
     return PreparedCall(
         plan, params, ids, mask, traced, input_ids, prompt_length, new_tokens, offset, policy
@@ -331,7 +333,6 @@ def _plan(model, config, mode, shape, new_tokens, slots, layout, request) -> Cal
         num_beams=config.num_beams,
         output_scores=bool(config.output_scores),
         output_logits=bool(config.output_logits),
-        logits_processor=tuple(request.logits_processor),
         allowed_tokens_fn=request.allowed_tokens_fn,
         stopping_criteria=tuple(request.stopping_criteria),
         assistant=request.assistant_model,

@@ -1,15 +1,18 @@
 """Logits processors: small factories that return pure, jittable transforms of next-token scores.
 
-A processor is a function ``(scores, context) -> scores`` on float32[B, V] scores, where
-``context`` is a :class:`LogitsContext` describing the token buffer. Factories close over their
-settings (optax-style); :func:`chain` composes processors left to right; :func:`from_config` builds
-the chain transformers' ``generate`` would build from a :class:`~genjax.GenerationConfig`, in the
-same order, using only the factories in this package. Each factory is named after the config field
-it implements:
+A processor is a function ``(scores, context) -> scores`` on float32[B, V] scores, where ``context``
+is a :class:`LogitsContext` describing the token buffer. Each factory returns a :class:`Transform`:
+a pure rule with its settings (optax-style), and a pytree whose leaves are the values (strengths,
+cut-offs, token ids) and whose structure is the kind of processor and its static settings;
+:func:`chain` composes processors left to right into a pytree too; :func:`from_config` builds the
+chain transformers' ``generate`` would build from a :class:`~genjax.GenerationConfig`, in the same
+order, using only the factories in this package. Each factory is named after the config field it
+implements:
 
 =============================== ===========================================================
-token rules                     ``sequence_bias``, ``repetition_penalty``,
-                                ``no_repeat_ngram_size``, ``bad_words_ids``, ``min_length``,
+token rules                     ``sequence_bias``, ``encoder_repetition_penalty``,
+                                ``repetition_penalty``, ``no_repeat_ngram_size``,
+                                ``encoder_no_repeat_ngram_size``, ``bad_words_ids``, ``min_length``,
                                 ``min_new_tokens``, ``allowed_tokens`` (transformers'
                                 ``prefix_allowed_tokens_fn``), ``forced_bos_token_id``,
                                 ``forced_eos_token_id``, ``remove_invalid_values``,
@@ -27,11 +30,16 @@ sort the whole vocabulary on ordinary steps and share one partial sort when adja
 Static or traced:
     Strengths, cut-offs and token ids that are single values (``temperature``, ``top_k``,
     ``top_p``, ``min_p``, ``top_h``, ``typical_p``, ``epsilon_cutoff``, ``eta_cutoff``,
-    ``repetition_penalty``, the forced token ids, the EOS ids, the decay start and factor, the
-    sequence biases) may be Python numbers or traced arrays, most of them one value per row
-    (``[B]``); changing them never recompiles. Static (they shape the program): which processors
-    are in a chain, ``min_tokens_to_keep``, ``no_repeat_ngram_size``, the token sequences of
-    ``bad_words_ids`` and ``sequence_bias``, and the user's ``allowed_tokens`` function.
+    ``repetition_penalty``, ``encoder_repetition_penalty``, the forced token ids, the EOS ids,
+    the decay start and factor, the sequence biases) may be Python numbers or traced arrays, most
+    of them one value per row (``[B]``); changing them never recompiles. They are the leaves of
+    the processor's pytree, so a processor passed to a jitted function (as
+    ``genjax.generate(logits_processor=[...])`` does) is traced: ``temperature(0.5)`` and a fresh
+    ``temperature(0.7)`` share one compiled program. Static (they shape the program, in the
+    pytree's structure): which processors are in a chain, ``min_tokens_to_keep``,
+    ``no_repeat_ngram_size``, ``encoder_no_repeat_ngram_size``, the token sequences of
+    ``bad_words_ids`` and ``sequence_bias``, the user's ``allowed_tokens`` function, and plain
+    functions used as processors (compared by identity; see :func:`as_processors`).
 
 Example:
     >>> import jax.numpy as jnp
@@ -59,9 +67,16 @@ Layer:
     and helpers, ``warpers`` / ``token_rules`` / ``ngram`` the factories, ``pipeline`` the preset.
 """
 
-from genjax.processors.base import LogitsContext, Processor
-from genjax.processors.ngram import bad_words_ids, no_repeat_ngram_size, sequence_bias
+from genjax.processors.base import LogitsContext, Processor, Transform
+from genjax.processors.ngram import (
+    bad_words_ids,
+    encoder_no_repeat_ngram_size,
+    no_repeat_ngram_size,
+    sequence_bias,
+)
 from genjax.processors.pipeline import (
+    Chain,
+    as_processors,
     chain,
     check_supported,
     from_config,
@@ -71,6 +86,7 @@ from genjax.processors.pipeline import (
 from genjax.processors.token_rules import (
     allowed_tokens,
     begin_suppress_tokens,
+    encoder_repetition_penalty,
     exponential_decay_length_penalty,
     forced_bos_token_id,
     forced_eos_token_id,
@@ -94,14 +110,19 @@ from genjax.processors.warpers import (
 )
 
 __all__ = [
+    "Chain",
     "LogitsContext",
     "Processor",
     "SortedFilter",
+    "Transform",
     "allowed_tokens",
+    "as_processors",
     "bad_words_ids",
     "begin_suppress_tokens",
     "chain",
     "check_supported",
+    "encoder_no_repeat_ngram_size",
+    "encoder_repetition_penalty",
     "epsilon_cutoff",
     "eta_cutoff",
     "exponential_decay_length_penalty",

@@ -1,4 +1,4 @@
-"""Small helpers shared by the logits processors (:mod:`genjax.processors`); private.
+"""The processor type and small helpers shared by the logits processors (:mod:`genjax.processors`).
 
 Token-id validation here runs in Python on the settings a processor is built from, before
 anything is traced, and raises errors that name the setting, the value and the fix.
@@ -6,7 +6,7 @@ anything is traced, and raises errors that name the setting, the value and the f
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -175,3 +175,69 @@ class LogitsContext:
 
 
 Processor = Callable[[Array, LogitsContext], Array]
+"""Any ``fn(scores float32[B, V], context) -> float32[B, V]``; genjax's own are :class:`Transform`
+pytrees (and :class:`~genjax.processors.SortedFilter`, ``chain``), so they can be traced."""
+
+
+@jax.tree_util.register_pytree_node_class
+class Transform:
+    """A processor as a pytree: ``rule(scores, context, **values, **settings)``.
+
+    ``values`` (strengths, cut-offs, token ids: arrays, numbers or None) are the pytree's leaves,
+    so they are traced when the processor is passed to a jitted function; ``rule`` (a
+    module-level function) and ``settings`` (hashable) form its structure, which is static. Two
+    transforms made by the same factory with the same settings therefore share one compiled
+    program whatever their values: ``temperature(0.5)`` and ``temperature(0.7)`` have the same
+    tree structure.
+
+    Example:
+        >>> import jax
+        >>> from genjax import processors
+        >>> t5, t7 = processors.temperature(0.5), processors.temperature(0.7)
+        >>> jax.tree.structure(t5) == jax.tree.structure(t7)
+        True
+    """
+
+    __slots__ = ("rule", "settings", "values")
+
+    def __init__(
+        self,
+        rule: Callable[..., Array],
+        values: Mapping[str, Any] | None = None,
+        settings: Mapping[str, Any] | None = None,
+    ):
+        self.rule = rule
+        self.values = dict(values or {})
+        self.settings = tuple(sorted((settings or {}).items()))
+
+    def run(self, *args: Any) -> Any:
+        """``rule(*args, **values, **settings)``."""
+        return self.rule(*args, **self.values, **dict(self.settings))
+
+    def __call__(self, scores: Array, context: LogitsContext | None = None) -> Array:
+        return self.run(scores, context)
+
+    def tree_flatten(self):
+        return (self.values,), (self.rule, self.settings)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        out = object.__new__(cls)
+        out.rule, out.settings = aux
+        out.values = children[0]
+        return out
+
+    def __repr__(self) -> str:
+        name = getattr(self.rule, "__name__", repr(self.rule)).lstrip("_")
+        args = [f"{k}={v!r}" for k, v in (*self.values.items(), *self.settings)]
+        return f"{name}({', '.join(args)})"
+
+
+def as_float(value: Any) -> Array:
+    """float32 (scalar or [B]) for a traced strength, so Python ints and floats share a program."""
+    return jnp.asarray(value, jnp.float32)
+
+
+def as_int(value: Any) -> Array | None:
+    """int32 (scalar or [K]) for traced ids or counts; None stays None."""
+    return None if value is None else jnp.asarray(value, jnp.int32)

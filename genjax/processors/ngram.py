@@ -14,6 +14,7 @@ References:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -24,7 +25,8 @@ import numpy as np
 from genjax.processors.base import (
     NEG_INF,
     LogitsContext,
-    Processor,
+    Transform,
+    as_int,
     check_id_list,
     check_id_lists,
     check_vocab,
@@ -32,7 +34,16 @@ from genjax.processors.base import (
 from genjax.typing import Array
 
 
-def no_repeat_ngram_size(size: int) -> Processor:
+def _check_size(name: str, size: Any) -> int:
+    if not isinstance(size, int | np.integer) or isinstance(size, bool) or size < 1:
+        raise ValueError(
+            f"{name}={size!r} is invalid: expected an int >= 1 (the n-gram length). "
+            f"Use 0 in the generation config to disable it."
+        )
+    return int(size)
+
+
+def no_repeat_ngram_size(size: int) -> Transform:
     """Bans every token that would complete an n-gram already present in ``input_ids``.
 
     For each row, the last ``size - 1`` tokens are compared with every earlier window of that
@@ -47,36 +58,53 @@ def no_repeat_ngram_size(size: int) -> Processor:
         Paulus et al. 2017, "A Deep Reinforced Model for Abstractive Summarization",
         arXiv:1705.04304.
     """
-    if not isinstance(size, int | np.integer) or isinstance(size, bool) or size < 1:
-        raise ValueError(
-            f"no_repeat_ngram_size={size!r} is invalid: expected an int >= 1 (the n-gram length). "
-            f"Use 0 in the generation config to disable it."
-        )
-    size = int(size)
+    size = _check_size("no_repeat_ngram_size", size)
+    return Transform(_no_repeat_ngram, settings={"size": size, "prompt_only": False})
 
-    def apply(scores: Array, context: LogitsContext) -> Array:
-        batch, vocab = scores.shape
-        tokens = context.tokens
-        windows = tokens.shape[1] - size + 1  # window starts 0 .. S - size
-        if windows < 1:
-            return scores
-        starts = jnp.arange(windows)
-        # A window must lie inside input_ids = tokens[offset:length].
-        match = jnp.broadcast_to(
-            (starts >= context.offset) & (starts + size <= context.length), (batch, windows)
-        )
-        for k in range(size - 1):
-            newest = jax.lax.dynamic_index_in_dim(
-                tokens, context.length - size + 1 + k, axis=1, keepdims=True
-            )
-            match &= tokens[:, k : k + windows] == newest
-        following = tokens[:, size - 1 : size - 1 + windows]
-        ids = jnp.where(match, jnp.clip(following, 0, vocab), vocab)  # vocab: a spare column
-        rows = jnp.arange(batch)[:, None]
-        banned = jnp.zeros((batch, vocab + 1), bool).at[rows, ids].set(True)
-        return jnp.where(banned[:, :vocab], NEG_INF, scores)
 
-    return apply
+def encoder_no_repeat_ngram_size(size: int) -> Transform:
+    """Bans every token that would complete an n-gram of the prompt (the "encoder input").
+
+    transformers applies it with the prompt as the encoder input, for decoder-only models too:
+    the last ``size - 1`` tokens of ``input_ids`` (prompt and new tokens) are compared with every
+    window of that length inside the user's prompt (slots ``offset`` to ``prompt_end``, the
+    user's own left padding included; genjax's bucket padding excluded), and the prompt token
+    that followed a matching window is set to -inf. n-grams of the new tokens alone do not count
+    (that is :func:`no_repeat_ngram_size`). ``size`` (static, >= 1) of 1 bans every prompt token.
+    Cost: O(B * S * size) compares and one scatter of B * S ids per call.
+
+    Example:
+        >>> process = encoder_no_repeat_ngram_size(3)
+
+    References:
+        Paulus et al. 2017, "A Deep Reinforced Model for Abstractive Summarization",
+        arXiv:1705.04304; transformers' ``EncoderNoRepeatNGramLogitsProcessor``.
+    """
+    size = _check_size("encoder_no_repeat_ngram_size", size)
+    return Transform(_no_repeat_ngram, settings={"size": size, "prompt_only": True})
+
+
+def _no_repeat_ngram(scores: Array, context: LogitsContext, size: int, prompt_only: bool) -> Array:
+    """Bans what followed earlier windows matching the newest ``size - 1`` tokens; the windows
+    lie in ``input_ids`` (``tokens[offset:length]``), or in the prompt when ``prompt_only``."""
+    batch, vocab = scores.shape
+    tokens = context.tokens
+    windows = tokens.shape[1] - size + 1  # window starts 0 .. S - size
+    if windows < 1:
+        return scores
+    starts = jnp.arange(windows)
+    end = context.prompt_end if prompt_only else context.length
+    match = jnp.broadcast_to((starts >= context.offset) & (starts + size <= end), (batch, windows))
+    for k in range(size - 1):
+        newest = jax.lax.dynamic_index_in_dim(
+            tokens, context.length - size + 1 + k, axis=1, keepdims=True
+        )
+        match &= tokens[:, k : k + windows] == newest
+    following = tokens[:, size - 1 : size - 1 + windows]
+    ids = jnp.where(match, jnp.clip(following, 0, vocab), vocab)  # vocab: a spare column
+    rows = jnp.arange(batch)[:, None]
+    banned = jnp.zeros((batch, vocab + 1), bool).at[rows, ids].set(True)
+    return jnp.where(banned[:, :vocab], NEG_INF, scores)
 
 
 def bias_pairs(sequence_bias: Any) -> list[tuple[tuple[int, ...], Any]]:
@@ -121,27 +149,29 @@ class _SequenceTable:
     """Sequences to bias, split as transformers does: single tokens, and longer sequences whose
     last token is biased when the rest (the prefix) ends ``input_ids``.
 
-    Multi-token prefixes are stored right-aligned in one table int32[Q, L] (``L`` the longest
-    prefix), with -1 in the unused slots on the left.
+    Built from the static token sequences only (cached per tuple of sequences); the biases, one
+    per sequence in the given order, are passed to :meth:`bias`. Multi-token prefixes are stored
+    right-aligned in one table int32[Q, L] (``L`` the longest prefix), with -1 in the unused slots
+    on the left.
     """
 
-    def __init__(self, pairs: list[tuple[tuple[int, ...], Any]]):
-        singles = [(ids[0], bias) for ids, bias in pairs if len(ids) == 1]
-        multi = [(ids, bias) for ids, bias in pairs if len(ids) > 1]
-        self.single_ids = np.asarray([i for i, _ in singles], np.int32)
-        self.single_bias = [b for _, b in singles]
-        self.multi_bias = [b for _, b in multi]
-        width = max((len(ids) - 1 for ids, _ in multi), default=0)
-        self.prefixes = np.full((len(multi), width), -1, np.int32)
-        for q, (ids, _) in enumerate(multi):
-            self.prefixes[q, width - len(ids) + 1 :] = ids[:-1]
-        self.prefix_lengths = np.asarray([len(ids) - 1 for ids, _ in multi], np.int32)
-        self.last_ids = np.asarray([ids[-1] for ids, _ in multi], np.int32)
-        self.all_ids = sorted({i for ids, _ in pairs for i in ids})
+    def __init__(self, sequences: tuple[tuple[int, ...], ...]):
+        self.singles = [q for q, ids in enumerate(sequences) if len(ids) == 1]
+        self.multi = [q for q, ids in enumerate(sequences) if len(ids) > 1]
+        self.single_ids = np.asarray([sequences[q][0] for q in self.singles], np.int32)
+        width = max((len(sequences[q]) - 1 for q in self.multi), default=0)
+        self.prefixes = np.full((len(self.multi), width), -1, np.int32)
+        for row, q in enumerate(self.multi):
+            ids = sequences[q]
+            self.prefixes[row, width - len(ids) + 1 :] = ids[:-1]
+        self.prefix_lengths = np.asarray([len(sequences[q]) - 1 for q in self.multi], np.int32)
+        self.last_ids = np.asarray([sequences[q][-1] for q in self.multi], np.int32)
+        self.all_ids = sorted({i for ids in sequences for i in ids})
 
-    def bias(self, batch: int, vocab: int, context: Any, single_values: Array) -> Array:
-        """float32[B, V]: the bias to add, given the single-token biases float32[K1]."""
+    def bias(self, batch: int, vocab: int, context: Any, values: Array) -> Array:
+        """float32[B, V]: the bias to add, given one bias per sequence float32[Q]."""
         check_vocab("the biased token sequences", self.all_ids, vocab)
+        single_values = values[np.asarray(self.singles, np.int32)]
         bias = jnp.zeros((vocab,), jnp.float32).at[self.single_ids].set(single_values)
         bias = jnp.broadcast_to(bias, (batch, vocab))
         if not len(self.last_ids):
@@ -153,11 +183,14 @@ class _SequenceTable:
         same = (recent[:, None, :] == self.prefixes[None]) | unused[None]
         fits = self.prefix_lengths <= context.length - context.offset  # prefix fits in input_ids
         matched = jnp.all(same, axis=-1) & fits[None]  # bool[B, Q]
-        values = jnp.stack([jnp.asarray(b, jnp.float32) for b in self.multi_bias])
-        return bias.at[:, self.last_ids].add(jnp.where(matched, values[None], 0.0))
+        multi_values = values[np.asarray(self.multi, np.int32)]
+        return bias.at[:, self.last_ids].add(jnp.where(matched, multi_values[None], 0.0))
 
 
-def sequence_bias(bias: Any) -> Processor:
+_sequence_table = functools.lru_cache(maxsize=256)(_SequenceTable)
+
+
+def sequence_bias(bias: Any) -> Transform:
     """Adds a bias to a token when it would complete one of the given token sequences.
 
     A one-token sequence's bias always applies; a longer sequence's bias applies to its last
@@ -175,19 +208,21 @@ def sequence_bias(bias: Any) -> Processor:
     Example:
         >>> process = sequence_bias([[[5], -2.0], [[6, 7], 1.5]])
     """
-    table = _SequenceTable(bias_pairs(bias))
-
-    def apply(scores: Array, context: LogitsContext) -> Array:
-        batch, vocab = scores.shape
-        singles = jnp.asarray(
-            [jnp.asarray(b, jnp.float32) for b in table.single_bias], jnp.float32
-        ).reshape(-1)
-        return scores + table.bias(batch, vocab, context, singles).astype(scores.dtype)
-
-    return apply
+    pairs = bias_pairs(bias)
+    values = jnp.stack([jnp.asarray(b, jnp.float32).reshape(()) for _, b in pairs])
+    sequences = tuple(ids for ids, _ in pairs)
+    return Transform(_sequence_bias, {"biases": values}, {"sequences": sequences})
 
 
-def bad_words_ids(bad_words: Sequence[Sequence[int]], eos_token_ids: Any = None) -> Processor:
+def _sequence_bias(
+    scores: Array, context: LogitsContext, biases: Array, sequences: tuple[tuple[int, ...], ...]
+) -> Array:
+    batch, vocab = scores.shape
+    table = _sequence_table(sequences)
+    return scores + table.bias(batch, vocab, context, biases).astype(scores.dtype)
+
+
+def bad_words_ids(bad_words: Sequence[Sequence[int]], eos_token_ids: Any = None) -> Transform:
     """Forbids the given token sequences: their last token gets -inf when the rest ends the input.
 
     A one-token sequence is always forbidden, except one equal to an EOS id (as transformers
@@ -203,16 +238,20 @@ def bad_words_ids(bad_words: Sequence[Sequence[int]], eos_token_ids: Any = None)
     Example:
         >>> process = bad_words_ids([[5], [6, 7]], eos_token_ids=2)
     """
-    sequences = check_id_lists("bad_words_ids", bad_words)
-    table = _SequenceTable([(ids, NEG_INF) for ids in dict.fromkeys(sequences)])
+    sequences = tuple(dict.fromkeys(check_id_lists("bad_words_ids", bad_words)))
+    return Transform(_bad_words, {"eos": as_int(eos_token_ids)}, {"sequences": sequences})
 
-    def apply(scores: Array, context: LogitsContext) -> Array:
-        batch, vocab = scores.shape
-        singles = jnp.full(table.single_ids.shape, NEG_INF, jnp.float32)
-        if eos_token_ids is not None:
-            eos = jnp.atleast_1d(jnp.asarray(eos_token_ids, jnp.int32))
-            is_eos = jnp.any(table.single_ids[:, None] == eos[None, :], axis=-1)
-            singles = jnp.where(is_eos, 0.0, singles)
-        return scores + table.bias(batch, vocab, context, singles).astype(scores.dtype)
 
-    return apply
+def _bad_words(
+    scores: Array, context: LogitsContext, eos: Array | None, sequences: tuple[tuple[int, ...], ...]
+) -> Array:
+    batch, vocab = scores.shape
+    values = jnp.full((len(sequences),), NEG_INF, jnp.float32)
+    if eos is not None:
+        # A one-token bad word equal to an EOS id is dropped (bias 0), as transformers does.
+        single = np.asarray([len(ids) == 1 for ids in sequences])
+        first = jnp.asarray([ids[0] for ids in sequences], jnp.int32)
+        is_eos = jnp.any(first[:, None] == jnp.atleast_1d(eos)[None, :], axis=-1)
+        values = jnp.where(single & is_eos, 0.0, values)
+    table = _sequence_table(sequences)
+    return scores + table.bias(batch, vocab, context, values).astype(scores.dtype)

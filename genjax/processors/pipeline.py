@@ -5,6 +5,7 @@ from a :class:`~genjax.GenerationConfig`, in the same order, from the factories 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -14,15 +15,23 @@ from genjax.errors import GenerationConfigError, UnsupportedError
 from genjax.processors.base import (
     LogitsContext,
     Processor,
+    Transform,
     check_id_list,
     check_id_lists,
     check_vocab,
     is_concrete,
 )
-from genjax.processors.ngram import bad_words_ids, bias_pairs, no_repeat_ngram_size, sequence_bias
+from genjax.processors.ngram import (
+    bad_words_ids,
+    bias_pairs,
+    encoder_no_repeat_ngram_size,
+    no_repeat_ngram_size,
+    sequence_bias,
+)
 from genjax.processors.token_rules import (
     allowed_tokens,
     begin_suppress_tokens,
+    encoder_repetition_penalty,
     exponential_decay_length_penalty,
     forced_bos_token_id,
     forced_eos_token_id,
@@ -47,37 +56,134 @@ from genjax.processors.warpers import (
 from genjax.typing import Array
 
 
-def chain(*processors: Processor) -> Processor:
+@jax.tree_util.register_pytree_node_class
+class Chain:
+    """Processors applied left to right; a pytree whose children are the processors."""
+
+    def __init__(self, processors: Sequence[Processor]):
+        self.processors = tuple(processors)
+
+    def __call__(self, scores: Array, context: LogitsContext | None = None) -> Array:
+        for processor in self.processors:
+            scores = processor(scores, context)
+        return scores
+
+    def tree_flatten(self):
+        return self.processors, None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(children)
+
+    def __repr__(self) -> str:
+        return f"chain({', '.join(repr(p) for p in self.processors)})"
+
+
+def chain(*processors: Processor) -> Chain:
     """Composes processors, applying them left to right.
 
     Adjacent :class:`SortedFilter` s (``top_h``, ``top_k``, ``top_p``) are merged into one
-    that shares a single partial sort; the result is the same as applying them one by one.
+    that shares a single partial sort; the result is the same as applying them one by one. The
+    chain is a pytree (see :func:`as_processors`): the processors' values are its leaves, so a
+    chain with new values reuses a compiled program. A plain function in it is kept as part of
+    the structure (static, compared by identity).
 
     Example:
         >>> process = chain(temperature(0.5), top_k(50), top_p(0.9))
     """
     merged: list[Processor] = []
-    for processor in processors:
+    for processor in as_processors(processors):
         if isinstance(processor, SortedFilter) and merged and isinstance(merged[-1], SortedFilter):
             merged[-1] = merged[-1].then(processor)
         else:
             merged.append(processor)
-
-    def apply(scores: Array, context: LogitsContext) -> Array:
-        for processor in merged:
-            scores = processor(scores, context)
-        return scores
-
-    return apply
+    return Chain(merged)
 
 
-def identity() -> Processor:
+def identity() -> Transform:
     """The processor that changes nothing.
 
     Example:
         >>> process = identity()
     """
-    return lambda scores, context: scores
+    return Transform(_identity)
+
+
+def _identity(scores: Array, context: Any) -> Array:
+    return scores
+
+
+def _call_function(scores: Array, context: Any, fn: Processor) -> Array:
+    return fn(scores, context)
+
+
+_TRANSFORMERS_NAMES = ("LogitsProcessor", "LogitsWarper", "LogitsProcessorList")
+
+
+def _is_transformers_processor(obj: Any) -> bool:
+    """True for transformers' processors (checked by class names; transformers is not imported)."""
+    return any(
+        cls.__name__ in _TRANSFORMERS_NAMES or cls.__module__.split(".")[0] == "transformers"
+        for cls in type(obj).__mro__
+    )
+
+
+def _is_pytree_node(obj: Any) -> bool:
+    return not jax.tree_util.all_leaves([obj])
+
+
+def as_processors(processors: Sequence[Processor] | Processor) -> tuple[Processor, ...]:
+    """Checks user processors before tracing and returns them as a tuple pytree.
+
+    genjax's processors (factories of this package, :func:`chain`) and any other registered
+    pytree pass through: their array values are leaves, traced by ``genjax.generate``, so new
+    values reuse the compiled program. A plain function ``fn(scores, context) -> scores`` is
+    wrapped so that it is part of the tree structure: static, compared by identity (pass the same
+    function to reuse a compiled program).
+
+    Raises:
+        TypeError: a transformers ``LogitsProcessor`` (it runs torch code), a non-callable entry,
+            or a plain function that is not hashable.
+
+    Example:
+        >>> len(as_processors([temperature(0.5), lambda scores, context: scores]))
+        2
+    """
+    if isinstance(processors, str) or not isinstance(processors, Sequence):
+        if not (callable(processors) or _is_transformers_processor(processors)):
+            raise TypeError(
+                f"logits_processor must be a list of processors fn(scores float32[B, V], "
+                f"context) -> scores; got {type(processors).__name__}."
+            )
+        processors = (processors,)
+    return tuple(_as_processor(p) for p in processors)
+
+
+def _as_processor(processor: Any) -> Processor:
+    if _is_transformers_processor(processor):
+        raise TypeError(
+            f"{type(processor).__name__} is a transformers LogitsProcessor, which runs torch code "
+            f"on (input_ids, scores). genjax needs a jittable JAX processor fn(scores float32[B, "
+            f"V], context: genjax.processors.LogitsContext) -> scores, e.g. one of the factories "
+            f"of genjax.processors; transformers' input_ids are context.tokens[:, "
+            f"context.offset:context.length]."
+        )
+    if not callable(processor):
+        raise TypeError(
+            f"logits_processor must hold processors fn(scores float32[B, V], context) -> scores; "
+            f"got {type(processor).__name__} {processor!r}."
+        )
+    if _is_pytree_node(processor):
+        return processor
+    try:
+        hash(processor)
+    except TypeError:
+        raise TypeError(
+            f"logits processor {processor!r} is neither a pytree nor hashable, but a plain "
+            f"processor is static (part of the compiled program). Use a genjax.processors "
+            f"factory, a registered pytree with __call__, or a function."
+        ) from None
+    return Transform(_call_function, settings={"fn": processor})
 
 
 def _not_one(value) -> bool:
@@ -98,25 +204,13 @@ _REJECTED = {
         lambda v: bool(v),
         "is not supported by genjax yet. Remove it from the generation config.",
     ),
-    "encoder_repetition_penalty": (
-        _not_one,
-        "applies to encoder-decoder models only, and genjax's models are decoder-only. Use "
-        "repetition_penalty, or set encoder_repetition_penalty to 1.0.",
-    ),
-    "encoder_no_repeat_ngram_size": (
-        lambda v: v is not None and v > 0,
-        "applies to encoder-decoder models only, and genjax's models are decoder-only. Use "
-        "no_repeat_ngram_size, or set encoder_no_repeat_ngram_size to 0.",
-    ),
 }
 
 
 def check_supported(config) -> None:
     """Raises UnsupportedError naming the first set option genjax does not implement.
 
-    Rejected: ``guidance_scale`` other than 1, ``watermarking_config``, ``token_healing``, and the
-    encoder-decoder options ``encoder_repetition_penalty`` (other than 1) and
-    ``encoder_no_repeat_ngram_size`` (> 0).
+    Rejected: ``guidance_scale`` other than 1, ``watermarking_config`` and ``token_healing``.
 
     Args:
         config: a :class:`~genjax.GenerationConfig` with defaults applied.
@@ -187,12 +281,15 @@ def from_config(
 ) -> Processor:
     """Builds the processor chain transformers' ``generate`` builds, in the same order.
 
-    Order (each only when its setting is active): sequence bias, repetition penalty, no-repeat
-    n-grams, bad words, min length, min new tokens, ``allowed_tokens_fn``, forced BOS, forced EOS,
-    remove invalid values, exponential decay length penalty, suppress tokens, begin-suppress
-    tokens, the user's ``extra`` processors; then, only when sampling: temperature, top-h, top-k,
-    top-p, min-p, typical-p, epsilon, eta; then renormalization. With beam sampling the warpers
-    keep at least ``len(eos) + 1`` tokens, as transformers does.
+    Order (each only when its setting is active): sequence bias, encoder repetition penalty,
+    repetition penalty, no-repeat n-grams, encoder no-repeat n-grams, bad words, min length, min new
+    tokens, ``allowed_tokens_fn``, forced BOS, forced EOS, remove invalid values, exponential decay
+    length penalty, suppress tokens, begin-suppress tokens, the user's ``extra`` processors; then,
+    only when sampling: temperature, top-h, top-k, top-p, min-p, typical-p, epsilon, eta; then
+    renormalization. With beam sampling the warpers keep at least ``len(eos) + 1`` tokens, as
+    transformers does. The two encoder options read the prompt as transformers' "encoder input",
+    which it is for decoder-only models (transformers builds them whenever ``input_ids`` are given,
+    as they always are here).
 
     Args:
         config: a :class:`~genjax.GenerationConfig` with defaults applied (``with_defaults``).
@@ -221,10 +318,14 @@ def from_config(
     steps: list[Processor] = []
     if config.sequence_bias is not None:
         steps.append(sequence_bias(config.sequence_bias))
+    if config.is_active("encoder_repetition_penalty"):
+        steps.append(encoder_repetition_penalty(config.encoder_repetition_penalty))
     if config.is_active("repetition_penalty"):
         steps.append(repetition_penalty(config.repetition_penalty))
     if config.no_repeat_ngram_size is not None and config.no_repeat_ngram_size > 0:
         steps.append(no_repeat_ngram_size(config.no_repeat_ngram_size))
+    if config.encoder_no_repeat_ngram_size is not None and config.encoder_no_repeat_ngram_size > 0:
+        steps.append(encoder_no_repeat_ngram_size(config.encoder_no_repeat_ngram_size))
     if config.bad_words_ids is not None:
         steps.append(bad_words_ids(config.bad_words_ids, eos_token_ids))
     if eos_token_ids is not None:
@@ -236,7 +337,7 @@ def from_config(
         group = max(config.num_beams or 1, config.num_return_sequences or 1)
         steps.append(allowed_tokens(allowed_tokens_fn, group))
     steps.extend(_forcing_steps(config, eos_token_ids))
-    steps.extend(extra)
+    steps.extend(as_processors(extra))
     if config.do_sample:
         steps.extend(_warper_steps(config, eos_token_ids))
     if config.renormalize_logits is True:

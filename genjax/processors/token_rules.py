@@ -19,7 +19,9 @@ import jax.numpy as jnp
 from genjax.processors.base import (
     NEG_INF,
     LogitsContext,
-    Processor,
+    Transform,
+    as_float,
+    as_int,
     check_id_list,
     is_concrete,
     per_row,
@@ -29,7 +31,7 @@ from genjax.processors.base import (
 from genjax.typing import Array
 
 
-def repetition_penalty(penalty: float | Array) -> Processor:
+def repetition_penalty(penalty: float | Array) -> Transform:
     """Penalizes every token id already in a row's input: divides positive scores by ``penalty``
     and multiplies negative ones, once per distinct token.
 
@@ -42,51 +44,88 @@ def repetition_penalty(penalty: float | Array) -> Processor:
     References:
         Keskar et al. 2019, "CTRL: A Conditional Transformer Language Model".
     """
-
-    def apply(scores: Array, context: LogitsContext) -> Array:
-        batch, vocab = scores.shape
-        slots = jnp.arange(context.tokens.shape[1])[None, :]
-        counted = (slots >= context.first_valid[:, None]) & (slots < context.length)
-        # Ids that do not count go to an extra column, dropped after the scatter.
-        ids = jnp.where(counted, jnp.clip(context.tokens, 0, vocab), vocab)
-        seen = jnp.zeros((batch, vocab + 1), bool).at[jnp.arange(batch)[:, None], ids].set(True)
-        strength = per_row(penalty).astype(scores.dtype)
-        penalized = jnp.where(scores < 0, scores * strength, scores / strength)
-        return jnp.where(seen[:, :vocab], penalized, scores)
-
-    return apply
+    return Transform(_repetition_penalty, {"penalty": as_float(penalty)})
 
 
-def min_length(length: int | Array, eos_token_ids: int | Array) -> Processor:
+def _seen_tokens(tokens: Array, counted: Array, vocab: int) -> Array:
+    """bool[B, V]: True at each id of ``tokens`` int32[B, S] in a ``counted`` bool[B, S] slot."""
+    batch = tokens.shape[0]
+    # Ids that do not count go to an extra column, dropped after the scatter.
+    ids = jnp.where(counted, jnp.clip(tokens, 0, vocab), vocab)
+    seen = jnp.zeros((batch, vocab + 1), bool).at[jnp.arange(batch)[:, None], ids].set(True)
+    return seen[:, :vocab]
+
+
+def _repetition_penalty(scores: Array, context: LogitsContext, penalty: Array) -> Array:
+    slots = jnp.arange(context.tokens.shape[1])[None, :]
+    counted = (slots >= context.first_valid[:, None]) & (slots < context.length)
+    seen = _seen_tokens(context.tokens, counted, scores.shape[-1])
+    strength = per_row(penalty).astype(scores.dtype)
+    penalized = jnp.where(scores < 0, scores * strength, scores / strength)
+    return jnp.where(seen, penalized, scores)
+
+
+def encoder_repetition_penalty(penalty: float | Array) -> Transform:
+    """Rewards every token id of the prompt: the inverse of :func:`repetition_penalty`.
+
+    transformers applies it with the prompt as the "encoder input", for decoder-only models too:
+    each score of a token in the user's ``input_ids`` (slots ``offset`` to ``prompt_end``; the
+    user's own left padding included, as transformers gathers the whole prompt; genjax's bucket
+    padding excluded) is multiplied by ``penalty`` when positive and divided by it when negative,
+    so ``penalty > 1`` makes the prompt's tokens more likely. New tokens do not count.
+    ``penalty`` traced, scalar or float[B]. Cost: one scatter of the ``B * S`` buffer into a
+    ``[B, V]`` mask.
+
+    Example:
+        >>> process = encoder_repetition_penalty(1.5)
+
+    References:
+        Keskar et al. 2019, "CTRL: A Conditional Transformer Language Model" (the penalty it
+        inverts); transformers' ``EncoderRepetitionPenaltyLogitsProcessor``.
+    """
+    return Transform(_encoder_repetition_penalty, {"penalty": as_float(penalty)})
+
+
+def _encoder_repetition_penalty(scores: Array, context: LogitsContext, penalty: Array) -> Array:
+    slots = jnp.arange(context.tokens.shape[1])[None, :]
+    counted = (slots >= context.offset) & (slots < context.prompt_end)
+    seen = _seen_tokens(context.tokens, counted, scores.shape[-1])
+    # transformers stores 1 / penalty and multiplies negative scores by it, divides others.
+    inverse = (1.0 / per_row(penalty)).astype(scores.dtype)
+    rewarded = jnp.where(scores < 0, scores * inverse, scores / inverse)
+    return jnp.where(seen, rewarded, scores)
+
+
+def min_length(length: int | Array, eos_token_ids: int | Array) -> Transform:
     """Forbids EOS while transformers' ``input_ids`` (prompt plus new tokens) is shorter than
     ``length``. Cost: O(V * E) compares.
 
     Example:
         >>> process = min_length(20, eos_token_ids=2)
     """
-
-    def apply(scores: Array, context: LogitsContext) -> Array:
-        blocked = token_mask(eos_token_ids, scores.shape[-1]) & (context.input_length < length)
-        return jnp.where(blocked, NEG_INF, scores)
-
-    return apply
+    return Transform(_min_length, {"length": as_int(length), "eos": as_int(eos_token_ids)})
 
 
-def min_new_tokens(count: int | Array, eos_token_ids: int | Array) -> Processor:
+def _min_length(scores: Array, context: LogitsContext, length: Array, eos: Array) -> Array:
+    blocked = token_mask(eos, scores.shape[-1]) & (context.input_length < length)
+    return jnp.where(blocked, NEG_INF, scores)
+
+
+def min_new_tokens(count: int | Array, eos_token_ids: int | Array) -> Transform:
     """Forbids EOS until ``count`` new tokens have been generated. Cost: O(V * E) compares.
 
     Example:
         >>> process = min_new_tokens(5, eos_token_ids=2)
     """
-
-    def apply(scores: Array, context: LogitsContext) -> Array:
-        blocked = token_mask(eos_token_ids, scores.shape[-1]) & (context.num_new_tokens < count)
-        return jnp.where(blocked, NEG_INF, scores)
-
-    return apply
+    return Transform(_min_new_tokens, {"count": as_int(count), "eos": as_int(eos_token_ids)})
 
 
-def allowed_tokens(fn: Callable[[Array, Array], Array], group_size: int = 1) -> Processor:
+def _min_new_tokens(scores: Array, context: LogitsContext, count: Array, eos: Array) -> Array:
+    blocked = token_mask(eos, scores.shape[-1]) & (context.num_new_tokens < count)
+    return jnp.where(blocked, NEG_INF, scores)
+
+
+def allowed_tokens(fn: Callable[[Array, Array], Array], group_size: int = 1) -> Transform:
     """Restricts each row to the tokens ``fn`` allows: a jittable ``prefix_allowed_tokens_fn``.
 
     Disallowed tokens get -inf; allowed ones keep their score. When every allowed token of every
@@ -98,9 +137,9 @@ def allowed_tokens(fn: Callable[[Array, Array], Array], group_size: int = 1) -> 
         fn: ``fn(tokens int32[B, S], length int32[]) -> bool[B, V]``, True where a token is
             allowed next. ``tokens`` is the whole buffer: slots ``[0, length)`` are filled, the
             newest token is ``tokens[:, length - 1]``, and genjax's bucket padding (pad ids) may
-            precede the prompt. It must be jittable; it is static (pass the same function to
-            reuse a compiled program). Unlike transformers, which raises, a row with no allowed
-            token ends up all -inf.
+            precede the prompt. It must be jittable; it is static (pass the same function to reuse a
+            compiled program: it is part of the processor's tree structure). Unlike transformers,
+            which raises, a row with no allowed token ends up all -inf.
         group_size: rows per prompt (static), ``max(num_beams, num_return_sequences)``.
 
     Cost: whatever ``fn`` costs, plus O(B * V).
@@ -108,28 +147,28 @@ def allowed_tokens(fn: Callable[[Array, Array], Array], group_size: int = 1) -> 
     Example:
         >>> process = allowed_tokens(lambda tokens, length: jnp.ones((tokens.shape[0], 128), bool))
     """
-
-    def apply(scores: Array, context: LogitsContext) -> Array:
-        allowed = jnp.asarray(fn(context.tokens, context.length))
-        if allowed.shape != scores.shape:
-            raise ValueError(
-                f"allowed_tokens: fn(tokens, length) must return a bool mask of shape "
-                f"[batch, vocab] = {tuple(scores.shape)}; got shape {tuple(allowed.shape)}."
-            )
-        mask = jnp.where(allowed.astype(bool), 0.0, NEG_INF).astype(scores.dtype)
-        masked = scores + mask
-        if scores.shape[0] % group_size:
-            raise ValueError(
-                f"allowed_tokens: group_size={group_size} does not divide the batch of "
-                f"{scores.shape[0]} rows; pass the number of rows per prompt."
-            )
-        dead = jnp.all(jnp.isneginf(jnp.max(masked, -1)).reshape(-1, group_size), axis=-1)
-        return jnp.where(jnp.repeat(dead, group_size)[:, None], mask, masked)
-
-    return apply
+    return Transform(_allowed_tokens, settings={"fn": fn, "group_size": int(group_size)})
 
 
-def forced_bos_token_id(token_id: int | Array) -> Processor:
+def _allowed_tokens(scores: Array, context: LogitsContext, fn: Callable, group_size: int) -> Array:
+    allowed = jnp.asarray(fn(context.tokens, context.length))
+    if allowed.shape != scores.shape:
+        raise ValueError(
+            f"allowed_tokens: fn(tokens, length) must return a bool mask of shape "
+            f"[batch, vocab] = {tuple(scores.shape)}; got shape {tuple(allowed.shape)}."
+        )
+    mask = jnp.where(allowed.astype(bool), 0.0, NEG_INF).astype(scores.dtype)
+    masked = scores + mask
+    if scores.shape[0] % group_size:
+        raise ValueError(
+            f"allowed_tokens: group_size={group_size} does not divide the batch of "
+            f"{scores.shape[0]} rows; pass the number of rows per prompt."
+        )
+    dead = jnp.all(jnp.isneginf(jnp.max(masked, -1)).reshape(-1, group_size), axis=-1)
+    return jnp.where(jnp.repeat(dead, group_size)[:, None], mask, masked)
+
+
+def forced_bos_token_id(token_id: int | Array) -> Transform:
     """Forces ``token_id`` when ``input_ids`` holds exactly one token (the first new token after
     a one-token prompt): every other score becomes -inf and the forced one 0.
 
@@ -138,15 +177,15 @@ def forced_bos_token_id(token_id: int | Array) -> Processor:
     Example:
         >>> process = forced_bos_token_id(0)
     """
-
-    def apply(scores: Array, context: LogitsContext) -> Array:
-        forced = jnp.where(row_token_mask(token_id, scores.shape[-1]), 0.0, NEG_INF)
-        return jnp.where(context.input_length == 1, forced.astype(scores.dtype), scores)
-
-    return apply
+    return Transform(_forced_bos_token_id, {"token_id": as_int(token_id)})
 
 
-def forced_eos_token_id(token_ids: int | Array, max_length: int | Array | None = None) -> Processor:
+def _forced_bos_token_id(scores: Array, context: LogitsContext, token_id: Array) -> Array:
+    forced = jnp.where(row_token_mask(token_id, scores.shape[-1]), 0.0, NEG_INF)
+    return jnp.where(context.input_length == 1, forced.astype(scores.dtype), scores)
+
+
+def forced_eos_token_id(token_ids: int | Array, max_length: int | Array | None = None) -> Transform:
     """Forces EOS as the last token: when ``input_ids`` is one short of ``max_length``, every
     score but the ``token_ids``' becomes -inf and theirs 0.
 
@@ -160,32 +199,35 @@ def forced_eos_token_id(token_ids: int | Array, max_length: int | Array | None =
     Example:
         >>> process = forced_eos_token_id(2)
     """
-
-    def apply(scores: Array, context: LogitsContext) -> Array:
-        limit = context.max_input_length if max_length is None else max_length
-        forced = jnp.where(token_mask(token_ids, scores.shape[-1]), 0.0, NEG_INF)
-        return jnp.where(context.input_length == limit - 1, forced.astype(scores.dtype), scores)
-
-    return apply
+    values = {"token_ids": as_int(token_ids), "max_length": as_int(max_length)}
+    return Transform(_forced_eos_token_id, values)
 
 
-def remove_invalid_values() -> Processor:
+def _forced_eos_token_id(
+    scores: Array, context: LogitsContext, token_ids: Array, max_length: Array | None
+) -> Array:
+    limit = context.max_input_length if max_length is None else max_length
+    forced = jnp.where(token_mask(token_ids, scores.shape[-1]), 0.0, NEG_INF)
+    return jnp.where(context.input_length == limit - 1, forced.astype(scores.dtype), scores)
+
+
+def remove_invalid_values() -> Transform:
     """Replaces NaN by 0, +inf by the largest float and -inf by the smallest. Cost: O(B * V).
 
     Example:
         >>> process = remove_invalid_values()
     """
+    return Transform(_remove_invalid_values)
 
-    def apply(scores: Array, context: LogitsContext) -> Array:
-        info = jnp.finfo(scores.dtype)
-        return jnp.nan_to_num(scores, nan=0.0, posinf=info.max, neginf=info.min)
 
-    return apply
+def _remove_invalid_values(scores: Array, context: LogitsContext) -> Array:
+    info = jnp.finfo(scores.dtype)
+    return jnp.nan_to_num(scores, nan=0.0, posinf=info.max, neginf=info.min)
 
 
 def exponential_decay_length_penalty(
     start: int | Array, factor: float | Array, eos_token_ids: int | Array
-) -> Processor:
+) -> Transform:
     """Raises the EOS scores exponentially once ``start`` new tokens have been generated.
 
     After ``input_ids`` grows beyond ``prompt length + start`` by ``i`` tokens, each finite EOS
@@ -201,15 +243,18 @@ def exponential_decay_length_penalty(
     Example:
         >>> process = exponential_decay_length_penalty(10, 1.05, eos_token_ids=2)
     """
+    values = {"start": as_int(start), "factor": as_float(factor), "eos": as_int(eos_token_ids)}
+    return Transform(_exponential_decay_length_penalty, values)
 
-    def apply(scores: Array, context: LogitsContext) -> Array:
-        steps = context.input_length - (start + context.prompt_length)
-        growth = jnp.power(per_row(factor).astype(jnp.float32), steps.astype(jnp.float32)) - 1.0
-        boosted = scores + (jnp.abs(scores) * growth).astype(scores.dtype)
-        eos = token_mask(eos_token_ids, scores.shape[-1])
-        return jnp.where(eos & jnp.isfinite(scores) & (steps > 0), boosted, scores)
 
-    return apply
+def _exponential_decay_length_penalty(
+    scores: Array, context: LogitsContext, start: Array, factor: Array, eos: Array
+) -> Array:
+    steps = context.input_length - (start + context.prompt_length)
+    growth = jnp.power(per_row(factor).astype(jnp.float32), steps.astype(jnp.float32)) - 1.0
+    boosted = scores + (jnp.abs(scores) * growth).astype(scores.dtype)
+    is_eos = token_mask(eos, scores.shape[-1])
+    return jnp.where(is_eos & jnp.isfinite(scores) & (steps > 0), boosted, scores)
 
 
 def _checked_ids(name: str, token_ids) -> Array:
@@ -219,18 +264,17 @@ def _checked_ids(name: str, token_ids) -> Array:
     return jnp.asarray(token_ids, jnp.int32).reshape(-1)
 
 
-def suppress_tokens(token_ids: Sequence[int] | Array) -> Processor:
+def suppress_tokens(token_ids: Sequence[int] | Array) -> Transform:
     """Sets the scores of ``token_ids`` (a list, or int[K] traced) to -inf. Cost: O(V * K).
 
     Example:
         >>> process = suppress_tokens([7, 9])
     """
-    ids = _checked_ids("suppress_tokens", token_ids)
+    return Transform(_suppress_tokens, {"ids": _checked_ids("suppress_tokens", token_ids)})
 
-    def apply(scores: Array, context: LogitsContext) -> Array:
-        return jnp.where(token_mask(ids, scores.shape[-1]), NEG_INF, scores)
 
-    return apply
+def _suppress_tokens(scores: Array, context: LogitsContext, ids: Array) -> Array:
+    return jnp.where(token_mask(ids, scores.shape[-1]), NEG_INF, scores)
 
 
 def begin_suppress_tokens(
@@ -238,7 +282,7 @@ def begin_suppress_tokens(
     begin_index: int | Array | None = None,
     *,
     forced_bos: bool = False,
-) -> Processor:
+) -> Transform:
     """Sets the scores of ``token_ids`` to -inf at one step: when ``input_ids`` holds
     ``begin_index`` tokens.
 
@@ -254,25 +298,34 @@ def begin_suppress_tokens(
     Example:
         >>> process = begin_suppress_tokens([220, 50256])
     """
-    ids = _checked_ids("begin_suppress_tokens", token_ids)
-
-    def apply(scores: Array, context: LogitsContext) -> Array:
-        begin = begin_index
-        if begin is None:
-            begin = context.prompt_length
-            if forced_bos:
-                begin = begin + (context.prompt_length == 1).astype(jnp.int32)
-        suppressed = token_mask(ids, scores.shape[-1]) & (context.input_length == begin)
-        return jnp.where(suppressed, NEG_INF, scores)
-
-    return apply
+    values = {
+        "ids": _checked_ids("begin_suppress_tokens", token_ids),
+        "begin_index": as_int(begin_index),
+    }
+    return Transform(_begin_suppress_tokens, values, {"forced_bos": bool(forced_bos)})
 
 
-def renormalize_logits() -> Processor:
+def _begin_suppress_tokens(
+    scores: Array, context: LogitsContext, ids: Array, begin_index: Array | None, forced_bos: bool
+) -> Array:
+    begin = begin_index
+    if begin is None:
+        begin = context.prompt_length
+        if forced_bos:
+            begin = begin + (context.prompt_length == 1).astype(jnp.int32)
+    suppressed = token_mask(ids, scores.shape[-1]) & (context.input_length == begin)
+    return jnp.where(suppressed, NEG_INF, scores)
+
+
+def renormalize_logits() -> Transform:
     """Turns the scores into log-probabilities (``log_softmax``); transformers runs it last.
     Cost: O(B * V).
 
     Example:
         >>> process = renormalize_logits()
     """
-    return lambda scores, context: jax.nn.log_softmax(scores, axis=-1)
+    return Transform(_renormalize_logits)
+
+
+def _renormalize_logits(scores: Array, context: LogitsContext) -> Array:
+    return jax.nn.log_softmax(scores, axis=-1)

@@ -31,13 +31,12 @@ References:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from genjax.processors.base import NEG_INF, LogitsContext, Processor, per_row
+from genjax.processors.base import NEG_INF, LogitsContext, Transform, as_float, as_int, per_row
 from genjax.typing import Array
 
 PREFIX = 256
@@ -57,11 +56,13 @@ class SortedView:
     vocab: int  # V, static
 
 
-Stage = Callable[[SortedView], tuple[Array, Array]]
-"""A sorted filter's rule: view -> (cut-off float32[B, 1], exact bool[B]). ``exact`` is False
-where the view holds too few scores to decide; the filter then reruns on the fully sorted row."""
+Stage = Transform
+"""A sorted filter's rule, as a :class:`~genjax.processors.Transform` whose ``run(view)`` gives
+``(cut-off float32[B, 1], exact bool[B])``. ``exact`` is False where the view holds too few
+scores to decide; the filter then reruns on the fully sorted row."""
 
 
+@jax.tree_util.register_pytree_node_class
 class SortedFilter:
     """A processor keeping, per row, the scores at or above a cut-off read off the sorted scores.
 
@@ -71,12 +72,24 @@ class SortedFilter:
     call, whatever the number of stages; plus one full sort of V on steps where the 256 largest
     scores do not decide every row.
 
+    A pytree: the stages' values are its leaves, the stages' kinds and settings its structure.
+
     Example:
         >>> warp = top_k(50).then(top_p(0.9))
     """
 
     def __init__(self, *stages: Stage):
         self.stages = stages
+
+    def tree_flatten(self):
+        return self.stages, None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children)
+
+    def __repr__(self) -> str:
+        return " .then(".join(repr(stage) for stage in self.stages) + ")" * (len(self.stages) - 1)
 
     def then(self, other: SortedFilter) -> SortedFilter:
         """The filter applying ``self``'s stages, then ``other``'s, on one shared sort."""
@@ -101,7 +114,7 @@ def _run_stages(view: SortedView, stages: tuple[Stage, ...]) -> tuple[Array, Arr
     cut = jnp.full(view.tail_max.shape, NEG_INF, view.values.dtype)
     exact = jnp.ones(view.values.shape[:1], bool)
     for i, stage in enumerate(stages):
-        threshold, stage_exact = stage(view)
+        threshold, stage_exact = stage.run(view)
         exact &= stage_exact
         cut = jnp.maximum(cut, threshold)
         if i + 1 == len(stages):
@@ -161,17 +174,17 @@ def _sort_descending(scores: Array) -> Array:
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
-def temperature(value: float | Array) -> Processor:
+def temperature(value: float | Array) -> Transform:
     """Divides the scores by ``value`` (> 0; traced, scalar or float[B]). Cost: O(B * V).
 
     Example:
         >>> warp = temperature(0.7)
     """
+    return Transform(_temperature, {"value": as_float(value)})
 
-    def apply(scores: Array, context: LogitsContext) -> Array:
-        return scores / per_row(value).astype(scores.dtype)
 
-    return apply
+def _temperature(scores: Array, context: LogitsContext, value: Array) -> Array:
+    return scores / per_row(value).astype(scores.dtype)
 
 
 def _value_at(values: Array, position: Array) -> Array:
@@ -191,17 +204,17 @@ def top_k(k: int | Array, min_tokens_to_keep: int = 1) -> SortedFilter:
     Example:
         >>> warp = top_k(50)
     """
+    keep = {"min_tokens_to_keep": int(min_tokens_to_keep)}
+    return SortedFilter(Transform(_top_k_stage, {"k": as_int(k)}, keep))
 
-    def stage(view: SortedView) -> tuple[Array, Array]:
-        batch, size = view.values.shape
-        kk = jnp.asarray(k, jnp.int32)
-        kk = jnp.where(kk <= 0, view.vocab, jnp.maximum(kk, min_tokens_to_keep))
-        kk = jnp.broadcast_to(jnp.minimum(kk, view.vocab), (batch,))
-        kth = _value_at(view.values, jnp.clip(kk - 1, 0, size - 1))
-        keep_all = kk >= view.vocab
-        return jnp.where(keep_all[:, None], NEG_INF, kth), keep_all | (kk <= size)
 
-    return SortedFilter(stage)
+def _top_k_stage(view: SortedView, k: Array, min_tokens_to_keep: int) -> tuple[Array, Array]:
+    batch, size = view.values.shape
+    kk = jnp.where(k <= 0, view.vocab, jnp.maximum(k, min_tokens_to_keep))
+    kk = jnp.broadcast_to(jnp.minimum(kk, view.vocab), (batch,))
+    kth = _value_at(view.values, jnp.clip(kk - 1, 0, size - 1))
+    keep_all = kk >= view.vocab
+    return jnp.where(keep_all[:, None], NEG_INF, kth), keep_all | (kk <= size)
 
 
 def top_p(p: float | Array, min_tokens_to_keep: int = 1) -> SortedFilter:
@@ -218,24 +231,25 @@ def top_p(p: float | Array, min_tokens_to_keep: int = 1) -> SortedFilter:
     Example:
         >>> warp = top_p(0.9)
     """
+    keep = {"min_tokens_to_keep": int(min_tokens_to_keep)}
+    return SortedFilter(Transform(_top_p_stage, {"p": as_float(p)}, keep))
 
-    def stage(view: SortedView) -> tuple[Array, Array]:
-        batch, size = view.values.shape
-        total = jnp.logaddexp(jax.nn.logsumexp(view.values, -1, keepdims=True), view.tail_lse)
-        probs = jnp.exp(view.values - total)
-        tail_mass = jnp.exp(view.tail_lse - total)
-        # Probability of each token plus every less likely one, summed from the least likely up.
-        below = jnp.flip(jnp.cumsum(jnp.flip(probs, -1), -1), -1) + tail_mass
-        limit = 1.0 - per_row(p)
-        keep_all = limit <= 0.0  # p = 1 keeps every token, as the disabled processor would
-        removed = (below <= limit) & ~keep_all
-        removed = removed.at[:, : min(min_tokens_to_keep, size)].set(False)
-        kept = size - jnp.sum(removed, axis=-1)
-        cut = jnp.where(keep_all, NEG_INF, _value_at(view.values, kept - 1))
-        exact = ((tail_mass <= limit) & jnp.isfinite(total)) | keep_all
-        return cut, jnp.broadcast_to(exact, (batch, 1))[:, 0]
 
-    return SortedFilter(stage)
+def _top_p_stage(view: SortedView, p: Array, min_tokens_to_keep: int) -> tuple[Array, Array]:
+    batch, size = view.values.shape
+    total = jnp.logaddexp(jax.nn.logsumexp(view.values, -1, keepdims=True), view.tail_lse)
+    probs = jnp.exp(view.values - total)
+    tail_mass = jnp.exp(view.tail_lse - total)
+    # Probability of each token plus every less likely one, summed from the least likely up.
+    below = jnp.flip(jnp.cumsum(jnp.flip(probs, -1), -1), -1) + tail_mass
+    limit = 1.0 - per_row(p)
+    keep_all = limit <= 0.0  # p = 1 keeps every token, as the disabled processor would
+    removed = (below <= limit) & ~keep_all
+    removed = removed.at[:, : min(min_tokens_to_keep, size)].set(False)
+    kept = size - jnp.sum(removed, axis=-1)
+    cut = jnp.where(keep_all, NEG_INF, _value_at(view.values, kept - 1))
+    exact = ((tail_mass <= limit) & jnp.isfinite(total)) | keep_all
+    return cut, jnp.broadcast_to(exact, (batch, 1))[:, 0]
 
 
 def top_h(h: float | Array) -> SortedFilter:
@@ -254,21 +268,21 @@ def top_h(h: float | Array) -> SortedFilter:
         "Top-H Decoding: Adapting the Creativity and Coherence with Bounded Entropy in Text
         Generation", arXiv:2509.02510.
     """
+    return SortedFilter(Transform(_top_h_stage, {"h": as_float(h)}))
 
-    def stage(view: SortedView) -> tuple[Array, Array]:
-        batch = view.values.shape[0]
-        top = view.values[:, : min(TOP_H_CANDIDATES, view.vocab)]
-        logp = jax.nn.log_softmax(top, axis=-1)
-        probs = jnp.exp(logp)
-        live = probs > 0
-        terms = jnp.where(live, -probs * logp, 0.0)
-        budget = per_row(h) * jnp.sum(terms, axis=-1, keepdims=True)
-        selected = live & (jnp.cumsum(terms, axis=-1) <= budget)
-        selected = selected.at[:, 0].set(True)
-        kept = jnp.sum(selected, axis=-1)
-        return _value_at(view.values, kept - 1), jnp.ones((batch,), bool)
 
-    return SortedFilter(stage)
+def _top_h_stage(view: SortedView, h: Array) -> tuple[Array, Array]:
+    batch = view.values.shape[0]
+    top = view.values[:, : min(TOP_H_CANDIDATES, view.vocab)]
+    logp = jax.nn.log_softmax(top, axis=-1)
+    probs = jnp.exp(logp)
+    live = probs > 0
+    terms = jnp.where(live, -probs * logp, 0.0)
+    budget = per_row(h) * jnp.sum(terms, axis=-1, keepdims=True)
+    selected = live & (jnp.cumsum(terms, axis=-1) <= budget)
+    selected = selected.at[:, 0].set(True)
+    kept = jnp.sum(selected, axis=-1)
+    return _value_at(view.values, kept - 1), jnp.ones((batch,), bool)
 
 
 def _kth_largest(scores: Array, k: int) -> Array:
@@ -278,7 +292,7 @@ def _kth_largest(scores: Array, k: int) -> Array:
     return jax.lax.top_k(scores, min(k, scores.shape[-1]))[0][:, -1:]
 
 
-def min_p(p: float | Array, min_tokens_to_keep: int = 1) -> Processor:
+def min_p(p: float | Array, min_tokens_to_keep: int = 1) -> Transform:
     """Drops tokens whose probability is below ``p`` times the most likely token's probability.
 
     ``p`` traced, scalar or float[B]; the ``min_tokens_to_keep`` (static) most likely stay. Cost:
@@ -291,20 +305,21 @@ def min_p(p: float | Array, min_tokens_to_keep: int = 1) -> Processor:
         Nguyen et al. 2024, "Turning Up the Heat: Min-p Sampling for Creative and Coherent LLM
         Outputs".
     """
-
-    def apply(scores: Array, context: LogitsContext) -> Array:
-        probs = jax.nn.softmax(scores, axis=-1)
-        removed = probs < per_row(p) * jnp.max(probs, axis=-1, keepdims=True)
-        if min_tokens_to_keep > 1:
-            _, keep = jax.lax.top_k(probs, min(min_tokens_to_keep, scores.shape[-1]))
-            rows = jnp.arange(scores.shape[0])[:, None]
-            removed = removed.at[rows, keep].set(False)
-        return jnp.where(removed, NEG_INF, scores)
-
-    return apply
+    keep = {"min_tokens_to_keep": int(min_tokens_to_keep)}
+    return Transform(_min_p, {"p": as_float(p)}, keep)
 
 
-def typical_p(mass: float | Array, min_tokens_to_keep: int = 1) -> Processor:
+def _min_p(scores: Array, context: Any, p: Array, min_tokens_to_keep: int) -> Array:
+    probs = jax.nn.softmax(scores, axis=-1)
+    removed = probs < per_row(p) * jnp.max(probs, axis=-1, keepdims=True)
+    if min_tokens_to_keep > 1:
+        _, keep = jax.lax.top_k(probs, min(min_tokens_to_keep, scores.shape[-1]))
+        rows = jnp.arange(scores.shape[0])[:, None]
+        removed = removed.at[rows, keep].set(False)
+    return jnp.where(removed, NEG_INF, scores)
+
+
+def typical_p(mass: float | Array, min_tokens_to_keep: int = 1) -> Transform:
     """Locally typical sampling: keeps the tokens whose surprisal is closest to the entropy.
 
     Tokens are ordered by ``|-log p - H|`` (``H`` the entropy), and the smallest set in that order
@@ -320,36 +335,37 @@ def typical_p(mass: float | Array, min_tokens_to_keep: int = 1) -> Processor:
     References:
         Meister et al. 2022, "Locally Typical Sampling", arXiv:2202.00666.
     """
+    keep = {"min_tokens_to_keep": int(min_tokens_to_keep)}
+    return Transform(_typical_p, {"mass": as_float(mass)}, keep)
 
-    def apply(scores: Array, context: LogitsContext) -> Array:
-        vocab = scores.shape[-1]
-        logp = jax.nn.log_softmax(scores, axis=-1)
-        entropy = -jnp.nansum(logp * jnp.exp(logp), axis=-1, keepdims=True)
-        shifted = jnp.abs(-logp - entropy)
-        probs = jax.nn.softmax(scores, axis=-1)
-        size = min(vocab, PREFIX)
 
-        keep_all = jnp.broadcast_to(per_row(mass) >= 1.0, (scores.shape[0], 1))
+def _typical_p(scores: Array, context: Any, mass: Array, min_tokens_to_keep: int) -> Array:
+    vocab = scores.shape[-1]
+    logp = jax.nn.log_softmax(scores, axis=-1)
+    entropy = -jnp.nansum(logp * jnp.exp(logp), axis=-1, keepdims=True)
+    shifted = jnp.abs(-logp - entropy)
+    probs = jax.nn.softmax(scores, axis=-1)
+    size = min(vocab, PREFIX)
 
-        def cut_off(order_shifted: Array, order_probs: Array) -> tuple[Array, Array]:
-            # The first position where the running mass reaches `mass` (clamped to the end).
-            reached = jnp.sum(jnp.cumsum(order_probs, -1) < per_row(mass), axis=-1)
-            n = order_shifted.shape[-1]
-            last = _value_at(order_shifted, jnp.minimum(reached, n - 1))
-            floor = order_shifted[:, min(min_tokens_to_keep, n) - 1, None]
-            cut = jnp.where(keep_all, jnp.inf, jnp.maximum(last, floor))
-            return cut, (reached < n) | keep_all[:, 0]
+    keep_all = jnp.broadcast_to(per_row(mass) >= 1.0, (scores.shape[0], 1))
 
-        def full() -> Array:
-            return cut_off(*_sort_ascending_with(shifted, probs))[0]
+    def cut_off(order_shifted: Array, order_probs: Array) -> tuple[Array, Array]:
+        # The first position where the running mass reaches `mass` (clamped to the end).
+        reached = jnp.sum(jnp.cumsum(order_probs, -1) < per_row(mass), axis=-1)
+        n = order_shifted.shape[-1]
+        last = _value_at(order_shifted, jnp.minimum(reached, n - 1))
+        floor = order_shifted[:, min(min_tokens_to_keep, n) - 1, None]
+        cut = jnp.where(keep_all, jnp.inf, jnp.maximum(last, floor))
+        return cut, (reached < n) | keep_all[:, 0]
 
-        negated, indices = jax.lax.top_k(-shifted, size)  # the `size` most typical tokens
-        cut, exact = cut_off(-negated, jnp.take_along_axis(probs, indices, axis=-1))
-        if size < vocab:
-            cut = jax.lax.cond(jnp.all(exact), lambda: cut, full)
-        return jnp.where(shifted > cut, NEG_INF, scores)
+    def full() -> Array:
+        return cut_off(*_sort_ascending_with(shifted, probs))[0]
 
-    return apply
+    negated, indices = jax.lax.top_k(-shifted, size)  # the `size` most typical tokens
+    cut, exact = cut_off(-negated, jnp.take_along_axis(probs, indices, axis=-1))
+    if size < vocab:
+        cut = jax.lax.cond(jnp.all(exact), lambda: cut, full)
+    return jnp.where(shifted > cut, NEG_INF, scores)
 
 
 def _sort_ascending_with(keys: Array, payload: Array) -> tuple[Array, Array]:
@@ -362,7 +378,7 @@ def _sort_ascending_with(keys: Array, payload: Array) -> tuple[Array, Array]:
     return jax.lax.bitcast_convert_type(bits, jnp.float32), payload
 
 
-def epsilon_cutoff(epsilon: float | Array, min_tokens_to_keep: int = 1) -> Processor:
+def epsilon_cutoff(epsilon: float | Array, min_tokens_to_keep: int = 1) -> Transform:
     """Epsilon sampling: drops tokens whose probability is below ``epsilon``.
 
     The ``min_tokens_to_keep`` (static) most likely always stay. ``epsilon`` in (0, 1), traced,
@@ -375,17 +391,18 @@ def epsilon_cutoff(epsilon: float | Array, min_tokens_to_keep: int = 1) -> Proce
         Hewitt et al. 2022, "Truncation Sampling as Language Model Desmoothing",
         arXiv:2210.15191.
     """
-
-    def apply(scores: Array, context: LogitsContext) -> Array:
-        probs = jax.nn.softmax(scores, axis=-1)
-        removed = probs < per_row(epsilon)
-        removed &= scores < _kth_largest(scores, min_tokens_to_keep)
-        return jnp.where(removed, NEG_INF, scores)
-
-    return apply
+    keep = {"min_tokens_to_keep": int(min_tokens_to_keep)}
+    return Transform(_epsilon_cutoff, {"epsilon": as_float(epsilon)}, keep)
 
 
-def eta_cutoff(epsilon: float | Array, min_tokens_to_keep: int = 1) -> Processor:
+def _epsilon_cutoff(scores: Array, context: Any, epsilon: Array, min_tokens_to_keep: int) -> Array:
+    probs = jax.nn.softmax(scores, axis=-1)
+    removed = probs < per_row(epsilon)
+    removed &= scores < _kth_largest(scores, min_tokens_to_keep)
+    return jnp.where(removed, NEG_INF, scores)
+
+
+def eta_cutoff(epsilon: float | Array, min_tokens_to_keep: int = 1) -> Transform:
     """Eta sampling: drops tokens whose probability is below ``min(eps, sqrt(eps) * exp(-H))``.
 
     ``H`` is the entropy of the row's distribution, so flat distributions are cut less. The
@@ -399,14 +416,15 @@ def eta_cutoff(epsilon: float | Array, min_tokens_to_keep: int = 1) -> Processor
         Hewitt et al. 2022, "Truncation Sampling as Language Model Desmoothing",
         arXiv:2210.15191.
     """
+    keep = {"min_tokens_to_keep": int(min_tokens_to_keep)}
+    return Transform(_eta_cutoff, {"epsilon": as_float(epsilon)}, keep)
 
-    def apply(scores: Array, context: LogitsContext) -> Array:
-        logp = jax.nn.log_softmax(scores, axis=-1)
-        probs = jnp.exp(logp)
-        entropy = -jnp.sum(jnp.where(probs > 0, probs * logp, 0.0), axis=-1, keepdims=True)
-        eps = per_row(epsilon)
-        eta = jnp.minimum(eps, jnp.sqrt(eps) * jnp.exp(-entropy))
-        removed = (probs < eta) & (scores < _kth_largest(scores, min_tokens_to_keep))
-        return jnp.where(removed, NEG_INF, scores)
 
-    return apply
+def _eta_cutoff(scores: Array, context: Any, epsilon: Array, min_tokens_to_keep: int) -> Array:
+    logp = jax.nn.log_softmax(scores, axis=-1)
+    probs = jnp.exp(logp)
+    entropy = -jnp.sum(jnp.where(probs > 0, probs * logp, 0.0), axis=-1, keepdims=True)
+    eps = per_row(epsilon)
+    eta = jnp.minimum(eps, jnp.sqrt(eps) * jnp.exp(-entropy))
+    removed = (probs < eta) & (scores < _kth_largest(scores, min_tokens_to_keep))
+    return jnp.where(removed, NEG_INF, scores)

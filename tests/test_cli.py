@@ -256,3 +256,17 @@ def test_console_script_runs():
     done = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0
     assert "generate" in done.stdout and "convert" in done.stdout
+
+
+def test_prompt_too_long_errors_advise_something_possible(folder, loaded, capsys):
+    # The tiny model has max_position_embeddings=64: a longer prompt leaves no room at all.
+    code, out, err = _run(capsys, "generate", "hello " * 80, "--model", folder, "--json")
+    assert (code, out) == (2, "")
+    assert "Shorten the prompt to under 64 tokens" in err and "at most -" not in err
+    model, params, tok = loaded
+    batch = tok(["hello " * 6])
+    config = genjax.GenerationConfig(max_length=3, eos_token_id=2, pad_token_id=0)
+    with pytest.raises(genjax.errors.InputError) as info:
+        genjax.generate(model, params, batch["input_ids"], config)
+    length = batch["input_ids"].shape[1]
+    assert f"raise max_length above {length}" in str(info.value)

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import re
 import sys
@@ -88,6 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as stop:  # --help, or a flag error already printed by _Parser.error
         return int(stop.code or 0)
+    logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's warnings repeat our errors
     with warnings.catch_warnings():
         warnings.filterwarnings("default", category=UserWarning)
         warnings.showwarning = _show_warning
@@ -95,6 +97,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return args.run(args)
         except _USER_ERRORS as error:
             _print_error(error)
+            if sys.unraisablehook is sys.__unraisablehook__:  # not under a test runner's hook
+                sys.unraisablehook = _quiet  # reads orbax abandoned may fail again at exit
             return 2
         except KeyboardInterrupt:
             print("genjax: interrupted", file=sys.stderr)
@@ -108,7 +112,7 @@ class _Parser(argparse.ArgumentParser):
     """An ArgumentParser whose errors are one line (and exit code 2)."""
 
     def error(self, message: str):
-        print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        print(f"genjax: error: {message} (see {self.prog} --help)", file=sys.stderr)
         raise SystemExit(2)
 
 
@@ -162,7 +166,9 @@ def _add_generate(commands) -> None:
     generate.add_argument(
         "--json", action="store_true", help="print one JSON object per result; no streaming"
     )
-    generate.add_argument("--seed", type=int, default=0, help="PRNG seed (default 0)")
+    generate.add_argument(
+        "--seed", type=_seed, default=0, help="PRNG seed, 0 to 2**64 - 1 (default 0)"
+    )
     generate.add_argument("--dtype", choices=_DTYPES, help="parameter dtype (default float32)")
     generate.add_argument(
         "--batch-size", type=_positive, default=8, metavar="N", help="prompts per batch (default 8)"
@@ -195,6 +201,24 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
 def _unescape(text: str) -> str:
     """``\\n``, ``\\t`` and ``\\\\`` typed in a shell become a newline, a tab, a backslash."""
     return re.sub(r"\\([nt\\])", lambda m: {"n": "\n", "t": "\t"}.get(m[1], "\\"), text)
+
+
+def _seed(text: str) -> int:
+    value = int(text)
+    if not 0 <= value < 2**64:
+        raise argparse.ArgumentTypeError(f"must be an integer from 0 to 2**64 - 1, got {value}")
+    return value
+
+
+def _seed_key(seed: int):
+    """The PRNG key of a 64-bit seed: ``jax.random.key(seed)`` below 2**32; above, both 32-bit
+    halves are kept (``jax.random.key`` keeps only the low 32 bits unless x64 is enabled)."""
+    import jax
+
+    if seed < 2**32:
+        return jax.random.key(seed)
+    data = np.array([seed >> 32, seed & 0xFFFFFFFF], np.uint32)
+    return jax.random.wrap_key_data(data, impl="threefry2x32")
 
 
 def _positive(text: str) -> int:
@@ -245,6 +269,19 @@ def _generation_config(folder: str, args):
     return config.replace(**overrides) if overrides else config
 
 
+def _check_json(path: str) -> None:
+    """A clear error, naming the file, for a JSON file that does not parse (e.g. truncated)."""
+    if not os.path.isfile(path):
+        return
+    try:
+        with open(path, encoding="utf-8") as f:
+            json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise CheckpointError(
+            f"{path} is not valid JSON ({error}); it may be truncated. Download or copy it again."
+        ) from None
+
+
 def _config_folder(name: str) -> str:
     """A local folder, or the snapshot of a hub repo's config files."""
     path = os.path.expanduser(name)
@@ -278,7 +315,6 @@ def _run_convert(args) -> int:
 
 
 def _run_generate(args) -> int:
-    import jax
 
     from genjax import models
     from genjax.io import bundled
@@ -287,12 +323,13 @@ def _run_generate(args) -> int:
 
     prompts = _read_prompts(args.prompts, args.input)
     folder = bundled.path() if args.model is None else models.loading.resolve(args.model)
+    _check_json(os.path.join(folder, "config.json"))
     config = _generation_config(folder, args)
     tokenizer = tokenizers.from_pretrained(folder)
     model, params = models.from_pretrained(folder, dtype=args.dtype)
     resolved = config.with_defaults()
     copies = resolved.num_return_sequences
-    run = _Run(model, params, config, tokenizer, jax.random.key(args.seed), args.chat)
+    run = _Run(model, params, config, tokenizer, _seed_key(args.seed), args.chat)
 
     if len(prompts) == 1 and not args.json and resolved.num_beams == 1 and copies == 1:
         # The prompt, then its continuation as it streams; a chat shows the reply alone.
@@ -379,13 +416,20 @@ class _Run:
 def _read_prompts(prompts: list[str], input_file: str | None) -> list[str]:
     prompts = list(prompts)
     if input_file is not None:
-        if input_file == "-":
-            lines = sys.stdin.read().splitlines()
-        else:
-            if not os.path.isfile(input_file):
-                raise InputError(f"--input file {input_file!r} does not exist.")
-            with open(input_file, encoding="utf-8") as f:
-                lines = f.read().splitlines()
+        if input_file != "-" and not os.path.isfile(input_file):
+            raise InputError(f"--input file {input_file!r} does not exist.")
+        try:
+            if input_file == "-":
+                lines = sys.stdin.read().splitlines()
+            else:
+                with open(input_file, encoding="utf-8") as f:
+                    lines = f.read().splitlines()
+        except UnicodeDecodeError as error:
+            name = "standard input" if input_file == "-" else repr(input_file)
+            raise InputError(
+                f"--input {name} is not UTF-8 text (byte {error.object[error.start]:#04x} at "
+                f"offset {error.start}). Convert it, e.g. iconv -f LATIN1 -t UTF-8."
+            ) from None
         prompts += [line for line in lines if line.strip()]
     if not prompts:
         raise InputError(
@@ -448,6 +492,10 @@ def _one_line(text: str) -> str:
 
 def _print_error(error: BaseException) -> None:
     print(f"genjax: error: {_one_line(error)}", file=sys.stderr)
+
+
+def _quiet(unraisable) -> None:
+    """An unraisable-exception hook that prints nothing: after an error, the one line said all."""
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:

@@ -270,3 +270,70 @@ def test_prompt_too_long_errors_advise_something_possible(folder, loaded, capsys
         genjax.generate(model, params, batch["input_ids"], config)
     length = batch["input_ids"].shape[1]
     assert f"raise max_length above {length}" in str(info.value)
+
+
+def _copy(folder, path):
+    path.mkdir()
+    for source in folder.iterdir():
+        (path / source.name).write_bytes(source.read_bytes())
+    return path
+
+
+def _truncate(path):
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def test_broken_files_and_bad_values_are_one_line_errors(folder, capsys, tmp_path):
+    def fails(message, *argv):
+        code, out, err = _run(capsys, *argv)
+        assert (code, out) == (2, "")
+        assert err.startswith("genjax: error: ") and message in err, err
+        assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+    for name in ("config.json", "tokenizer.json"):
+        broken = _copy(folder, tmp_path / name.replace(".", "_"))
+        _truncate(broken / name)
+        fails(f"{broken / name} is not", "generate", "hi", "--model", broken)
+    latin = tmp_path / "latin1.txt"
+    latin.write_bytes("café\n".encode("latin-1"))
+    fails(f"--input {str(latin)!r} is not UTF-8", "generate", "--model", folder, "--input", latin)
+    for seed in (2**64, -1):
+        fails(
+            f"argument --seed: must be an integer from 0 to 2**64 - 1, got {seed}",
+            "generate",
+            "hi",
+            "--model",
+            folder,
+            "--seed",
+            seed,
+        )
+
+
+def test_an_orbax_folder_with_a_data_file_missing_is_one_line_error(folder, capsys, tmp_path):
+    orbax = tmp_path / "orbax"
+    assert _run(capsys, "convert", folder, orbax)[0] == 0
+    data = orbax / "params" / "ocdbt.process_0" / "d"
+    for name in os.listdir(data):
+        os.remove(data / name)
+    # A real process: orbax's abandoned reads may fail on its threads as the process exits.
+    argv = [sys.executable, "-m", "genjax.cli", "generate", "hi", "--model", str(orbax)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert (done.returncode, done.stdout) == (2, "")
+    [line] = done.stderr.splitlines()
+    assert line.startswith(f"genjax: error: cannot read the params in {str(orbax / 'params')!r}")
+
+
+def test_seeds_beyond_32_bits_make_distinct_keys():
+    data = [np.asarray(jax.random.key_data(cli._seed_key(s))) for s in (0, 2**32, 2**64 - 1)]
+    np.testing.assert_array_equal(data[0], jax.random.key_data(jax.random.key(0)))
+    assert len({d.tobytes() for d in data}) == 3
+
+
+def test_convert_overwrite_refuses_a_folder_that_is_not_a_checkpoint(folder, capsys, tmp_path):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    code, out, err = _run(capsys, "convert", folder, mine, "--overwrite")
+    assert (code, out) == (2, "") and "is not a genjax checkpoint" in err
+    assert os.listdir(mine) == ["notes.txt"]

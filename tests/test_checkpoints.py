@@ -2,6 +2,10 @@
 
 import json
 import os
+import shutil
+import signal
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -155,6 +159,87 @@ def test_restore_errors_name_the_path_and_what_is_missing(hf_folder, converted, 
     (other / checkpoints.LAYOUT_FILE).write_text(layout)
     with pytest.raises(CheckpointError, match=str(other) + r".*missing arrays \['layers/2/"):
         checkpoints.restore(other)
+
+
+def test_overwrite_replaces_only_a_checkpoint_folder(hf_folder, tmp_path):
+    _, params = genjax.models.from_pretrained(hf_folder)
+    target = tmp_path / "mine"
+    target.mkdir()
+    (target / "notes.txt").write_text("keep me")
+    for write in (
+        lambda: checkpoints.save(target, params, model_config=hf_folder, overwrite=True),
+        lambda: checkpoints.convert(hf_folder, target, overwrite=True),
+    ):
+        with pytest.raises(CheckpointError, match="is not a genjax checkpoint.*left as it is"):
+            write()
+        assert os.listdir(target) == ["notes.txt"] and sorted(os.listdir(tmp_path)) == ["mine"]
+
+
+def test_a_killed_write_leaves_a_folder_the_next_write_removes(hf_folder, tmp_path):
+    # kill -9 in the middle of a convert: the hidden folder holds what was written so far.
+    target = tmp_path / "ckpt"
+    stale = tmp_path / ".ckpt.genjax-tmp"
+    os.makedirs(stale / "params")
+    (stale / checkpoints.LAYOUT_FILE).write_text("{")
+    checkpoints.convert(hf_folder, target)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+    os.makedirs(stale)  # killed right after makedirs: empty, also ours
+    checkpoints.convert(hf_folder, target, overwrite=True)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+    # A folder of that name that genjax did not write is refused, not deleted.
+    os.makedirs(stale)
+    (stale / "mine.txt").write_text("keep me")
+    with pytest.raises(CheckpointError, match=r"genjax-tmp.* is in the way.*remove it yourself"):
+        checkpoints.convert(hf_folder, target, overwrite=True)
+    assert os.listdir(stale) == ["mine.txt"]
+
+
+@pytest.mark.parametrize(
+    "sig, raised", [(signal.SIGTERM, SystemExit), (signal.SIGINT, KeyboardInterrupt)]
+)
+def test_sigterm_or_ctrl_c_during_a_write_removes_the_temporary_folder(
+    hf_folder, tmp_path, monkeypatch, sig, raised
+):
+    _, params = genjax.models.from_pretrained(hf_folder)
+    before = signal.getsignal(sig)
+    seen = []
+
+    def interrupted(path, params):
+        os.makedirs(path)
+        open(os.path.join(path, "half-written"), "w").close()
+        seen.extend(os.listdir(tmp_path))
+        signal.raise_signal(sig)  # the handler runs before the next line
+        raise AssertionError("the signal did not interrupt the write")
+
+    monkeypatch.setattr(checkpoints, "_save_params", interrupted)
+    with pytest.raises(raised) as info:
+        checkpoints.save(tmp_path / "ckpt", params, model_config=hf_folder)
+    assert seen == [".ckpt.genjax-tmp"]
+    assert os.listdir(tmp_path) == []
+    assert signal.getsignal(sig) is before
+    if raised is SystemExit:
+        assert info.value.code == 128 + signal.SIGTERM
+
+
+def test_restore_names_the_folder_when_a_data_file_is_missing(converted, tmp_path):
+    # In a subprocess: orbax's abandoned reads may fail later on its threads, after the test.
+    code = (
+        "import sys; from genjax.io import checkpoints\n"
+        "try: checkpoints.restore(sys.argv[1])\n"
+        "except checkpoints.CheckpointError as e: print(e)\n"
+    )
+    for sub in ("d", "ocdbt.process_0/d"):
+        copy = tmp_path / sub.replace("/", "_")
+        shutil.copytree(converted, copy)
+        data = copy / "params" / sub
+        for name in os.listdir(data):
+            os.remove(data / name)
+        done = subprocess.run(
+            [sys.executable, "-c", code, str(copy)], capture_output=True, text=True, timeout=300
+        )
+        message = done.stdout
+        assert f"cannot read the params in {str(copy / 'params')!r}" in message, done.stderr
+        assert "missing or corrupt" in message and "genjax convert" in message
 
 
 def _copy_safetensors(source, tmp_path):

@@ -12,6 +12,8 @@ import pytest
 
 import genjax
 from genjax import cli
+from genjax.cli import generate as cli_generate
+from genjax.cli import options as cli_options
 from genjax.io import tokenizer as T
 from genjax.testing import tiny_bpe_tokenizer, write_random_checkpoint
 
@@ -33,6 +35,12 @@ def _write_tokenizer(path, chat_template=TEMPLATE) -> int:
     return backend.get_vocab_size()
 
 
+@pytest.fixture(autouse=True)
+def no_compile_cache(monkeypatch):
+    """In-process runs would turn JAX's persistent cache on for the whole test session."""
+    monkeypatch.setenv("GENJAX_COMPILE_CACHE", "0")
+
+
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     path = tmp_path_factory.mktemp("model")
@@ -49,7 +57,7 @@ def loaded(folder):
 
 
 def _expected(loaded, prompts, config, key=0, chat=False):
-    """(new ids, text) per prompt, from genjax.generate on one batch."""
+    """(new ids, text) per prompt, from genjax.generate on one batch (``key``: a seed or key)."""
     model, params, tok = loaded
     if chat:
         rows = [
@@ -65,7 +73,7 @@ def _expected(loaded, prompts, config, key=0, chat=False):
         batch["input_ids"],
         config,
         attention_mask=batch["attention_mask"],
-        key=jax.random.key(key),
+        key=jax.random.key(key) if isinstance(key, int) else key,
         tokenizer=tok.backend if config.stop_strings else None,
     )
     results = []
@@ -131,9 +139,11 @@ def test_many_prompts_batch_with_flags_and_print_json(
     config = genjax.GenerationConfig.from_pretrained(folder).replace(
         do_sample=True, temperature=0.8, top_k=20
     )
-    # Batches of 2; the last is filled up with a copy of its prompt.
-    expected = _expected(loaded, prompts[:2], config, key=3)
-    expected += _expected(loaded, [prompts[2], prompts[2]], config, key=3)[:1]
+    # Prompt i samples alone, with the key fold_in(key(3), i), whatever its batch.
+    expected = [
+        _expected(loaded, [p], config, key=jax.random.fold_in(jax.random.key(3), i))[0]
+        for i, p in enumerate(prompts)
+    ]
     records = _json_lines(out)
     assert [r["prompt"] for r in records] == prompts
     assert [(r["token_ids"], r["completion"]) for r in records] == expected
@@ -146,20 +156,20 @@ def test_many_prompts_batch_with_flags_and_print_json(
     argv = ["generate", "--model", folder, "--input", tmp_path / "prompts.txt", "--batch-size", 2]
     code, out, _ = _run(capsys, *argv, *flags)
     assert code == 0
-    blocks = [f"==> {p} <==\n{text}\n" for p, (_, text) in zip(prompts, expected, strict=True)]
+    blocks = [f"==> {p} <==\n{p}{text}\n" for p, (_, text) in zip(prompts, expected, strict=True)]
     assert out == "\n".join(blocks)
     assert "] 2/3 prompts" in terminal.getvalue() and "] 3/3 prompts" in terminal.getvalue()
 
 
 def test_progress_bar_draws_on_a_terminal_only():
     terminal = _Terminal()
-    progress = cli._Progress(4, terminal)
+    progress = cli_generate.Progress(4, terminal)
     progress.update(2)
     progress.close()
     assert "[" + "#" * 15 + "." * 15 + "] 2/4 prompts" in terminal.getvalue()
     assert terminal.getvalue().endswith("\n")
     silent = io.StringIO()
-    cli._Progress(4, silent).update(4)
+    cli_generate.Progress(4, silent).update(4)
     assert silent.getvalue() == ""
 
 
@@ -256,3 +266,189 @@ def test_console_script_runs():
     done = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0
     assert "generate" in done.stdout and "convert" in done.stdout
+
+
+def test_prompt_too_long_errors_advise_something_possible(folder, loaded, capsys):
+    # The tiny model has max_position_embeddings=64: a longer prompt leaves no room at all.
+    code, out, err = _run(capsys, "generate", "hello " * 80, "--model", folder, "--json")
+    assert (code, out) == (2, "")
+    assert "Shorten the prompt to under 64 tokens" in err and "at most -" not in err
+    model, params, tok = loaded
+    batch = tok(["hello " * 6])
+    config = genjax.GenerationConfig(max_length=3, eos_token_id=2, pad_token_id=0)
+    with pytest.raises(genjax.errors.InputError) as info:
+        genjax.generate(model, params, batch["input_ids"], config)
+    length = batch["input_ids"].shape[1]
+    assert f"raise max_length above {length}" in str(info.value)
+
+
+def _copy(folder, path):
+    path.mkdir()
+    for source in folder.iterdir():
+        (path / source.name).write_bytes(source.read_bytes())
+    return path
+
+
+def _truncate(path):
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def test_broken_files_and_bad_values_are_one_line_errors(folder, capsys, tmp_path):
+    def fails(message, *argv):
+        code, out, err = _run(capsys, *argv)
+        assert (code, out) == (2, "")
+        assert err.startswith("genjax: error: ") and message in err, err
+        assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+    for name in ("config.json", "tokenizer.json"):
+        broken = _copy(folder, tmp_path / name.replace(".", "_"))
+        _truncate(broken / name)
+        fails(f"{broken / name} is not", "generate", "hi", "--model", broken)
+    latin = tmp_path / "latin1.txt"
+    latin.write_bytes("café\n".encode("latin-1"))
+    fails(f"--input {str(latin)!r} is not UTF-8", "generate", "--model", folder, "--input", latin)
+    for seed in (2**64, -1):
+        fails(
+            f"argument --seed: must be an integer from 0 to 2**64 - 1, got {seed}",
+            "generate",
+            "hi",
+            "--model",
+            folder,
+            "--seed",
+            seed,
+        )
+
+
+def test_an_orbax_folder_with_a_data_file_missing_is_one_line_error(folder, capsys, tmp_path):
+    orbax = tmp_path / "orbax"
+    assert _run(capsys, "convert", folder, orbax)[0] == 0
+    data = orbax / "params" / "ocdbt.process_0" / "d"
+    for name in os.listdir(data):
+        os.remove(data / name)
+    # A real process: orbax's abandoned reads may fail on its threads as the process exits.
+    argv = [sys.executable, "-m", "genjax.cli", "generate", "hi", "--model", str(orbax)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert (done.returncode, done.stdout) == (2, "")
+    [line] = done.stderr.splitlines()
+    assert line.startswith(f"genjax: error: cannot read the params in {str(orbax / 'params')!r}")
+
+
+def test_seeds_beyond_32_bits_make_distinct_keys():
+    data = [np.asarray(jax.random.key_data(cli_options.seed_key(s))) for s in (0, 2**32, 2**64 - 1)]
+    np.testing.assert_array_equal(data[0], jax.random.key_data(jax.random.key(0)))
+    assert len({d.tobytes() for d in data}) == 3
+
+
+def test_convert_overwrite_refuses_a_folder_that_is_not_a_checkpoint(folder, capsys, tmp_path):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    code, out, err = _run(capsys, "convert", folder, mine, "--overwrite")
+    assert (code, out) == (2, "") and "is not a genjax checkpoint" in err
+    assert os.listdir(mine) == ["notes.txt"]
+
+
+def test_each_prompt_samples_with_its_own_key_whatever_the_batch(folder, loaded, capsys):
+    prompts = ["hello", "hello", "def fib"]
+    flags = ["--do-sample", "--top-k", "0", "--seed", "5", "--json", "--model", folder]
+    runs = {}
+    for size in (1, 3):
+        code, out, err = _run(capsys, "generate", *prompts, *flags, "--batch-size", size)
+        assert (code, err) == (0, "")
+        runs[size] = [r["token_ids"] for r in _json_lines(out)]
+    assert runs[1] == runs[3]
+    assert runs[1][0] != runs[1][1]  # the same prompt twice: two samples
+    config = genjax.GenerationConfig.from_pretrained(folder).replace(do_sample=True, top_k=0)
+    key = jax.random.fold_in(jax.random.key(5), 2)
+    assert runs[1][2] == _expected(loaded, ["def fib"], config, key=key)[0][0]
+    # One prompt streams with the key of prompt 0: the same tokens as in a batch.
+    code, out, _ = _run(capsys, "generate", "hello", *flags[:-3], "--model", folder)
+    text = loaded[2].decode(runs[1][0], skip_special_tokens=True)
+    assert (code, out) == (0, "hello" + text + "\n")
+
+
+def test_json_counts_no_padding_after_a_stop_string_when_pad_is_eos(loaded, capsys, tmp_path):
+    # Without pad_token_id, generate pads with the EOS id: a row ended by a stop string is
+    # followed by EOS ids that were never generated.
+    folder = tmp_path / "no_pad"
+    vocab = _write_tokenizer(folder.mkdir() or folder)
+    write_random_checkpoint(folder, "llama", vocab_size=vocab, num_hidden_layers=1, seed=0)
+    (folder / "generation_config.json").write_text(
+        json.dumps({"max_new_tokens": 6, "bos_token_id": 1, "eos_token_id": 2})
+    )
+    config = genjax.GenerationConfig.from_pretrained(folder)
+    [(ids, _)] = _expected(loaded, ["def fib"], config.replace(pad_token_id=0))
+    tok = loaded[2]
+    end = next(k for k in range(2, 6) if tok.decode(ids[:k])[-1] not in "\ufffd ")
+    stop = tok.decode(ids[:end])[-1]
+    code, out, _ = _run(capsys, "generate", "def fib", "--model", folder, "--stop", stop, "--json")
+    [record] = _json_lines(out)
+    assert (record["token_ids"], record["num_new_tokens"]) == (ids[:end], end)
+
+
+def test_text_output_echoes_the_prompt_in_every_mode(folder, loaded, capsys):
+    config = genjax.GenerationConfig.from_pretrained(folder).replace(num_beams=2)
+    [(_, beam_text)] = _expected(loaded, ["def fib"], config)
+    code, out, _ = _run(capsys, "generate", "def fib", "--model", folder, "--num-beams", 2)
+    assert (code, out) == (0, "def fib" + beam_text + "\n")
+    code, out, _ = _run(capsys, "generate", "def fib", "hello", "--model", folder)
+    greedy = _expected(loaded, ["def fib", "hello"], config.replace(num_beams=1))
+    assert out == f"==> def fib <==\ndef fib{greedy[0][1]}\n\n==> hello <==\nhello{greedy[1][1]}\n"
+
+
+def test_greedy_unsets_the_files_sampling_values_without_a_warning(
+    folder, loaded, capsys, tmp_path
+):
+    sampling = _copy(folder, tmp_path / "sampling")
+    settings = {**GENERATION, "do_sample": True, "temperature": 0.7, "top_p": 0.9, "top_k": 20}
+    (sampling / "generation_config.json").write_text(json.dumps(settings))
+    code, out, err = _run(capsys, "generate", "def fib", "--model", sampling, "--greedy", "--json")
+    assert (code, err) == (0, "")
+    [(ids, _)] = _expected(loaded, ["def fib"], genjax.GenerationConfig(**GENERATION))
+    assert _json_lines(out)[0]["token_ids"] == ids
+    code, out, err = _run(capsys, "config", "show", sampling, "--greedy")
+    shown = json.loads(out)
+    assert shown["do_sample"] is False and not {"temperature", "top_p", "top_k"} & set(shown)
+    # A sampling flag given with --greedy is kept, and warned about as transformers does.
+    code, out, err = _run(capsys, "config", "show", sampling, "--greedy", "--temperature", 0.5)
+    assert json.loads(out)["temperature"] == 0.5 and "genjax: warning:" in err
+
+
+def test_config_validate_reports_unknown_keys_with_the_closest_field(capsys, tmp_path):
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({"top_kk": 5, "do_sample": True, "transformers_version": "5.0.0"})
+    )
+    code, out, err = _run(capsys, "config", "validate", tmp_path)
+    assert (code, err) == (1, "")
+    assert out == (
+        f"{tmp_path / 'generation_config.json'}: unknown key 'top_kk', which no "
+        "GenerationConfig field reads; did you mean 'top_k'?\n"
+    )
+
+
+def test_version_and_config_show_default_to_the_package_and_bundled_model(capsys):
+    assert _run(capsys, "--version") == (0, "genjax 0.1.0\n", "")
+    code, out, _ = _run(capsys, "config", "show")
+    expected = genjax.GenerationConfig.from_pretrained(genjax.io.bundled.path())
+    assert (code, out) == (0, expected.to_json_string())
+
+
+def test_compile_cache_in_the_user_cache_dir_unless_turned_off(
+    folder, capsys, monkeypatch, tmp_path
+):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("GENJAX_COMPILE_CACHE")
+    argv = ["generate", "hi", "--model", folder, "--max-new-tokens", 2, "--json"]
+    try:
+        for off, env in ((["--no-compile-cache"], None), ([], "0"), ([], None)):
+            genjax.disable_compile_cache()
+            if env is not None:
+                monkeypatch.setenv("GENJAX_COMPILE_CACHE", env)
+            assert _run(capsys, *argv, *off)[0] == 0
+            used = jax.config.values["jax_compilation_cache_dir"]
+            assert used == (None if off or env else str(tmp_path / "genjax" / "xla"))
+            monkeypatch.delenv("GENJAX_COMPILE_CACHE", raising=False)
+        assert (tmp_path / "genjax" / "xla").is_dir()
+    finally:
+        genjax.disable_compile_cache()

@@ -393,15 +393,26 @@ def test_from_dict_kwargs_and_unused():
     assert dict(dropped.extra) == {}
 
 
-def test_update_returns_new_config_and_unused_kwargs():
+def test_updated_returns_new_config_and_unused_kwargs():
     config = GenerationConfig.from_dict({"do_sample": True, "top_k": 5, "custom": 1})
-    new, unused = config.update(top_k=7, top_p=0.5, custom=2, other=3)
+    new, unused = config.updated(top_k=7, top_p=0.5, custom=2, other=3)
     assert (new.top_k, new.top_p, new.custom, unused) == (7, 0.5, 2, {"other": 3})
     assert config.top_k == 5
-    new, unused = config.update(defaults_only=True, top_k=9, max_length=11)
+    new, unused = config.updated(defaults_only=True, top_k=9, max_length=11)
     assert (new.top_k, new.max_length, unused) == (5, 11, {"top_k": 9})
-    new, unused = config.update(allow_custom_entries=True, other=3)
+    new, unused = config.updated(allow_custom_entries=True, other=3)
     assert (new.other, unused) == (3, {})
+
+
+def test_update_refuses_to_pretend_it_mutates():
+    # transformers' `unused = cfg.update(top_k=5)` changes cfg; here it must not silently no-op.
+    config = GenerationConfig(do_sample=True, top_k=3)
+    with pytest.raises(TypeError) as info:
+        config.update(top_k=5)
+    message = str(info.value)
+    assert "immutable" in message
+    assert "config.replace(top_k=5)" in message and "config.updated(top_k=5)" in message
+    assert config.top_k == 3
 
 
 def test_from_model_config(tmp_path):

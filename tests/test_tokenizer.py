@@ -71,6 +71,20 @@ def test_chat_template_is_sandboxed_and_errors_are_clear(folder, tmp_path):
         T.from_pretrained(tmp_path)
 
 
+def test_truncated_files_are_named_in_one_clear_error(folder, tmp_path):
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        copy = tmp_path / name.replace(".", "_")
+        copy.mkdir()
+        for source in folder.iterdir():
+            (copy / source.name).write_bytes(source.read_bytes())
+        text = (copy / name).read_bytes()
+        (copy / name).write_bytes(text[: len(text) // 2])  # an interrupted download
+        with pytest.raises(CheckpointError) as info:
+            T.from_pretrained(copy)
+        assert str(copy / name) in str(info.value)
+        assert "truncated" in str(info.value) or "not valid JSON" in str(info.value)
+
+
 @pytest.mark.parity
 def test_matches_transformers(folder):
     from transformers import AutoTokenizer

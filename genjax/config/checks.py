@@ -506,7 +506,18 @@ def unknown_field_message(name: str) -> str:
     hint = f" Did you mean {close[0]!r}?" if close else ""
     return (
         f"GenerationConfig has no field {name!r}.{hint} To keep a custom key, use "
-        f"config.update({name}=..., allow_custom_entries=True)."
+        f"config.updated({name}=..., allow_custom_entries=True)."
+    )
+
+
+def immutable_update_message(args: tuple, kwargs: dict) -> str:
+    """Why ``GenerationConfig.update`` refuses: ported v5 code would keep the old config."""
+    given = ", ".join([*map(repr, args), *(f"{k}={v!r}" for k, v in kwargs.items())])
+    return (
+        f"GenerationConfig is immutable (a pytree): update({given}) cannot change it in place "
+        f"as transformers' update does. Use config = config.replace({given}) for a new config, "
+        f"or config, unused = config.updated({given}) for the new config and the unused kwargs "
+        f"(what transformers' update returns)."
     )
 
 

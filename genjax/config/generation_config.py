@@ -198,7 +198,7 @@ class GenerationConfig(GenerationFields):
 
         Raises:
             TypeError: for a name that is not a field (to store a custom key, use
-                ``update(..., allow_custom_entries=True)``).
+                ``updated(..., allow_custom_entries=True)``).
             GenerationConfigError: for a bad value.
 
         Example:
@@ -210,10 +210,15 @@ class GenerationConfig(GenerationFields):
             raise TypeError(checks.unknown_field_message(unknown[0]))
         return dataclasses.replace(self, **changes, _user_set=frozenset(changes))
 
-    def update(
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        """Raises TypeError: v5 updates in place, but a config is an immutable pytree. Use
+        :meth:`replace` for a new config, or :meth:`updated` for ``(new_config, unused)``."""
+        raise TypeError(checks.immutable_update_message(args, kwargs))
+
+    def updated(
         self, defaults_only: bool = False, allow_custom_entries: bool = False, **kwargs: Any
     ) -> tuple[GenerationConfig, dict[str, Any]]:
-        """Like v5's ``update``, but returns ``(new_config, unused_kwargs)`` instead of mutating.
+        """v5's ``update`` without mutation: returns ``(new_config, unused_kwargs)``.
 
         Args:
             defaults_only: only set fields that are currently ``None``.
@@ -222,7 +227,7 @@ class GenerationConfig(GenerationFields):
                 returned unused.
 
         Example:
-            >>> cfg, unused = GenerationConfig().update(max_new_tokens=10, foo=1)
+            >>> cfg, unused = GenerationConfig().updated(max_new_tokens=10, foo=1)
             >>> cfg.max_new_tokens, unused
             (10, {'foo': 1})
         """

@@ -29,7 +29,7 @@ def effective_config(config: GenerationConfig | None, overrides: dict) -> Genera
             f"GenerationConfig.from_pretrained(path)."
         )
     if overrides:
-        config, unused = config.update(**overrides)
+        config, unused = config.updated(**overrides)
         if unused:
             raise TypeError(
                 f"generate() got unexpected keyword arguments {sorted(unused)}: they are not "
@@ -173,14 +173,23 @@ def num_new_tokens(config, resolved, prompt_length: int, model) -> int:
     if new < 1:
         raise InputError(
             f"nothing to generate: the prompt has {prompt_length} tokens and the config allows "
-            f"max_length={config.max_length}, max_new_tokens={config.max_new_tokens}. Set "
-            f"max_new_tokens to the number of tokens to generate."
+            f"max_length={config.max_length}, max_new_tokens={config.max_new_tokens}. "
+            + (
+                f"Shorten the prompt to under {limit} tokens (the model's max_position_embeddings)."
+                if limit is not None and prompt_length >= limit
+                else f"Shorten the prompt, raise max_length above {prompt_length}, or set "
+                f"max_new_tokens (which takes precedence over max_length)."
+            )
         )
     if limit is not None and prompt_length + new > limit:
         raise InputError(
             f"prompt length {prompt_length} + {new} new tokens = {prompt_length + new} exceeds "
-            f"the model's max_position_embeddings={limit}. Shorten the prompt or lower "
-            f"max_new_tokens to at most {limit - prompt_length}."
+            f"the model's max_position_embeddings={limit}. "
+            + (
+                f"Shorten the prompt or lower max_new_tokens to at most {limit - prompt_length}."
+                if prompt_length < limit
+                else f"Shorten the prompt to under {limit} tokens (it leaves no room to generate)."
+            )
         )
     return int(new)
 

@@ -16,10 +16,13 @@ command accept such a folder as they accept a Hugging Face one (transformers doe
 safetensors).
 
 Writes are atomic: everything goes to a hidden folder beside the target (``.NAME.genjax-tmp``),
-which is renamed into place only once complete; a failure removes it and leaves the target as it
-was. An existing non-empty folder is never replaced unless ``overwrite=True``. In a multi-host
-run, call ``save`` on every process (orbax writes each host's shards); process 0 writes the other
-files and renames the folder.
+which is renamed into place only once complete; a failure, Ctrl-C or SIGTERM removes it and leaves
+the target as it was (SIGINT and SIGTERM handlers are installed while writing, in the main thread,
+and the previous ones restored after). One left by a killed process (``kill -9``) is removed by the
+next write of the same target. An existing non-empty folder is never replaced unless
+``overwrite=True``, and then only when it is a genjax checkpoint itself. In a multi-host run,
+call ``save`` on every process (orbax writes each host's shards); process 0 writes the other files
+and renames the folder.
 
 Static or traced: nothing here is traced; these functions run on the host, outside ``jit``.
 
@@ -31,9 +34,14 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import os
 import shutil
+import signal
+import threading
+import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -109,14 +117,15 @@ def save(
             path of a ``generation_config.json`` or of a folder holding one (copied verbatim;
             a folder without one is skipped). None writes none.
         tokenizer_folder: a folder whose tokenizer files (``TOKENIZER_FILES``) are copied.
-        overwrite: replace an existing non-empty ``directory``.
+        overwrite: replace an existing non-empty ``directory``, which must be a checkpoint.
 
     Returns:
         The absolute path of the checkpoint folder.
 
     Raises:
-        CheckpointError: ``directory`` exists and is not empty (without ``overwrite``) or is a
-            file; ``model_config`` is missing or does not match ``params``.
+        CheckpointError: ``directory`` exists and is not empty (without ``overwrite``), is not a
+            checkpoint (with ``overwrite``) or is a file; ``model_config`` is missing or does not
+            match ``params``.
 
     Example:
         >>> model, params = genjax.models.from_pretrained("ckpt")  # doctest: +SKIP
@@ -129,19 +138,20 @@ def save(
     _check_tree(from_config(config).param_shapes(), _shapes(params), f"params for {directory!r}")
     tmp = _sibling(directory, _TMP_SUFFIX)
     primary = jax.process_index() == 0
-    if primary and os.path.lexists(tmp):
-        shutil.rmtree(tmp)  # left by a killed run; ours by its name
-    try:
-        if primary:
-            os.makedirs(tmp)
-            _write_files(tmp, config, generation_config, tokenizer_folder)
-        _sync("genjax.checkpoints.save:files")
-        _save_params(os.path.join(tmp, PARAMS_DIR), params)
-        if primary:
-            _move_into_place(tmp, directory, overwrite)
-    finally:
-        if primary and os.path.lexists(tmp):
-            shutil.rmtree(tmp, ignore_errors=True)
+    if primary:
+        _remove_stale(directory)
+    with _signals_raise():
+        try:
+            if primary:
+                os.makedirs(tmp)
+                _write_files(tmp, config, generation_config, tokenizer_folder)
+            _sync("genjax.checkpoints.save:files")
+            _save_params(os.path.join(tmp, PARAMS_DIR), params)
+            if primary:
+                _move_into_place(tmp, directory, overwrite)
+        finally:
+            if primary and os.path.lexists(tmp):
+                shutil.rmtree(tmp, ignore_errors=True)
     _sync("genjax.checkpoints.save:done")
     return directory
 
@@ -188,7 +198,12 @@ def restore(
     model = from_config(os.path.join(directory, "config.json"), dtype, ignore_config_keys)
     expected = model.param_shapes()  # ShapeDtypeStruct leaves, of the model dtype
     with ocp.StandardCheckpointer() as checkpointer:
-        stored = checkpointer.metadata(params_dir).item_metadata.tree
+        try:
+            stored = getattr(checkpointer.metadata(params_dir).item_metadata, "tree", None)
+        except Exception as error:  # noqa: BLE001 - orbax raises many kinds; name the folder
+            raise _unreadable(params_dir, error) from None
+        if stored is None:
+            raise _unreadable(params_dir, "its metadata could not be read")
         _check_tree(expected, _shapes(stored), f"the checkpoint in {directory!r}")
         targets = _target_shardings(expected, shardings, mesh, rules)
         target = jax.tree.map(
@@ -196,8 +211,33 @@ def restore(
             expected,
             targets,
         )
-        params = checkpointer.restore(params_dir, target)
+        params = _read_params(checkpointer, params_dir, target)
     return model, params
+
+
+def _read_params(checkpointer, params_dir: str, target: PyTree) -> PyTree:
+    """``checkpointer.restore``, with a read failure (a missing or corrupt data file) turned into
+    one CheckpointError. Orbax then drops reads it had started: the "coroutine was never awaited"
+    warnings they raise when collected are silenced, as they only repeat the failure."""
+    failure = None
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "coroutine .* was never awaited", RuntimeWarning)
+        try:
+            return checkpointer.restore(params_dir, target)
+        except Exception as error:  # noqa: BLE001 - tensorstore errors carry no file name
+            failure = error
+        failure = _unreadable(params_dir, failure)  # frees the traceback and its coroutines
+        gc.collect()
+    raise failure
+
+
+def _unreadable(params_dir: str, cause) -> CheckpointError:
+    first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+    return CheckpointError(
+        f"cannot read the params in {params_dir!r}: {first[:300]}. A data file is missing or "
+        "corrupt (an interrupted copy?). Copy the folder again, or write it again with "
+        "`genjax convert` (genjax.checkpoints.convert)."
+    )
 
 
 def convert(
@@ -217,7 +257,7 @@ def convert(
         name_or_path: a Hugging Face folder or hub id, as for ``genjax.models.from_pretrained``.
         directory: the checkpoint folder to write (see :func:`save`).
         dtype: the stored dtype (``"bfloat16"``...); None means float32.
-        overwrite: replace an existing non-empty ``directory``.
+        overwrite: replace an existing non-empty ``directory``, which must be a checkpoint.
         **from_pretrained_kwargs: ``revision``, ``local_files_only``, ``cache_dir``, ``token``.
 
     Returns:
@@ -227,8 +267,12 @@ def convert(
         >>> convert("HuggingFaceTB/SmolLM2-135M", "out", dtype="bfloat16")  # doctest: +SKIP
         '/abs/path/out'
     """
-    _check_target(os.path.abspath(os.fspath(directory)), overwrite)  # fail before loading
+    target = os.path.abspath(os.fspath(directory))
+    _check_target(target, overwrite)  # fail before loading
+    if jax.process_index() == 0:
+        _remove_stale(target)
     folder = resolve(name_or_path, **from_pretrained_kwargs)
+    _read_model_config(folder)  # a clear error for a missing or malformed config.json
     _, params = from_pretrained(folder, dtype)
     return save(
         directory,
@@ -250,6 +294,12 @@ def _check_target(directory: str, overwrite: bool) -> None:
         raise CheckpointError(
             f"{directory!r} already exists and is not empty; refusing to overwrite it. Choose "
             f"another folder, remove it, or pass overwrite=True (--overwrite on the command line)."
+        )
+    if os.path.isdir(directory) and os.listdir(directory) and not is_checkpoint(directory):
+        raise CheckpointError(
+            f"{directory!r} is not empty and is not a genjax checkpoint (no config.json beside "
+            f"{PARAMS_DIR}/); overwrite replaces only a checkpoint folder, so it is left as it is. "
+            "Choose another folder, or empty it yourself."
         )
     parent = os.path.dirname(directory)
     if not os.path.isdir(parent):
@@ -366,12 +416,18 @@ def _read_model_config(model_config) -> dict[str, Any]:
         path = os.path.join(path, "config.json")
     if not os.path.isfile(path):
         raise CheckpointError(f"no config.json at {path!r}; save needs the model's config.json.")
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise CheckpointError(
+            f"{path} is not valid JSON ({error}); it may be truncated. Download or copy it again."
+        ) from None
 
 
 def _write_files(folder: str, config: dict, generation_config, tokenizer_folder) -> None:
-    for name, content in (("config.json", config), (LAYOUT_FILE, LAYOUT)):
+    # LAYOUT_FILE first: it marks the folder as ours for _remove_stale.
+    for name, content in ((LAYOUT_FILE, LAYOUT), ("config.json", config)):
         with open(os.path.join(folder, name), "w", encoding="utf-8") as f:
             json.dump(content, f, indent=2, sort_keys=True)
             f.write("\n")
@@ -410,8 +466,7 @@ def _move_into_place(tmp: str, directory: str, overwrite: bool) -> None:
     if not (os.path.isdir(directory) and os.listdir(directory)):
         os.replace(tmp, directory)  # also replaces an empty folder
         return
-    if not overwrite:  # appeared while we were writing
-        _check_target(directory, overwrite)
+    _check_target(directory, overwrite)  # appeared, or changed, while we were writing
     old = _sibling(directory, _OLD_SUFFIX)
     if os.path.lexists(old):
         shutil.rmtree(old)
@@ -422,6 +477,50 @@ def _move_into_place(tmp: str, directory: str, overwrite: bool) -> None:
         os.rename(old, directory)
         raise
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _remove_stale(directory: str) -> None:
+    """Removes the temporary folder a killed write of ``directory`` left behind.
+
+    It is ours when it is empty (killed right after ``makedirs``) or holds ``LAYOUT_FILE``
+    (written first); any other folder of that name is refused, not deleted.
+    """
+    tmp = _sibling(directory, _TMP_SUFFIX)
+    if not os.path.lexists(tmp):
+        return
+    if os.path.isdir(tmp) and not os.path.islink(tmp):
+        entries = os.listdir(tmp)
+        if not entries or LAYOUT_FILE in entries:
+            shutil.rmtree(tmp)
+            return
+    raise CheckpointError(
+        f"{tmp!r} is in the way: genjax writes {directory!r} there first, but it does not look "
+        "like a folder genjax left behind. Move or remove it yourself, then write again."
+    )
+
+
+@contextlib.contextmanager
+def _signals_raise():
+    """While writing, SIGINT raises KeyboardInterrupt and SIGTERM raises SystemExit(143), so that
+    the ``finally`` clauses remove the temporary folder; the previous handlers come back after.
+    Signal handlers can only be set in the main thread: elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise SystemExit(128 + signum)
+
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    for sig in previous:
+        signal.signal(sig, interrupt)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
 def _sibling(directory: str, suffix: str) -> str:

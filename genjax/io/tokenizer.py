@@ -258,7 +258,7 @@ def _read_json(path: str) -> dict:
     try:
         with open(path, encoding="utf-8") as f:
             return json.load(f)
-    except json.JSONDecodeError as error:
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise CheckpointError(f"{path} is not valid JSON: {error}.") from None
 
 
@@ -290,7 +290,8 @@ def from_pretrained(
 
     Raises:
         CheckpointError: the folder or ``tokenizer.json`` is missing (a checkpoint with only a
-            SentencePiece ``tokenizer.model`` must be converted to ``tokenizer.json`` first).
+            SentencePiece ``tokenizer.model`` must be converted to ``tokenizer.json`` first),
+            or a file is not valid (truncated JSON, an unreadable tokenizer).
 
     Example:
         >>> tok = from_pretrained("path/to/checkpoint")
@@ -309,7 +310,13 @@ def from_pretrained(
             else ""
         )
         raise CheckpointError(f"no tokenizer.json in {folder}.{hint}")
-    backend = Backend.from_file(path)
+    try:
+        backend = Backend.from_file(path)
+    except Exception as error:  # noqa: BLE001 - tokenizers raises a bare Exception
+        raise CheckpointError(
+            f"{path} is not a readable tokenizer.json ({error}); it may be truncated or "
+            "corrupt. Download or save the tokenizer again."
+        ) from None
     config: dict = {}
     for name in ("special_tokens_map.json", "tokenizer_config.json"):
         if os.path.isfile(os.path.join(folder, name)):

@@ -221,7 +221,7 @@ class ContinuousBatchingManager:
         if max_new_tokens is not None:
             config_overrides["max_new_tokens"] = max_new_tokens
         if config_overrides:
-            config, unused = config.update(**config_overrides)
+            config, unused = config.updated(**config_overrides)
             if unused:
                 raise TypeError(f"add_request got unknown config fields {sorted(unused)}.")
         if request_id is None:

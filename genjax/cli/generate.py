@@ -1,0 +1,285 @@
+"""``genjax generate``: prompts in; text, or one JSON object per result, out.
+
+Randomness: prompt ``i`` of the run (arguments first, then ``--input`` lines) samples with the key
+``jax.random.fold_in(key(seed), i)``, so its tokens do not depend on ``--batch-size``, on the
+other prompts of its batch, or on whether it streams; two copies of one prompt sample
+differently. ``genjax.generate`` takes one key per batch, so sampled batches run as
+``jax.vmap`` over rows of batch-1 ``generate`` calls (one compiled program per batch size and
+prompt bucket, as the batched call has).
+
+Floor 6 (the command line): imports anything below it. Nothing here is public API.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from genjax.cli import options
+from genjax.errors import InputError
+from genjax.streaming import TextStreamer
+
+MIN_BUCKET = 16  # sampled batches pad prompts to a power of two, at least this, as generate does
+
+
+def run(args) -> int:
+    """Runs ``genjax generate`` (parsed ``args``) and returns the exit code."""
+    from genjax import models
+    from genjax.io import bundled
+    from genjax.io import tokenizer as tokenizers
+
+    prompts = read_prompts(args.prompts, args.input)
+    folder = bundled.path() if args.model is None else models.loading.resolve(args.model)
+    options.check_json(os.path.join(folder, "config.json"))
+    config = options.generation_config(folder, args)
+    tokenizer = tokenizers.from_pretrained(folder)
+    model, params = models.from_pretrained(folder, dtype=args.dtype)
+    resolved = config.with_defaults()
+    copies = resolved.num_return_sequences
+    runner = Runner(model, params, config, tokenizer, options.seed_key(args.seed), args.chat)
+    # Text continues the prompt, so the prompt is echoed; a chat reply stands alone.
+    echo = not args.chat and not getattr(model, "is_encoder_decoder", False)
+
+    if len(prompts) == 1 and not args.json and resolved.num_beams == 1 and copies == 1:
+        runner(prompts, 0, streamer=_EchoStreamer(tokenizer, prompts[0] if echo else ""))
+        return 0
+    style = "json" if args.json else "headed" if len(prompts) * copies > 1 else "plain"
+    progress = Progress(len(prompts), sys.stderr, enabled=len(prompts) > 1)
+    done = 0
+    for start in range(0, len(prompts), args.batch_size):
+        batch = prompts[start : start + args.batch_size]
+        filled = batch
+        if len(prompts) > args.batch_size:  # same shape as the other batches: no new program
+            filled = batch + [batch[-1]] * (args.batch_size - len(batch))
+        results = runner(filled, start)[: len(batch) * copies]
+        progress.clear()
+        for row, (ids, text) in enumerate(results):
+            prompt = batch[row // copies]
+            _print_result(prompt, ids, text, style, first=done + row == 0, echo=echo)
+        done += len(batch) * copies
+        progress.update(start + len(batch))
+    progress.close()
+    return 0
+
+
+class Runner:
+    """Tokenizes a batch of prompts, generates, and returns each row's new ids and text."""
+
+    def __init__(self, model, params, config, tokenizer, key, chat: bool):
+        from genjax.stopping import stop_string_table
+
+        self.model, self.params, self.config = model, params, config
+        self.tokenizer, self.key, self.chat = tokenizer, key, chat
+        self.sampling = bool(config.with_defaults().do_sample)
+        eos, pad = config.eos_token_id, config.pad_token_id
+        eos_ids = [] if eos is None else np.atleast_1d(eos).tolist()
+        self.eos_ids = set(eos_ids)
+        # generate's pad id: pad_token_id, else the first EOS id, else 0.
+        self.pad_id = pad if pad is not None else eos_ids[0] if eos_ids else 0
+        self.stop_vocab = tokenizer.backend if config.stop_strings is not None else None
+        self.stop_table = None
+        if config.stop_strings is not None:
+            self.stop_table = stop_string_table(tokenizer.backend, config.stop_strings)
+        self._sample_rows = None  # jit(vmap(one row)), built on first use
+
+    def __call__(
+        self, prompts: list[str], first_index: int, streamer=None
+    ) -> list[tuple[list[int], str]]:
+        """(new ids, text) per output row; prompt ``j`` is prompt ``first_index + j`` of the run."""
+        import jax
+
+        from genjax.generation import generate
+
+        batch = self._encode(prompts)
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        if self.sampling and streamer is None:
+            new = self._sample(ids, mask, first_index)
+        else:  # greedy and beam search take no key; one streamed prompt takes its own
+            out = generate(
+                self.model,
+                self.params,
+                ids,
+                self.config,
+                attention_mask=mask,
+                key=jax.random.fold_in(self.key, first_index),
+                tokenizer=self.stop_vocab,
+                streamer=streamer,
+            )
+            new = np.asarray(out.sequences)[:, ids.shape[1] :]
+        copies = new.shape[0] // len(prompts)
+        rows = []
+        for row, tokens in enumerate(new.tolist()):
+            prompt = ids[row // copies][mask[row // copies] == 1].tolist()
+            rows.append(self._trim(prompt, tokens))
+        return [(r, self.tokenizer.decode(r, skip_special_tokens=True)) for r in rows]
+
+    def _sample(self, ids: np.ndarray, mask: np.ndarray, first_index: int) -> np.ndarray:
+        """int32[B*R, N], the new tokens: each row generated alone, with the key of its place
+        in the run."""
+        import jax
+
+        from genjax.generation import generate
+
+        def one_row(params, row_ids, row_mask, key):  # -> int32[R, S]
+            return generate(
+                self.model,
+                params,
+                row_ids[None],
+                self.config,
+                attention_mask=row_mask[None],
+                key=key,
+                tokenizer=self.stop_vocab,
+            ).sequences
+
+        if self._sample_rows is None:
+            self._sample_rows = jax.jit(jax.vmap(one_row, in_axes=(None, 0, 0, 0)))
+        width = _bucket(ids.shape[1]) - ids.shape[1]  # left padding, masked
+        ids = np.pad(ids, ((0, 0), (width, 0)), constant_values=self.pad_id)
+        mask = np.pad(mask, ((0, 0), (width, 0)))
+        indices = np.arange(first_index, first_index + len(ids))
+        keys = jax.vmap(lambda i: jax.random.fold_in(self.key, i))(indices)
+        sequences = np.asarray(self._sample_rows(self.params, ids, mask, keys))  # [B, R, S]
+        return sequences.reshape(-1, sequences.shape[-1])[:, ids.shape[1] :]
+
+    def _encode(self, prompts: list[str]) -> dict:
+        if not self.chat:
+            return self.tokenizer(prompts)
+        if self.tokenizer.chat_template is None:
+            raise InputError(
+                "--chat needs a chat template, but this model's tokenizer has none (no "
+                "chat_template in tokenizer_config.json and no chat_template.jinja). Drop --chat."
+            )
+        rows = [
+            self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True
+            )
+            for prompt in prompts
+        ]
+        return self.tokenizer.pad(rows)
+
+    def _trim(self, prompt: list[int], ids: list[int]) -> list[int]:
+        """The new tokens up to the end of the row: the first EOS (included) or the end of the
+        first stop string, whichever comes first; what follows is padding, even when the pad id
+        is an EOS id. A row that neither hit ends at ``max_new_tokens``, or earlier when
+        ``max_time`` ran out (its trailing padding dropped)."""
+        end = next((k + 1 for k, token in enumerate(ids) if token in self.eos_ids), None)
+        stop = self._stop_end(prompt, ids if end is None else ids[:end])
+        if stop is not None:
+            return ids[:stop]
+        if end is not None:
+            return ids[:end]
+        if self.config.max_time is not None:
+            while ids and ids[-1] == self.pad_id:
+                ids = ids[:-1]
+        return ids
+
+    def _stop_end(self, prompt: list[int], ids: list[int]) -> int | None:
+        """How many of ``ids`` end at the first stop string, as generate's criterion finds it
+        (it may begin in the prompt); None when none ends there."""
+        if self.stop_table is None or not ids:
+            return None
+        import jax
+        import jax.numpy as jnp
+
+        from genjax.stopping import stop_string_hits
+
+        tokens = jnp.asarray([prompt + ids], jnp.int32)
+        lengths = jnp.arange(len(prompt) + 1, len(prompt) + len(ids) + 1)
+        hits = jax.vmap(lambda n: stop_string_hits(self.stop_table, tokens, n))(lengths)
+        hits = np.asarray(hits)[:, 0]
+        return int(np.argmax(hits)) + 1 if hits.any() else None
+
+
+class _EchoStreamer(TextStreamer):
+    """Streams the new text to stdout, after ``echo`` (the prompt), which is written when
+    generate puts the prompt: after its checks, so an error leaves stdout empty."""
+
+    def __init__(self, tokenizer, echo: str):
+        super().__init__(tokenizer, skip_prompt=True, skip_special_tokens=True)
+        self.echo = echo
+
+    def put(self, value: Any) -> None:
+        if self.next_tokens_are_prompt and self.echo:
+            sys.stdout.write(self.echo)
+            sys.stdout.flush()
+        super().put(value)
+
+
+def _bucket(length: int) -> int:
+    return max(MIN_BUCKET, 1 << (length - 1).bit_length())
+
+
+def read_prompts(prompts: list[str], input_file: str | None) -> list[str]:
+    prompts = list(prompts)
+    if input_file is not None:
+        if input_file != "-" and not os.path.isfile(input_file):
+            raise InputError(f"--input file {input_file!r} does not exist.")
+        try:
+            if input_file == "-":
+                lines = sys.stdin.read().splitlines()
+            else:
+                with open(input_file, encoding="utf-8") as f:
+                    lines = f.read().splitlines()
+        except UnicodeDecodeError as error:
+            name = "standard input" if input_file == "-" else repr(input_file)
+            raise InputError(
+                f"--input {name} is not UTF-8 text (byte {error.object[error.start]:#04x} at "
+                f"offset {error.start}). Convert it, e.g. iconv -f LATIN1 -t UTF-8."
+            ) from None
+        prompts += [line for line in lines if line.strip()]
+    if not prompts:
+        raise InputError(
+            "no prompt: give one or more PROMPT arguments, or --input FILE with one per line."
+        )
+    return prompts
+
+
+def _print_result(prompt: str, ids: list[int], text: str, style: str, first: bool, echo: bool):
+    """Prints one output sequence; ``style`` is "json", "headed" (``==> PROMPT <==`` first,
+    blank lines between results) or "plain" (a single result). With ``echo``, text results
+    start with the prompt they continue."""
+    if style == "json":
+        record = {"prompt": prompt, "completion": text, "token_ids": ids}
+        record["num_new_tokens"] = len(ids)
+        print(json.dumps(record, ensure_ascii=False), flush=True)
+        return
+    if style == "headed":
+        print(("" if first else "\n") + f"==> {prompt} <==")
+    print((prompt if echo else "") + text, flush=True)
+
+
+class Progress:
+    """A one-line progress bar on a terminal stream; silent when the stream is not a TTY."""
+
+    WIDTH = 30
+
+    def __init__(self, total: int, stream: Any, enabled: bool = True):
+        self.total, self.stream = total, stream
+        self.enabled = enabled and bool(getattr(stream, "isatty", lambda: False)())
+        self.start = time.monotonic()
+        self.update(0)
+
+    def update(self, done: int) -> None:
+        if not self.enabled:
+            return
+        filled = self.WIDTH * done // max(self.total, 1)
+        bar = "#" * filled + "." * (self.WIDTH - filled)
+        elapsed = time.monotonic() - self.start
+        self.stream.write(f"\r[{bar}] {done}/{self.total} prompts {elapsed:.1f}s")
+        self.stream.flush()
+
+    def clear(self) -> None:
+        """Erases the bar, so that text printed next starts on a clean line."""
+        if self.enabled:
+            self.stream.write("\r\033[K")
+            self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self.stream.write("\n")
+            self.stream.flush()

@@ -276,7 +276,7 @@ def save_params(model: Any, params: PyTree, folder: str | os.PathLike, dtype: An
             "(genjax.quantize). Save the float params and quantize after loading "
             "(from_pretrained(..., quantize='int8'))."
         )
-    stored = None if dtype is None else _canonical_dtype(dtype)
+    stored = None if dtype is None else _canonical_dtype(dtype, in_jax=False)
     tensors = {}
     for path, leaf in _flatten(params):
         name, transpose = model.hf_tensor_name(path)
@@ -296,7 +296,9 @@ def save_params(model: Any, params: PyTree, folder: str | os.PathLike, dtype: An
     return target
 
 
-def _canonical_dtype(dtype: Any) -> np.dtype:
+def _canonical_dtype(dtype: Any, in_jax: bool = True) -> np.dtype:
+    """The numpy dtype of ``dtype`` (None: float32); ``in_jax`` refuses 64-bit floats when JAX
+    would silently make them float32."""
     if dtype is None:
         return jnp.dtype(jnp.float32)
     try:
@@ -308,6 +310,12 @@ def _canonical_dtype(dtype: Any) -> np.dtype:
         ) from e
     if not jnp.issubdtype(canonical, jnp.floating):
         raise TypeError(f"dtype must be a floating dtype, got {canonical.name}.")
+    if in_jax and canonical.itemsize > 4 and not jax.config.jax_enable_x64:
+        raise TypeError(
+            f"dtype {canonical.name} needs 64-bit JAX, which is off: arrays would silently be "
+            "float32. Call jax.config.update('jax_enable_x64', True) before loading, or pass "
+            "dtype='float32'."
+        )
     return canonical
 
 
@@ -372,6 +380,13 @@ def _read_header(file: str) -> dict[str, dict]:
     except (struct.error, ValueError) as e:
         raise CheckpointError(f"{file} is not a valid safetensors file ({e}).") from e
     header.pop("__metadata__", None)
+    end = max((info["data_offsets"][1] for info in header.values()), default=0)
+    have = os.path.getsize(file) - 8 - size
+    if have < end:
+        raise CheckpointError(
+            f"{file} is truncated: its header describes {end} bytes of tensor data but the file "
+            f"holds {max(have, 0)}. The download or save was cut short; fetch or write it again."
+        )
     return {name: {**info, "start": 8 + size} for name, info in header.items()}
 
 

@@ -9,8 +9,11 @@ near the size of the float params.
 The conversion follows transformers v5 (``modeling_gguf_pytorch_utils.py``,
 ``integrations/ggml.py``), so a file loads to the same model in both:
 
-* ``general.architecture`` picks the model: ``llama`` (a file named exactly ``mistral`` is a
-  Mistral, as transformers decides), ``qwen2``, ``gpt2``.
+* ``general.architecture`` picks the model: ``llama``, ``qwen2``, ``gpt2``. llama.cpp writes
+  Mistral checkpoints as ``llama`` files (no sliding window: llama.cpp attends over everything),
+  so they load as Llama models. (transformers 5.24 would read a file whose ``general.name`` is
+  exactly ``"mistral"`` as a Mistral, but cannot map its tensors with gguf 0.19; genjax refuses
+  that name rather than guess.)
 * Metadata keys become ``config.json`` keys (``_CONFIG_KEYS``); the vocabulary size is
   ``<arch>.vocab_size``, else the number of tokens; ``tie_word_embeddings`` is true when the file
   has no ``output.weight``. A Mistral file states no window, so transformers' default of 4096
@@ -33,6 +36,7 @@ Example:
 
 from __future__ import annotations
 
+import mmap
 import os
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -84,9 +88,10 @@ _CONFIG_KEYS = {
         "vocab_size": "vocab_size",
     },
 }
-_MODELS = {"llama": LlamaModel, "mistral": LlamaModel, "qwen2": LlamaModel, "gpt2": GPT2Model}
+_MODELS = {"llama": LlamaModel, "qwen2": LlamaModel, "gpt2": GPT2Model}
 _IGNORED_PREFIXES = ("GGUF.", "general.", "tokenizer.", "split.")
 _MAX_NAMES = 20
+_CHUNK_BYTES = 8 << 20  # float32 bytes dequantized at once
 
 
 def is_gguf(path: str | os.PathLike) -> bool:
@@ -153,10 +158,13 @@ def hf_config(
             "`llama-gguf-split --merge first-part.gguf merged.gguf`."
         )
     keys = _CONFIG_KEYS[arch]
-    model_type = (
-        "mistral" if arch == "llama" and metadata.get("general.name") == "mistral" else arch
-    )
-    config: dict[str, Any] = {"model_type": model_type}
+    if arch == "llama" and metadata.get("general.name") == "mistral":
+        raise UnsupportedError(
+            "this llama GGUF file is named exactly 'mistral', which transformers reads as a "
+            "Mistral with a 4096-token sliding window the file does not state; genjax does not "
+            "guess. Rename it (gguf's gguf_set_metadata.py general.name) to load it as a Llama."
+        )
+    config: dict[str, Any] = {"model_type": arch}
     unknown = []
     for name, value in metadata.items():
         if name.startswith(_IGNORED_PREFIXES) or name in ignore_config_keys:
@@ -205,6 +213,7 @@ def load(path: str | os.PathLike, dtype: Any, ignore_config_keys: Iterable[str] 
     reader = open_file(path)
     tensors = {tensor.name: tensor for tensor in reader.tensors}
     metadata = read_metadata(reader)
+    reader.fields.clear()  # one numpy view per token string: ~1 KB each, 100 MB for 100k tokens
     config = hf_config(metadata, tensors, tuple(ignore_config_keys))
     model = _MODELS[config["model_type"]].from_hf_config(config, np.dtype(dtype).name)
     expected = _expected(model, metadata["general.architecture"])
@@ -226,7 +235,7 @@ def load(path: str | os.PathLike, dtype: Any, ignore_config_keys: Iterable[str] 
     permute = _permutation(metadata["general.architecture"], model)
     params: dict = {}
     for name, (param_path, shape) in expected.items():
-        array = _dequantize(tensors[name], path)
+        array = _dequantize(tensors[name], path, dtype)
         if name in permute:
             array = _unpermute_rows(array, permute[name])
         if array.shape != shape:
@@ -234,20 +243,41 @@ def load(path: str | os.PathLike, dtype: Any, ignore_config_keys: Iterable[str] 
                 f"{path}: tensor {name} has shape {array.shape}, expected {shape} for this "
                 "model's metadata."
             )
-        _insert(params, param_path, jnp.asarray(array.astype(dtype, copy=False)))
+        _insert(params, param_path, jnp.asarray(array))
         del array
+        _drop_pages(reader)
     return model, params
+
+
+def _drop_pages(reader) -> None:
+    """Lets the OS drop the file pages read so far (they are re-read if touched again), so the
+    mapped file does not add its size to the process's resident memory while params build up."""
+    mapped = getattr(reader.data, "base", None)
+    if isinstance(mapped, mmap.mmap) and hasattr(mmap, "MADV_DONTNEED"):
+        mapped.madvise(mmap.MADV_DONTNEED)
 
 
 def _supported(tensor) -> bool:
     return tensor.tensor_type.name in SUPPORTED_TYPES
 
 
-def _dequantize(tensor, path: str) -> np.ndarray:
+def _dequantize(tensor, path: str, dtype: Any) -> np.ndarray:
+    """The tensor as a ``dtype`` array, dequantized a few MB of rows at a time (gguf's dequantizer
+    makes float32 temporaries several times the size of what it is given)."""
     from gguf import quants
 
+    data = tensor.data
     try:
-        return quants.dequantize(tensor.data, tensor.tensor_type)
+        if data.ndim < 2:
+            return quants.dequantize(data, tensor.tensor_type).astype(dtype, copy=False)
+        first = quants.dequantize(data[:1], tensor.tensor_type)
+        out = np.empty((data.shape[0], *first.shape[1:]), dtype)
+        step = max(1, _CHUNK_BYTES // max(first.nbytes, 1))
+        for start in range(0, data.shape[0], step):
+            out[start : start + step] = quants.dequantize(
+                data[start : start + step], tensor.tensor_type
+            )
+        return out
     except Exception as error:  # noqa: BLE001 - a damaged block is one clear error
         raise CheckpointError(
             f"{path}: tensor {tensor.name} ({tensor.tensor_type.name}) could not be dequantized "

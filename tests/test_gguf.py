@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+import genjax
 from genjax.errors import CheckpointError, UnsupportedError
 from genjax.models import from_pretrained
 from genjax.models import gguf as gguf_module
@@ -157,6 +159,54 @@ def test_peak_host_memory_while_loading(tmp_path):
     measured = measure_loading_peak(path)
     assert measured["params"] > 20e6
     assert measured["peak"] < 1.5 * measured["params"], measured
+
+
+TOKENIZERS = json.loads((FIXTURES / "gguf" / "tokenizers.json").read_text())
+
+
+@pytest.mark.parametrize("case", make.TOKENIZER_CASES)
+def test_tokenizer_matches_transformers_recordings(case, tmp_path):
+    path = make.build_tokenizer_gguf(case, tmp_path)
+    tok = genjax.tokenizer.from_pretrained(tmp_path, gguf_file=os.path.basename(path))
+    want = TOKENIZERS["cases"][case]
+    assert [tok.encode(text) for text in TOKENIZERS["texts"]] == want["ids"]
+    assert [tok.decode(row) for row in want["ids"]] == want["decoded"]
+    assert [tok.decode(row, skip_special_tokens=True) for row in want["ids"]] == want[
+        "decoded_skip"
+    ]
+    chat = tok.apply_chat_template(TOKENIZERS["chat"], add_generation_prompt=True, tokenize=False)
+    assert chat == want["chat"]
+    assert {k: tok.special_tokens.get(k) for k in want["special"]} == want["special"]
+    # The same file is also the model: the .gguf path form reads both.
+    assert genjax.tokenizer.from_pretrained(path).encode("hello world") == want["ids"][0]
+    model, _ = from_pretrained(path)
+    assert model.vocab_size == tok.vocab_size
+
+
+def test_tokenizer_errors_are_named(tmp_path):
+    path = make.build_gguf("llama_f32", tmp_path)  # placeholder tokens of an unknown model
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    tensors = load_file(tmp_path / "hf" / "model.safetensors")
+    spec = {"model": "t5", "tokens": [f"<t{i}>" for i in range(config["vocab_size"])]}
+    t5 = write_gguf(tmp_path / "t5.gguf", config, tensors, tokenizer=spec)
+    with pytest.raises(UnsupportedError, match="t5.gguf describes a 't5' tokenizer"):
+        genjax.tokenizer.from_pretrained(t5)
+    spec = {"model": "llama", "tokens": spec["tokens"]}  # neither merges nor scores
+    bare = write_gguf(tmp_path / "bare.gguf", config, tensors, tokenizer=spec)
+    with pytest.raises(CheckpointError, match="bare.gguf has neither tokenizer.ggml.merges"):
+        genjax.tokenizer.from_pretrained(bare)
+    assert os.path.isfile(path)
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("case", make.TOKENIZER_CASES)
+def test_live_tokenizer_parity_with_transformers(case):
+    want = make.record_tokenizer(case)
+    with tempfile.TemporaryDirectory() as folder:
+        tok = genjax.tokenizer.from_pretrained(make.build_tokenizer_gguf(case, folder))
+    assert [tok.encode(text) for text in make.TEXTS] == want["ids"]
+    chat = tok.apply_chat_template(make.CHAT, add_generation_prompt=True, tokenize=False)
+    assert chat == want["chat"]
 
 
 @pytest.mark.parity

@@ -56,23 +56,26 @@ _SPECIAL_IDS = {
 }
 
 
-def from_gguf(path: str | os.PathLike):
-    """Builds the :class:`genjax.tokenizer.Tokenizer` a GGUF file describes.
+def read(path: str | os.PathLike) -> tuple[Any, dict[str, str], str | None]:
+    """The tokenizer a GGUF file describes, as the parts of a :class:`genjax.tokenizer.Tokenizer`
+    (which :func:`genjax.tokenizer.from_pretrained` assembles).
 
     Args:
         path: the ``.gguf`` file.
+
+    Returns:
+        ``(backend, special_tokens, chat_template)``: a ``tokenizers.Tokenizer``, the special
+        tokens by role (``{"eos_token": "<|im_end|>", ...}``) and the template or None.
 
     Raises:
         CheckpointError: an unreadable file, or one without a tokenizer.
         UnsupportedError: a tokenizer model other than ``gpt2`` or ``llama``.
 
     Example:
-        >>> tok = from_gguf("SmolLM2-135M-Instruct.Q4_1.gguf")  # doctest: +SKIP
-        >>> tok.eos_token_id  # doctest: +SKIP
-        2
+        >>> backend, special, template = read("SmolLM2-135M-Instruct.Q4_1.gguf")  # doctest: +SKIP
+        >>> special["eos_token"]  # doctest: +SKIP
+        '<|im_end|>'
     """
-    from genjax.io.tokenizer import Tokenizer
-
     path = os.fspath(path)
     metadata = gguf.read_metadata(gguf.open_file(path))
     fields = {
@@ -89,11 +92,7 @@ def from_gguf(path: str | os.PathLike):
         if fields.get(key) is not None and 0 <= fields[key] < len(tokens)
     }
     backend = build_backend(fields, metadata.get("general.architecture"), special, path)
-    return Tokenizer(
-        backend=backend,
-        special_tokens=special,
-        chat_template=metadata.get("tokenizer.chat_template"),
-    )
+    return backend, special, metadata.get("tokenizer.chat_template")
 
 
 def build_backend(

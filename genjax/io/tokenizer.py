@@ -300,7 +300,8 @@ def from_pretrained(
 
     gguf_path = gguf_location(name_or_path, gguf_file, revision, local_files_only, cache_dir, token)
     if gguf_path is not None:
-        return gguf_tokenizer.from_gguf(gguf_path)
+        backend, special, template = gguf_tokenizer.read(gguf_path)
+        return Tokenizer(backend=backend, special_tokens=special, chat_template=template)
     folder = os.fspath(name_or_path)
     if not os.path.isdir(folder):
         folder = _download(folder, revision, local_files_only, cache_dir, token)

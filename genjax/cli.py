@@ -227,12 +227,14 @@ def _run_config_validate(args) -> int:
     return 0
 
 
-def _generation_config(folder: str, args):
+def _generation_config(folder: str, args, base=None):
     """The folder's generation config (``generation_config.json``, else derived from
-    ``config.json`` as transformers does) with the flags given set on top."""
+    ``config.json`` as transformers does; ``base`` when given) with the flags given set on top."""
     from genjax.config import GenerationConfig
 
-    if os.path.isfile(os.path.join(folder, "generation_config.json")):
+    if base is not None:
+        config = base
+    elif os.path.isfile(os.path.join(folder, "generation_config.json")):
         config = GenerationConfig.from_pretrained(folder)
     elif os.path.isfile(os.path.join(folder, "config.json")):
         config = GenerationConfig.from_model_config(os.path.join(folder, "config.json"))
@@ -243,6 +245,15 @@ def _generation_config(folder: str, args):
     overrides["stop_strings"] = None if args.stop is None else tuple(args.stop)
     overrides = {field: value for field, value in overrides.items() if value is not None}
     return config.replace(**overrides) if overrides else config
+
+
+def _gguf_generation_config(path: str):
+    """A GGUF file's generation config: its BOS/EOS/pad ids, as from a config.json."""
+    from genjax.config import GenerationConfig
+    from genjax.models import gguf
+
+    ids = gguf.generation_defaults(gguf.read_metadata(gguf.open_file(path)))
+    return GenerationConfig.from_model_config(ids)
 
 
 def _config_folder(name: str) -> str:
@@ -286,8 +297,12 @@ def _run_generate(args) -> int:
     from genjax.streaming import TextStreamer
 
     prompts = _read_prompts(args.prompts, args.input)
-    folder = bundled.path() if args.model is None else models.loading.resolve(args.model)
-    config = _generation_config(folder, args)
+    base = None
+    if args.model is not None and models.gguf.is_gguf(args.model):
+        folder, base = args.model, _gguf_generation_config(args.model)  # all in one file
+    else:
+        folder = bundled.path() if args.model is None else models.loading.resolve(args.model)
+    config = _generation_config(folder, args, base)
     tokenizer = tokenizers.from_pretrained(folder)
     model, params = models.from_pretrained(folder, dtype=args.dtype)
     resolved = config.with_defaults()

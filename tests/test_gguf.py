@@ -217,3 +217,68 @@ def test_live_parity_with_transformers(case, tmp_path):
     batch = make.inputs(model.vocab_size)
     want = make.transformers_logits(path, batch)
     _assert_close(_logits(model, params, batch), want, batch["attention_mask"])
+
+
+def test_cli_generates_from_a_gguf_path(tmp_path, capsys):
+    from genjax import cli
+
+    path = make.build_tokenizer_gguf("sentencepiece", tmp_path)
+    code = cli.main(["generate", "--model", path, "hello world", "--max-new-tokens", "3"])
+    out = capsys.readouterr().out
+    assert code == 0 and out.startswith("hello world") and len(out) > len("hello world")
+
+
+# ---------------------------------------------------------------------------- the real checkpoint
+
+PROMPTS = ["What is the capital of France?", "Write one sentence about the sea."]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from real_model import smollm2_gguf
+
+    path = smollm2_gguf()
+    model, params = from_pretrained(path)
+    return path, model, params, genjax.tokenizer.from_pretrained(path)
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_real_gguf_greedy_chat_matches_transformers(smollm2, prompt):
+    import jax
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path, model, params, tok = smollm2
+    folder, name = os.path.dirname(path), os.path.basename(path)
+    hf_tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    hf = AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=name, dtype=torch.float32, attn_implementation="eager"
+    )
+    chat = [{"role": "user", "content": prompt}]
+    ids = tok.apply_chat_template(chat, add_generation_prompt=True)
+    text = hf_tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    assert ids == hf_tok(text, add_special_tokens=False).input_ids
+    steps, eos = 24, tok.eos_token_id
+    config = genjax.GenerationConfig(
+        max_new_tokens=steps, do_sample=False, eos_token_id=eos, pad_token_id=eos,
+        output_scores=True, return_dict_in_generate=True,
+    )  # fmt: skip
+    out = genjax.generate(
+        model, params, jnp.asarray([ids], jnp.int32), config, key=jax.random.key(0)
+    )
+    with torch.no_grad():
+        want = hf.generate(
+            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=steps, do_sample=False, eos_token_id=eos, pad_token_id=eos,
+            output_scores=True, return_dict_in_generate=True,
+        )  # fmt: skip
+    got_tokens = np.asarray(out.sequences)[0, len(ids) :]
+    want_tokens = want.sequences[0, len(ids) :].numpy()
+    np.testing.assert_array_equal(got_tokens[: len(want_tokens)], want_tokens)
+    first = want.scores[0][0].numpy()
+    diff = np.abs(np.asarray(out.scores)[0, 0] - first).max()
+    assert diff < 1e-5 * np.abs(first).max() * 20, diff
+    print(
+        f"{prompt!r}: {tok.decode(want_tokens, skip_special_tokens=True)!r}; max |diff| {diff:.2e}"
+    )

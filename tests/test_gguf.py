@@ -114,6 +114,13 @@ def test_unsupported_types_keys_and_architectures_are_named(tmp_path, monkeypatc
         gguf_module.hf_config(metadata, [])
     vouched = gguf_module.hf_config(metadata, [], ["llama.expert_count"])
     assert vouched == {"model_type": "llama", "vocab_size": 8, "tie_word_embeddings": True}
+    sizes = {"llama.embedding_length": 64, "llama.attention.head_count": 4}
+    ok = {**metadata, **sizes, "llama.attention.key_length": 16, "llama.attention.value_length": 16}
+    assert gguf_module.hf_config(ok, [], ["llama.expert_count"])["hidden_size"] == 64
+    with pytest.raises(UnsupportedError, match="head sizes"):
+        gguf_module.hf_config(
+            {**ok, "llama.attention.value_length": 32}, [], ["llama.expert_count"]
+        )
     with pytest.raises(UnsupportedError, match="'falcon'.*llama, qwen2, gpt2"):
         gguf_module.hf_config({"general.architecture": "falcon"}, [])
     with pytest.raises(UnsupportedError, match="'mistral'"):

@@ -16,8 +16,8 @@ The conversion follows transformers v5 (``modeling_gguf_pytorch_utils.py``,
   that name rather than guess.)
 * Metadata keys become ``config.json`` keys (``_CONFIG_KEYS``); the vocabulary size is
   ``<arch>.vocab_size``, else the number of tokens; ``tie_word_embeddings`` is true when the file
-  has no ``output.weight``. A Mistral file states no window, so transformers' default of 4096
-  applies. A key under ``<arch>.`` that genjax does not read is refused by name.
+  has no ``output.weight``. ``attention.key_length``/``value_length`` must equal the head size.
+  A key under ``<arch>.`` that genjax does not read is refused by name.
 * Tensor names map through gguf's own ``TensorNameMap`` (``blk.0.attn_q.weight`` is
   ``model.layers.0.self_attn.q_proj.weight``). llama.cpp permutes the rows of Llama's q and k
   projections (for its rotary layout); that permutation is undone here. GPT-2's ``Conv1D``
@@ -88,6 +88,7 @@ _CONFIG_KEYS = {
         "vocab_size": "vocab_size",
     },
 }
+_HEAD_DIM_KEYS = ("attention.key_length", "attention.value_length")  # checked, not used
 _MODELS = {"llama": LlamaModel, "qwen2": LlamaModel, "gpt2": GPT2Model}
 _IGNORED_PREFIXES = ("GGUF.", "general.", "tokenizer.", "split.")
 _MAX_NAMES = 20
@@ -165,12 +166,14 @@ def hf_config(
             "guess. Rename it (gguf's gguf_set_metadata.py general.name) to load it as a Llama."
         )
     config: dict[str, Any] = {"model_type": arch}
-    unknown = []
+    unknown, head_dims = [], {}
     for name, value in metadata.items():
         if name.startswith(_IGNORED_PREFIXES) or name in ignore_config_keys:
             continue
         key = name[len(arch) + 1 :] if name.startswith(arch + ".") else None
-        if key not in keys:
+        if arch != "gpt2" and key in _HEAD_DIM_KEYS:
+            head_dims[name] = value
+        elif key not in keys:
             unknown.append(name)
         elif keys[key] is not None:
             config[keys[key]] = value
@@ -180,6 +183,14 @@ def hf_config(
             "change the forward pass. If you are sure they do not, pass "
             f"from_pretrained(..., ignore_config_keys={sorted(unknown)})."
         )
+    if head_dims:  # newer llama.cpp states the head size; genjax derives it
+        heads = config.get("num_attention_heads")
+        derived = config.get("head_dim") or (heads and config.get("hidden_size", 0) // heads)
+        if any(value != derived for value in head_dims.values()):
+            raise UnsupportedError(
+                f"the GGUF metadata states head sizes {head_dims}, but the model's head size is "
+                f"{derived}; separate key/value head sizes are not supported."
+            )
     if "vocab_size" not in config and "tokenizer.ggml.tokens" in metadata:
         config["vocab_size"] = len(metadata["tokenizer.ggml.tokens"])
     config["tie_word_embeddings"] = "output.weight" not in set(tensor_names)

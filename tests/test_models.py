@@ -848,3 +848,40 @@ def test_parity_with_transformers(tmp_path, case):
     real = mask.astype(bool)
     assert np.abs(expected[real]).max() > 1.0  # the comparison is not trivially small
     np.testing.assert_allclose(got[real], expected[real], atol=1e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------------------- config.json fidelity
+
+
+def test_common_pretrained_config_attributes_are_accepted():
+    # Attributes every transformers v5 config may carry (PreTrainedConfig's fields and the
+    # kwargs it pops): a checkpoint converted by transformers carries e.g. unk_token_id.
+    common = {
+        "unk_token_id": 0,
+        "attn_implementation": "eager",
+        "name_or_path": "x",
+        "epsilon_cutoff": 0.0,
+        "num_assistant_tokens": 20,
+    }
+    for model_type in ("llama", "qwen2", "gpt2"):
+        assert from_config(tiny_config(model_type, **common)).num_layers == 2
+    with pytest.raises(UnsupportedError, match="'my_arch_key'"):
+        from_config(tiny_config("llama", unk_token_id=0, my_arch_key=3))
+
+
+def test_float64_without_x64_is_refused(tmp_path):
+    write_random_checkpoint(tmp_path, "llama")
+    with pytest.raises(TypeError, match="jax_enable_x64"):
+        from_pretrained(tmp_path, dtype="float64")
+    with pytest.raises(TypeError, match="jax_enable_x64"):
+        from_config(tiny_config("llama"), dtype=np.float64)
+
+
+def test_truncated_safetensors_is_a_checkpoint_error(tmp_path):
+    write_random_checkpoint(tmp_path, "llama")
+    path = tmp_path / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 100])
+    with pytest.raises(CheckpointError, match="model.safetensors is truncated") as error:
+        from_pretrained(tmp_path)
+    assert "again" in str(error.value)

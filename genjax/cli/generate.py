@@ -34,8 +34,11 @@ def run(args) -> int:
     from genjax.io import tokenizer as tokenizers
 
     prompts = read_prompts(args.prompts, args.input)
-    folder = bundled.path() if args.model is None else models.loading.resolve(args.model)
-    options.check_json(os.path.join(folder, "config.json"))
+    if args.model is not None and models.gguf.is_gguf(args.model):
+        folder = args.model  # a GGUF file holds the config, tokenizer and weights
+    else:
+        folder = bundled.path() if args.model is None else models.loading.resolve(args.model)
+        options.check_json(os.path.join(folder, "config.json"))
     config = options.generation_config(folder, args)
     tokenizer = tokenizers.from_pretrained(folder)
     model, params = models.from_pretrained(folder, dtype=args.dtype)

@@ -96,11 +96,16 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
 
 def generation_config(folder: str, args):
     """The folder's generation config (``generation_config.json``, else derived from
-    ``config.json`` as transformers does) with the flags given set on top. ``--greedy`` also
-    unsets the file's sampling-only fields (``SAMPLING_ONLY``) that no flag sets."""
+    ``config.json`` as transformers does; for a GGUF file, its BOS/EOS/pad ids) with the flags
+    given set on top. ``--greedy`` also unsets the file's sampling-only fields
+    (``SAMPLING_ONLY``) that no flag sets."""
     from genjax.config import GenerationConfig
+    from genjax.models import gguf
 
-    if os.path.isfile(os.path.join(folder, "generation_config.json")):
+    if gguf.is_gguf(folder):  # everything in one file
+        ids = gguf.generation_defaults(gguf.read_metadata(gguf.open_file(folder)))
+        config = GenerationConfig.from_model_config(ids)
+    elif os.path.isfile(os.path.join(folder, "generation_config.json")):
         config = GenerationConfig.from_pretrained(folder)
     elif os.path.isfile(os.path.join(folder, "config.json")):
         config = GenerationConfig.from_model_config(os.path.join(folder, "config.json"))

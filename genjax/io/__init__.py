@@ -2,7 +2,8 @@
 
 ``checkpoints`` writes and restores orbax folders (and registers them with
 :func:`genjax.models.from_pretrained`), ``tokenizer`` reads ``tokenizer.json`` and renders chat
-templates, ``bundled`` locates the models that ship inside the package.
+templates (``gguf_tokenizer`` builds one from a GGUF file's metadata), ``bundled`` locates the
+models that ship inside the package.
 
 Layer:
     Floor 4. May import the floors below: ``config``, ``models``, ``sharding`` and the rest.
@@ -11,6 +12,6 @@ Static or traced:
     Nothing here is traced: these functions run on the host, before or after ``jit``.
 """
 
-from genjax.io import bundled, checkpoints, tokenizer
+from genjax.io import bundled, checkpoints, gguf_tokenizer, tokenizer
 
-__all__ = ["bundled", "checkpoints", "tokenizer"]
+__all__ = ["bundled", "checkpoints", "gguf_tokenizer", "tokenizer"]

@@ -282,11 +282,14 @@ def from_pretrained(
     local_files_only: bool = False,
     cache_dir: str | None = None,
     token: str | None = None,
+    gguf_file: str | os.PathLike | None = None,
 ) -> Tokenizer:
-    """Loads the tokenizer of a checkpoint folder or hub id.
+    """Loads the tokenizer of a checkpoint folder, hub id or GGUF file.
 
     Reads ``tokenizer.json`` (required), and ``tokenizer_config.json``,
-    ``special_tokens_map.json`` and ``chat_template.jinja`` when present.
+    ``special_tokens_map.json`` and ``chat_template.jinja`` when present. A GGUF file
+    (``gguf_file=`` as in transformers, or a path ending in ``.gguf``) gives the tokenizer and chat
+    template of its metadata (:mod:`genjax.io.gguf_tokenizer`).
 
     Raises:
         CheckpointError: the folder or ``tokenizer.json`` is missing (a checkpoint with only a
@@ -295,9 +298,17 @@ def from_pretrained(
 
     Example:
         >>> tok = from_pretrained("path/to/checkpoint")
+        >>> tok = from_pretrained("dir", gguf_file="model.Q4_1.gguf")  # doctest: +SKIP
     """
     from tokenizers import Tokenizer as Backend
 
+    from genjax.io import gguf_tokenizer
+    from genjax.models.loading import gguf_location
+
+    gguf_path = gguf_location(name_or_path, gguf_file, revision, local_files_only, cache_dir, token)
+    if gguf_path is not None:
+        backend, special, template = gguf_tokenizer.read(gguf_path)
+        return Tokenizer(backend=backend, special_tokens=special, chat_template=template)
     folder = os.fspath(name_or_path)
     if not os.path.isdir(folder):
         folder = _download(folder, revision, local_files_only, cache_dir, token)

@@ -55,7 +55,8 @@ Built-in architectures
 nested dicts whose paths mirror the HF state-dict names (``params["layers"]["0"]["self_attn"]
 ["q_proj"]["kernel"]`` is ``model.layers.0.self_attn.q_proj.weight``, [out, in]); the modules
 ``llama`` and ``gpt2`` list each tree and which ``config.json`` keys they handle, ignore or
-reject.
+reject. ``from_pretrained`` also reads llama.cpp GGUF files (``gguf_file=``, or a ``.gguf``
+path): :mod:`genjax.models.gguf`.
 """
 
 from __future__ import annotations

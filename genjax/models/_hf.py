@@ -8,10 +8,18 @@ from typing import Any
 from genjax.errors import UnsupportedError
 
 # Keys no built-in architecture reads, because they do not change the forward pass at inference.
+# They include every attribute transformers v5's ``PreTrainedConfig`` gives all configs (its
+# fields, the kwargs its ``__post_init__`` pops, the special-token ids and the generation
+# parameters it strips), so that any config.json saved by transformers passes.
 IGNORED_KEYS = frozenset(
     {
         # Bookkeeping.
         "architectures",
+        "name_or_path",
+        "attn_implementation",
+        "_attn_implementation",
+        "experts_implementation",
+        "_experts_implementation",
         "auto_map",
         "model_type",
         "transformers_version",
@@ -49,6 +57,7 @@ IGNORED_KEYS = frozenset(
         "eos_token_id",
         "pad_token_id",
         "sep_token_id",
+        "unk_token_id",
         "decoder_start_token_id",
         "task_specific_params",
         "max_length",
@@ -76,6 +85,14 @@ IGNORED_KEYS = frozenset(
         "exponential_decay_length_penalty",
         "suppress_tokens",
         "begin_suppress_tokens",
+        "encoder_repetition_penalty",
+        "epsilon_cutoff",
+        "eta_cutoff",
+        "num_assistant_tokens",
+        "num_assistant_tokens_schedule",
+        "assistant_confidence_threshold",
+        "assistant_lookbehind",
+        "target_lookbehind",
     }
 )
 

@@ -19,6 +19,7 @@ import ml_dtypes
 import numpy as np
 
 from genjax.errors import CheckpointError, UnsupportedError
+from genjax.models import gguf
 from genjax.models import quantize as quantization
 from genjax.models.gpt2 import GPT2Model
 from genjax.models.llama import LlamaModel
@@ -66,8 +67,9 @@ def from_pretrained(
     *,
     ignore_config_keys: Iterable[str] = (),
     quantize: str | None = None,
+    gguf_file: str | os.PathLike | None = None,
 ) -> tuple[Any, PyTree]:
-    """Loads a model and its params from a local folder or a Hugging Face Hub id.
+    """Loads a model and its params from a local folder, a Hugging Face Hub id or a GGUF file.
 
     The folder (or the downloaded snapshot) must hold ``config.json`` and either
     ``model.safetensors`` or a sharded ``model.safetensors.index.json``. Every parameter the
@@ -75,9 +77,12 @@ def from_pretrained(
     GPT-2's ``attn.bias``/``attn.masked_bias``) and a tied ``lm_head.weight`` are skipped.
     A local folder of another registered format (:func:`register_folder_format`; genjax
     registers its orbax checkpoints, :mod:`genjax.checkpoints`) is read by that format's reader.
+    A llama.cpp GGUF file (``gguf_file=``, or a path ending in ``.gguf``) is read by
+    :mod:`genjax.models.gguf`: config from its metadata, tensors dequantized to ``dtype``.
 
     Args:
-        name_or_path: a folder, or a Hub id like ``"HuggingFaceTB/SmolLM2-135M"``.
+        name_or_path: a folder, a Hub id like ``"HuggingFaceTB/SmolLM2-135M"``, or a ``.gguf``
+            file.
         dtype: the parameter and activation dtype: None means float32 (regardless of the
             checkpoint's ``torch_dtype``, so that results are reproducible), or ``"bfloat16"``,
             ``"float16"``, ``"float32"``, or a jnp/numpy floating dtype.
@@ -90,6 +95,8 @@ def from_pretrained(
         quantize: None for float weights, or ``"int8"``: weight-only int8 linear layers with
             per-output-channel scales (:func:`genjax.quantize.quantize_params`, applied after
             loading in ``dtype``; activations stay ``dtype``).
+        gguf_file: a GGUF file inside the folder or Hub repo ``name_or_path`` (transformers'
+            keyword), or a path to one.
 
     Returns:
         ``(model, params)``: a hashable model (see ``genjax.models.Model``) and a nested dict of
@@ -100,15 +107,23 @@ def from_pretrained(
             checkpoints, or a failed download.
         UnsupportedError: an architecture, rope type, config key or ``quantize`` mode genjax
             does not implement.
+        TypeError: a dtype that is not floating, or 64-bit without ``jax_enable_x64``.
 
     Example:
         >>> model, params = from_pretrained("HuggingFaceTB/SmolLM2-135M")  # doctest: +SKIP
         >>> model.vocab_size  # doctest: +SKIP
         49152
+        >>> model, params = from_pretrained("dir", gguf_file="m.Q4_1.gguf")  # doctest: +SKIP
     """
     dtype = _canonical_dtype(dtype)
     if quantize is not None:
         quantization.check_mode(quantize, "quantize")  # before any download or read
+    gguf_path = gguf_location(name_or_path, gguf_file, revision, local_files_only, cache_dir, token)
+    if gguf_path is not None:
+        model, params = gguf.load(gguf_path, dtype, tuple(ignore_config_keys))
+        if quantize is not None:
+            params = quantization.quantize_params(model, params, quantize)
+        return model, params
     folder = _resolve(name_or_path, revision, local_files_only, cache_dir, token)
     reader = next((read for _, is_format, read in _FOLDER_FORMATS if is_format(folder)), None)
     if reader is not None:
@@ -161,6 +176,53 @@ def resolve(
         '/home/me/.cache/huggingface/hub/models--HuggingFaceTB--SmolLM2-135M/snapshots/...'
     """
     return _resolve(name_or_path, revision, local_files_only, cache_dir, token)
+
+
+def gguf_location(
+    name_or_path: str | os.PathLike,
+    gguf_file: str | os.PathLike | None = None,
+    revision: str | None = None,
+    local_files_only: bool = False,
+    cache_dir: str | os.PathLike | None = None,
+    token: str | bool | None = None,
+) -> str | None:
+    """The local path of the GGUF file meant by ``(name_or_path, gguf_file)``, or None.
+
+    ``name_or_path`` ending in ``.gguf`` is the file itself; with ``gguf_file``, that file inside
+    the folder ``name_or_path``, else ``gguf_file`` itself if it exists, else downloaded from the
+    Hub repo ``name_or_path``.
+
+    Raises:
+        CheckpointError: the file is in none of these places, or its download failed.
+
+    Example:
+        >>> gguf_location("models", gguf_file="m.gguf")  # doctest: +SKIP
+        'models/m.gguf'
+    """
+    path = os.path.expanduser(os.fspath(name_or_path))
+    if gguf_file is None:
+        return path if gguf.is_gguf(path) and not os.path.isdir(path) else None
+    gguf_file = os.path.expanduser(os.fspath(gguf_file))
+    if os.path.isdir(path):
+        inside = os.path.join(path, gguf_file)
+        if os.path.isfile(inside) or not os.path.isfile(gguf_file):
+            return inside  # gguf.load names it when missing
+    if os.path.isfile(gguf_file):
+        return gguf_file
+    if path.startswith((".", "/", "~")) or os.path.isabs(path) or path.count("/") != 1:
+        raise CheckpointError(f"no GGUF file {gguf_file!r} in or at {path!r}.")
+    from huggingface_hub import hf_hub_download
+
+    try:
+        return hf_hub_download(
+            path, gguf_file, revision=revision, cache_dir=cache_dir, token=token,
+            local_files_only=local_files_only,
+        )  # fmt: skip
+    except Exception as e:
+        raise CheckpointError(
+            f"could not fetch {gguf_file!r} from the Hugging Face Hub repo {path!r} "
+            f"({type(e).__name__}: {e})."
+        ) from e
 
 
 def from_config(
@@ -276,7 +338,7 @@ def save_params(model: Any, params: PyTree, folder: str | os.PathLike, dtype: An
             "(genjax.quantize). Save the float params and quantize after loading "
             "(from_pretrained(..., quantize='int8'))."
         )
-    stored = None if dtype is None else _canonical_dtype(dtype)
+    stored = None if dtype is None else _canonical_dtype(dtype, in_jax=False)
     tensors = {}
     for path, leaf in _flatten(params):
         name, transpose = model.hf_tensor_name(path)
@@ -296,7 +358,9 @@ def save_params(model: Any, params: PyTree, folder: str | os.PathLike, dtype: An
     return target
 
 
-def _canonical_dtype(dtype: Any) -> np.dtype:
+def _canonical_dtype(dtype: Any, in_jax: bool = True) -> np.dtype:
+    """The numpy dtype of ``dtype`` (None: float32); ``in_jax`` refuses 64-bit floats when JAX
+    would silently make them float32."""
     if dtype is None:
         return jnp.dtype(jnp.float32)
     try:
@@ -308,6 +372,12 @@ def _canonical_dtype(dtype: Any) -> np.dtype:
         ) from e
     if not jnp.issubdtype(canonical, jnp.floating):
         raise TypeError(f"dtype must be a floating dtype, got {canonical.name}.")
+    if in_jax and canonical.itemsize > 4 and not jax.config.jax_enable_x64:
+        raise TypeError(
+            f"dtype {canonical.name} needs 64-bit JAX, which is off: arrays would silently be "
+            "float32. Call jax.config.update('jax_enable_x64', True) before loading, or pass "
+            "dtype='float32'."
+        )
     return canonical
 
 
@@ -372,6 +442,13 @@ def _read_header(file: str) -> dict[str, dict]:
     except (struct.error, ValueError) as e:
         raise CheckpointError(f"{file} is not a valid safetensors file ({e}).") from e
     header.pop("__metadata__", None)
+    end = max((info["data_offsets"][1] for info in header.values()), default=0)
+    have = os.path.getsize(file) - 8 - size
+    if have < end:
+        raise CheckpointError(
+            f"{file} is truncated: its header describes {end} bytes of tensor data but the file "
+            f"holds {max(have, 0)}. The download or save was cut short; fetch or write it again."
+        )
     return {name: {**info, "start": 8 + size} for name, info in header.items()}
 
 

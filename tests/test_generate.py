@@ -245,17 +245,86 @@ def test_new_sampling_values_key_and_nearby_prompt_length_compile_nothing():
     assert len(traces) == compiled
 
 
-def test_transition_scores_sum_to_sequence_log_probability():
-    model, params, ids, mask = _llama()
-    config = GenerationConfig(max_new_tokens=5, pad_token_id=0, output_scores=True)
-    out = genjax.generate(model, params, ids, config, attention_mask=mask)
-    scores = genjax.compute_transition_scores(out.sequences, out.scores, normalize_logits=True)
-    logp = jax.nn.log_softmax(out.scores, -1)
-    new = out.sequences[:, -5:]
-    expected = jnp.take_along_axis(logp, new[..., None], -1)[..., 0]
-    np.testing.assert_allclose(scores, expected, rtol=1e-6)
-    # Greedy picks the argmax, so each transition score is the row maximum.
-    np.testing.assert_allclose(scores, logp.max(-1), rtol=1e-6)
+@functools.cache
+def _transition_records(arch="llama"):
+    meta = json.loads((FIXTURES / "transition" / f"{arch}.json").read_text())
+    return meta, dict(np.load(FIXTURES / "transition" / f"{arch}.npz"))
+
+
+def _transition_cases():
+    meta, _ = _transition_records()
+    return [case["name"] for case in meta["cases"]]
+
+
+def _check_transition_scores(model, params, case, arrays):
+    """genjax's transition scores against transformers' ``compute_transition_scores``: on
+    transformers' own outputs (float32 precision), then on genjax's generate outputs for the same
+    settings (the generate tolerance; not for sampling, whose tokens come from torch's RNG)."""
+    name, kwargs = case["name"], dict(case["generate_kwargs"])
+    kwargs.pop("return_dict_in_generate")
+    sequences = arrays[f"{name}/sequences"]
+    indices = arrays.get(f"{name}/beam_indices")
+    for source in case["sources"]:
+        steps = arrays[f"{name}/{source}"]
+        as_tuple = tuple(steps[:, t] for t in range(steps.shape[1]))  # transformers' form
+        for normalize, label in ((False, "raw"), (True, "normalized")):
+            expected = arrays[f"{name}/transition/{source}/{label}"]
+            length = expected.shape[1]  # transformers cuts beams to the longest hypothesis
+            for given in (steps, as_tuple):
+                ours = genjax.compute_transition_scores(sequences, given, indices, normalize)
+                np.testing.assert_allclose(ours[:, :length], expected, rtol=1e-6, atol=1e-6)
+                np.testing.assert_array_equal(ours[:, length:], 0.0)
+    if kwargs["do_sample"]:
+        return
+    ids, mask = arrays["input_ids"], arrays["attention_mask"]
+    out = genjax.generate(model, params, ids, GenerationConfig(**kwargs), attention_mask=mask)
+    for source in case["sources"]:
+        steps = out.scores if source == "scores" else out.logits
+        for normalize, label in ((False, "raw"), (True, "normalized")):
+            expected = arrays[f"{name}/transition/{source}/{label}"]
+            length = expected.shape[1]
+            ours = genjax.compute_transition_scores(
+                out.sequences, steps, out.beam_indices, normalize_logits=normalize
+            )
+            assert ours.shape == (sequences.shape[0], out.sequences.shape[1] - ids.shape[1])
+            np.testing.assert_allclose(ours[:, :length], expected, atol=1e-4)
+            np.testing.assert_array_equal(ours[:, length:], 0.0)
+
+
+@pytest.mark.parametrize("name", _transition_cases())
+def test_transition_scores_match_recorded_transformers(name):
+    model, params, _, _ = _load("llama")
+    meta, arrays = _transition_records()
+    case = next(c for c in meta["cases"] if c["name"] == name)
+    _check_transition_scores(model, params, case, arrays)
+
+
+def test_recorded_transition_scores_cover_ended_rows_and_filtered_scores():
+    """The fixtures are only useful if they hold the cases that need care."""
+    _, arrays = _transition_records()
+    prompt = arrays["input_ids"].shape[1]
+    assert (arrays["greedy/sequences"][0, prompt:] == 0).any()  # row 0 ended: pad ids scored
+    assert np.isneginf(arrays["sample/scores"]).any()  # top-k filtered entries are -inf
+    ended = arrays["beam/beam_indices"] < 0
+    assert ended.any() and not ended.all(axis=1).any()  # some hypotheses ended early
+    assert arrays["beam/scores"].shape[0] == 2 * arrays["beam/sequences"].shape[0]  # M = 2 R
+    normalized = arrays["greedy/transition/scores/normalized"]
+    assert not np.allclose(arrays["greedy/transition/scores/raw"], normalized)
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_transition_scores_match_live_transformers(arch):
+    import importlib.util
+
+    path = FIXTURES / "make_beam_fixtures.py"
+    spec = importlib.util.spec_from_file_location("make_beam_fixtures", path)
+    make_beam_fixtures = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_beam_fixtures)
+    built = make_beam_fixtures.build_transition(arch)
+    model, params, _, _ = _load(arch)
+    for case in built["cases"]:
+        _check_transition_scores(model, params, case, built["arrays"])
 
 
 @pytest.mark.parametrize(

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import socket
 import subprocess
 import sys
-import time
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 import multihost  # noqa: E402
 
-TIMEOUT_S = 300  # per pair of processes; a normal run takes 8 to 35 s on 2 loaded cores
+TIMEOUT_S = 300  # bound on each exit; a normal run takes 8 to 35 s on 2 loaded cores
 ARGS = ["--mesh", "1,8", "--strategies", "greedy", "--output-scores"]
 
 
@@ -50,7 +51,9 @@ def _run_two_processes(checkpoint: Path, folder: Path) -> list[dict]:
     """Runs the example as processes 0 and 1 and returns their JSON outputs.
 
     Fails (with both processes' stderr) as soon as one exits with an error, killing the other,
-    which would otherwise wait for its peer in a collective; or after ``TIMEOUT_S``.
+    which would otherwise wait for its peer in a collective. A thread per process waits for it
+    to exit and queues its rank, so the test reacts to each exit when it happens; ``TIMEOUT_S``
+    only bounds a run that hangs.
     """
     coordinator = f"localhost:{_free_port()}"
     env = {**os.environ, "JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}  # compile at -O0: faster
@@ -66,18 +69,27 @@ def _run_two_processes(checkpoint: Path, folder: Path) -> list[dict]:
         ]  # fmt: skip
         with open(logs[rank], "w") as err:
             procs.append(subprocess.Popen(command, env=env, stdout=err, stderr=err))
-    deadline = time.monotonic() + TIMEOUT_S
+    exits: queue.Queue[int] = queue.Queue()  # each rank, put when its process has exited
+    waiters = [
+        threading.Thread(target=lambda p=p, rank=rank: (p.wait(), exits.put(rank)), daemon=True)
+        for rank, p in enumerate(procs)
+    ]
+    for waiter in waiters:
+        waiter.start()
     try:
-        while any(p.poll() is None for p in procs):
-            failed = [p for p in procs if p.poll() not in (None, 0)]
-            if failed or time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
+        for _ in procs:
+            rank = exits.get(timeout=TIMEOUT_S)  # a bound only: raises queue.Empty when passed
+            if procs[rank].returncode != 0:
+                break  # its peer would wait for it in a collective: stop both now
+    except queue.Empty:
+        pass
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+        for waiter in waiters:
+            waiter.join()
     codes = [p.returncode for p in procs]
     if codes != [0, 0]:
         report = "\n".join(

@@ -151,13 +151,25 @@ def test_streamed_tokens_and_text_equal_the_sequences(setup, capsys):
 
 def test_iterator_streamer_feeds_a_consumer_thread(setup):
     _, _, tok, ids = setup
-    streamer = TextIteratorStreamer(tok, skip_prompt=True, timeout=120)
-    chunks = []
-    consumer = threading.Thread(target=lambda: chunks.extend(streamer))
+    streamer = TextIteratorStreamer(tok, skip_prompt=True, timeout=120)  # a bound only
+    chunks, errors = [], []
+
+    def consume():  # ends when it reads the stop signal that generate's end() queues
+        try:
+            chunks.extend(streamer)
+        except Exception as error:  # reported by the main thread
+            errors.append(error)
+
+    consumer = threading.Thread(target=consume)
     consumer.start()
-    out = _sample(setup, streamer=streamer)
-    consumer.join(timeout=120)
-    assert not consumer.is_alive()
+    try:
+        out = _sample(setup, streamer=streamer)
+    except BaseException:
+        streamer.text_queue.put(streamer.stop_signal)  # generate failed: let the consumer end
+        raise
+    finally:
+        consumer.join(timeout=120)  # a bound only
+    assert not consumer.is_alive() and errors == []
     new = np.asarray(out.sequences)[0, ids.shape[1] :].tolist()
     assert "".join(chunks) == tok.decode(new)
 
@@ -258,20 +270,24 @@ def _lowered_with_stream(model, params, ids, config, stream_id):
 
 def test_concurrent_streams_each_get_their_own_tokens(setup):
     model, params, _, ids = setup
-    recorders, outputs = [Recorder() for _ in range(3)], [None] * 3
+    recorders, outputs, errors = [Recorder() for _ in range(3)], [None] * 3, []
 
     def work(i):
-        out = genjax.generate(
-            model, params, ids, SAMPLE, key=jax.random.key(i), logits_processor=[counting],
-            streamer=recorders[i],
-        )  # fmt: skip
-        outputs[i] = np.asarray(out.sequences)[0].tolist()
+        try:
+            out = genjax.generate(
+                model, params, ids, SAMPLE, key=jax.random.key(i), logits_processor=[counting],
+                streamer=recorders[i],
+            )  # fmt: skip
+            outputs[i] = np.asarray(out.sequences)[0].tolist()
+        except Exception as error:  # reported by the main thread
+            errors.append(error)
 
     threads = [threading.Thread(target=work, args=(i,)) for i in range(3)]
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(timeout=120)
+        thread.join(timeout=120)  # a bound only: each thread ends when its generate returns
+    assert not any(thread.is_alive() for thread in threads) and errors == []
     assert len({tuple(o) for o in outputs}) == 3  # three keys, three different samples
     for recorder, out in zip(recorders, outputs, strict=True):
         assert [t for put in recorder.puts for t in np.ravel(put)] == out
@@ -341,15 +357,34 @@ def test_text_streamer_lines_concatenate_to_the_decoded_text(setup):
         streamer.put(np.zeros((2, 3), np.int32))
 
 
+class _NoWaitQueue(queue.Queue):
+    """A queue whose ``get`` on an empty queue records its timeout and raises ``queue.Empty`` at
+    once, as a real queue does when the timeout has passed: the timeout is checked without
+    waiting on a clock."""
+
+    def __init__(self):
+        super().__init__()
+        self.timeouts = []
+
+    def get(self, block=True, timeout=None):
+        if self.empty():
+            self.timeouts.append((block, timeout))
+            raise queue.Empty
+        return super().get(block, timeout)
+
+
 def test_iterator_streamer_stops_at_end_and_times_out():
     class Letters:
         def decode(self, ids, **kwargs):
             return "".join(chr(ord("a") + i) for i in ids)
 
-    streamer = TextIteratorStreamer(Letters(), timeout=0.05)
+    streamer = TextIteratorStreamer(Letters(), timeout=30.0)
+    streamer.text_queue = empty_waits = _NoWaitQueue()
     streamer.put(np.array([[0, 1]]))
     streamer.put(np.array([2]))
     streamer.end()
     assert list(streamer) == ["ab", "c", ""]
+    assert empty_waits.timeouts == []  # every chunk was there: nothing waited
     with pytest.raises(queue.Empty):
         next(streamer)
+    assert empty_waits.timeouts == [(True, 30.0)]  # it would have waited 30 s, then raised

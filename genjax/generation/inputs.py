@@ -143,7 +143,7 @@ def check_padding(model, input_ids, attention_mask, config) -> None:
         pad = np.ravel(np.asarray(pad))[0]
         right_padded = bool((np.asarray(input_ids)[:, -1] == pad).any())
     if right_padded:
-        warnings.warn(RIGHT_PADDING_WARNING, UserWarning, stacklevel=4)
+        warnings.warn(RIGHT_PADDING_WARNING, UserWarning, stacklevel=5)
 
 
 def _fully_readable(x) -> bool:

@@ -4,7 +4,8 @@ Examples may use these names without defining them, built once per session: ``ja
 ``np``, ``genjax``; ``model, params`` (the bundled ``genjax-tiny``, a 4-layer Llama); ``tok``
 (its tokenizer); ``ids, mask`` (int32[2, 3], ``tok(["def f():", "import os"])``, left-padded);
 ``config`` (greedy ``GenerationConfig(max_new_tokens=4)``); ``mesh``
-(``genjax.sharding.make_mesh((1, 8))`` over the 8 virtual CPU devices of ``conftest.py``).
+(``genjax.sharding.make_mesh((2, 4))`` over the 8 virtual CPU devices of ``conftest.py``: the
+model's 4 attention heads do not divide over 8).
 Reuse ``ids``, ``mask`` and ``config`` where an example calls ``generate``, so that the examples
 share a few compiled programs. Only an example that needs the network, files that do not exist or
 several processes is marked ``# doctest: +SKIP``.

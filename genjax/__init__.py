@@ -2,10 +2,20 @@
 
 Example:
     >>> import jax, genjax
-    >>> model, params = genjax.models.from_pretrained("path/to/checkpoint")  # doctest: +SKIP
-    >>> config = genjax.GenerationConfig(max_new_tokens=32, do_sample=True, temperature=0.7)
+    >>> model, params = genjax.models.from_pretrained(genjax.io.bundled.path())  # or a Hub id
+    >>> tok = genjax.tokenizer.from_pretrained(genjax.io.bundled.path())
+    >>> batch = tok(["def f():", "import os"])  # left-padded int32[B, P]
+    >>> config = genjax.GenerationConfig(max_new_tokens=4, do_sample=True, temperature=0.7)
     >>> key = jax.random.key(0)
-    >>> out = genjax.generate(model, params, input_ids, config, key=key)  # doctest: +SKIP
+    >>> out = genjax.generate(model, params, batch["input_ids"], config,
+    ...                       attention_mask=batch["attention_mask"], key=key)
+    >>> out.sequences.shape  # [B, P + max_new_tokens]
+    (2, 7)
+
+Docstring examples run as doctests (``tests/test_doctests.py``); besides ``jax``, ``jnp``, ``np``
+and ``genjax`` they may use ``model, params`` (the bundled ``genjax-tiny``), ``tok``, ``ids,
+mask`` (``tok(["def f():", "import os"])``, int32[2, 3], left-padded), ``config`` (greedy,
+``max_new_tokens=4``) and ``mesh`` (``make_mesh((2, 4))``) without defining them.
 
 The package is built in floors, each importing only the floors below it (``tests/test_layout.py``
 checks it): ``errors``/``typing``; ``config``, ``processors``, ``stopping``, ``cache``;

@@ -81,9 +81,9 @@ program's shardings: a new mesh compiles a new program); the arrays are traced.
 
 Example:
     >>> mesh = genjax.sharding.make_mesh((2, 4))
-    >>> out = genjax.generate(model, params, ids, config, mesh=mesh)
+    >>> out = genjax.generate(model, params, ids, config, attention_mask=mask, mesh=mesh)
     >>> out.sequences.sharding.spec
-    PartitionSpec('data',)
+    P('data',)
 
 References:
     Shoeybi et al. 2019, "Megatron-LM: Training Multi-Billion Parameter Language Models Using
@@ -160,7 +160,7 @@ def make_mesh(
         devices: the devices to use; defaults to the first ``prod(shape)`` of ``jax.devices()``.
 
     Example:
-        >>> make_mesh((1, 8)).shape
+        >>> dict(make_mesh((1, 8)).shape)
         {'data': 1, 'model': 8}
     """
     shape = tuple(int(s) for s in shape)
@@ -270,6 +270,8 @@ def shard_params(params: PyTree, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Py
 
     Example:
         >>> params = shard_params(params, make_mesh((2, 4)))
+        >>> params["layers"]["0"]["mlp"]["up_proj"]["kernel"].sharding.spec
+        P('model', None)
     """
     return jax.device_put(params, param_shardings(params, mesh, _as_rules(rules)))
 
@@ -297,8 +299,8 @@ class Layout:
 
     Example:
         >>> layout = layout_for(model, make_mesh((2, 4)))
-        >>> layout.cache_spec
-        PartitionSpec('data', 'model', None, None)
+        >>> layout.cache_spec  # 2 kv heads do not divide over 'model': replicated
+        P('data', None, None, None)
     """
 
     mesh: Mesh | AbstractMesh
@@ -444,7 +446,7 @@ def context_layout(
 
     Example:
         >>> with jax.set_mesh(make_mesh((2, 4))):
-        ...     context_layout(model).mesh.shape
+        ...     dict(context_layout(model).mesh.shape)
         {'data': 2, 'model': 4}
     """
     mesh = jax.sharding.get_abstract_mesh()

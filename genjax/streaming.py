@@ -43,10 +43,11 @@ result is ready). The callbacks are synchronous: the loop waits while ``put`` ru
 ``put`` slows decoding; ``bench/streaming.py`` measures the cost.
 
 Example:
-    >>> tok = genjax.tokenizer.from_pretrained(path)
+    >>> tok = genjax.tokenizer.from_pretrained(genjax.io.bundled.path())
     >>> streamer = genjax.streaming.TextStreamer(tok, skip_prompt=True, skip_special_tokens=True)
-    >>> out = genjax.generate(model, params, tok("def fib(n):")["input_ids"], cfg,
+    >>> out = genjax.generate(model, params, tok("def f():")["input_ids"], config,
     ...                       streamer=streamer)
+    return True
 
 References:
     Hugging Face transformers' ``generation/streamers.py`` defines the contract and the rules
@@ -109,7 +110,9 @@ class TextStreamer(BaseStreamer):
 
     Example:
         >>> streamer = TextStreamer(tok, skip_prompt=True, skip_special_tokens=True)
-        >>> genjax.generate(model, params, ids, cfg, streamer=streamer)  # prints as it goes
+        >>> out = genjax.generate(model, params, ids[:1], config, attention_mask=mask[:1],
+        ...                       streamer=streamer)  # prints as it goes
+        return True
     """
 
     def __init__(self, tokenizer: Any, skip_prompt: bool = False, **decode_kwargs: Any):
@@ -175,11 +178,13 @@ class TextIteratorStreamer(TextStreamer):
 
     Example:
         >>> streamer = TextIteratorStreamer(tok, skip_prompt=True, timeout=60)
-        >>> thread = threading.Thread(target=genjax.generate, args=(model, params, ids, cfg),
-        ...                           kwargs=dict(streamer=streamer))
+        >>> thread = threading.Thread(target=genjax.generate, args=(model, params, ids[:1], config),
+        ...                           kwargs=dict(attention_mask=mask[:1], streamer=streamer))
         >>> thread.start()
         >>> text = "".join(streamer)
         >>> thread.join()
+        >>> text.strip()
+        'return True'
     """
 
     def __init__(

@@ -134,7 +134,10 @@ def write_random_checkpoint(
         The config dict written.
 
     Example:
-        >>> write_random_checkpoint(tmp_path, "llama", tie_word_embeddings=True)  # doctest: +SKIP
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as folder:
+        ...     write_random_checkpoint(folder, "llama", tie_word_embeddings=True)["vocab_size"]
+        101
     """
     config = tiny_config(model_type, **config_overrides)
     shapes = _gpt2_shapes(config) if model_type == "gpt2" else _llama_shapes(config, model_type)

@@ -61,9 +61,9 @@ def cache_bytes(request: CacheRequest, layout=None) -> int:
             ``batch`` axis and ``K`` over its ``kv_heads`` axis (rounded up).
 
     Example:
-        >>> # float32, L=2, K=2, H=8: 2 (keys, values) x 2 x 1 x 16 x 2 x 8 x 4 bytes, + 4 (index)
-        >>> cache_bytes(CacheRequest(model, rows=1, length=16))  # doctest: +SKIP
-        4100
+        >>> # bfloat16, L=4, K=2, H=64: 2 (k, v) x 4 x 1 x 16 x 2 x 64 x 2 bytes, + 4 (index)
+        >>> cache_bytes(CacheRequest(model, rows=1, length=16))
+        65540
     """
     data = 1 if layout is None else layout.ways("batch")
     heads = 1 if layout is None else layout.ways("kv_heads")
@@ -134,8 +134,8 @@ def check_fits(requests: Sequence[CacheRequest], layout=None) -> int:
         CacheMemoryError: giving the bytes needed per device, the bytes free, and the fixes.
 
     Example:
-        >>> check_fits([CacheRequest(model, rows=4, length=1024)])  # doctest: +SKIP
-        524292
+        >>> check_fits([CacheRequest(model, rows=4, length=1024)])
+        16777220
     """
     needed = sum(cache_bytes(r, layout) for r in requests)
     devices = call_devices(layout)

@@ -77,7 +77,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         0 on success, 1 when ``config validate`` finds problems, 2 on an error.
 
     Example:
-        >>> main(["config", "show", "path/to/checkpoint", "--temperature", "0.7"])  # doctest: +SKIP
+        >>> main(["config", "show", genjax.io.bundled.path(), "--temperature", "0.7"])
+        {
+          "bos_token_id": 0,
+          ...
+          "temperature": 0.7,
+          ...
+        }
         0
     """
     parser = _parser()

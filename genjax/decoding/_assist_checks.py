@@ -23,7 +23,7 @@ def check_config(config, assistant_model=None) -> None:
         InputError: both a draft and ``prompt_lookup_num_tokens``.
 
     Example:
-        >>> check_config(GenerationConfig(prompt_lookup_num_tokens=4).with_defaults())
+        >>> check_config(genjax.GenerationConfig(prompt_lookup_num_tokens=4).with_defaults())
     """
     what = "prompt lookup" if assistant_model is None else "assisted generation"
     if config.num_beams > 1:
@@ -64,7 +64,9 @@ def check_call(config, model, assistant_model, assistant_params, batch: int) -> 
         InputError: a draft without params, or whose vocabulary differs from the target's.
 
     Example:
-        >>> check_call(config, model, draft, draft_params, batch=4)
+        >>> check_call(config.with_defaults(), model, model, None, batch=2)
+        Traceback (most recent call last):
+        genjax.errors.InputError: assistant_model= needs its parameters: pass assistant_params= too.
     """
     check_config(config, assistant_model)
     if assistant_model is None:

@@ -296,8 +296,15 @@ def make_rules(
     the n-gram size is ``max_matching_ngram_size`` (2 when unset, as in transformers).
 
     Example:
-        >>> rules = make_rules(config, eos_token_ids=eos, pad_token_id=pad, context=ctx,
-        ...                    stopping=stopping, num_new_tokens=32, with_draft=True)
+        >>> from genjax.processors import LogitsContext
+        >>> from genjax.stopping import stopping_rules
+        >>> eos = jnp.array([0])
+        >>> rules = make_rules(config.replace(prompt_lookup_num_tokens=3).with_defaults(),
+        ...                    eos_token_ids=eos, pad_token_id=jnp.int32(0),
+        ...                    context=LogitsContext.for_prompt(ids, mask),
+        ...                    stopping=stopping_rules(eos), num_new_tokens=4, with_draft=False)
+        >>> rules.num_candidates
+        3
     """
     width = config.num_assistant_tokens if with_draft else config.prompt_lookup_num_tokens
     threshold = config.assistant_confidence_threshold if with_draft else None

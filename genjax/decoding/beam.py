@@ -239,9 +239,11 @@ def init_state(
         so the first step only extends one copy of the prompt (as transformers does).
 
     Example:
-        >>> state = init_state(tokens, cache, mask, key, num_beams=4, num_new_tokens=8)
-        >>> state.tokens.shape  # [B*M, S] for B = 2, S = 24
-        (8, 24)
+        >>> state = init_state(jnp.zeros((1, 4), jnp.int32), model.init_cache(1, 4),
+        ...                    jnp.ones((1, 4), jnp.int32), jax.random.key(0),
+        ...                    num_beams=2, num_new_tokens=2)
+        >>> state.tokens.shape  # [B*M, S] for B = 1, M = 2, S = 4
+        (2, 4)
     """
     batch, length = tokens.shape
     if fill_token_id is not None:
@@ -355,7 +357,16 @@ def advance(state: BeamState, logits: Array, rules: BeamRules) -> BeamState:
         the cache rows reordered, and ``done`` set when the search is over.
 
     Example:
-        >>> state = advance(state, prefill_logits, rules)  # the first token, from the prefill
+        >>> state = init_state(jnp.zeros((1, 4), jnp.int32), model.init_cache(1, 4),
+        ...                    jnp.ones((1, 4), jnp.int32), jax.random.key(0),
+        ...                    num_beams=2, num_new_tokens=2)
+        >>> rules = BeamRules(process=genjax.processors.identity(), do_sample=False,
+        ...                   early_stopping=False, length_penalty=1.0, eos_token_ids=None,
+        ...                   context=genjax.processors.LogitsContext.for_prompt(state.tokens))
+        >>> logits = jnp.log(jnp.array([[0.1, 0.6, 0.3]] * 2))  # float32[B*M, V], V = 3
+        >>> state = jax.jit(advance)(state, logits, rules)  # the first token, from the prefill
+        >>> state.tokens[:, 2].tolist()  # beam 0 took the best token, beam 1 the second best
+        [1, 2]
     """
     batch, num_beams = state.running_scores.shape
     prompt_length = state.tokens.shape[1] - state.num_new_tokens
@@ -457,7 +468,18 @@ def best_hypotheses(state: BeamState, num_return_sequences: int) -> tuple[Array,
         holds -1 after the end.
 
     Example:
+        >>> state = init_state(jnp.zeros((1, 4), jnp.int32), model.init_cache(1, 4),
+        ...                    jnp.ones((1, 4), jnp.int32), jax.random.key(0),
+        ...                    num_beams=2, num_new_tokens=2)
+        >>> rules = BeamRules(process=genjax.processors.identity(), do_sample=False,
+        ...                   early_stopping=False, length_penalty=1.0, eos_token_ids=None,
+        ...                   context=genjax.processors.LogitsContext.for_prompt(state.tokens))
+        >>> logits = jnp.log(jnp.array([[0.1, 0.6, 0.3]] * 2))  # float32[B*M, V], V = 3
+        >>> state = jax.jit(advance)(state, logits, rules)
+        >>> state = jax.jit(advance)(state, logits, rules)  # N = 2 tokens: done
         >>> sequences, sequences_scores, beam_indices = best_hypotheses(state, 2)
+        >>> sequences.tolist()
+        [[0, 0, 1, 1], [0, 0, 1, 2]]
     """
     batch, num_beams = state.running_scores.shape
     count = num_return_sequences

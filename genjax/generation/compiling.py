@@ -15,10 +15,13 @@ of a SmolLM-135M-sized program on a 2-core CPU even after :func:`warmup` compile
 up front as well.
 
 Example:
-    >>> genjax.enable_compile_cache("/tmp/genjax-xla-cache")
-    >>> cfg = GenerationConfig(max_new_tokens=64, do_sample=True, top_p=0.9, max_cache_len=512)
-    >>> report = genjax.warmup(model, params, cfg, batch_sizes=(1, 8), prompt_lengths=(32, 256))
-    >>> sum(entry.seconds for entry in report)  # compile time paid now, not by a user
+    >>> import tempfile
+    >>> genjax.enable_compile_cache(tempfile.mkdtemp())
+    PosixPath('/tmp/...')
+    >>> report = genjax.warmup(model, params, config, batch_sizes=(2,), prompt_lengths=(3,))
+    >>> sum(entry.seconds for entry in report) > 0  # compile time paid now, not by a user
+    True
+    >>> genjax.disable_compile_cache()
 """
 
 from __future__ import annotations
@@ -128,10 +131,10 @@ def warmup(
         UnsupportedError: ``streamer=`` (a streamed call compiles its program the first time).
 
     Example:
-        >>> report = genjax.warmup(model, params, cfg, batch_sizes=(1, 4), prompt_lengths=(20,))
-        >>> [(e.batch, e.padded_length, round(e.seconds, 1)) for e in report]
-        [(1, 32, 2.3), (4, 32, 2.4)]
-        >>> genjax.generate(model, params, ids, cfg, attention_mask=mask)  # compiles nothing
+        >>> report = genjax.warmup(model, params, config, batch_sizes=(2,), prompt_lengths=(3,))
+        >>> [(e.batch, e.prompt_length, e.padded_length) for e in report]
+        [(2, 3, 16)]
+        >>> out = genjax.generate(model, params, ids, config, attention_mask=mask)  # no compile
     """
     if not isinstance(run_once, bool):
         raise InputError(f"warmup() needs run_once to be True or False; got {run_once!r}.")
@@ -204,8 +207,10 @@ def enable_compile_cache(
         InputError: a negative threshold, or a path that exists and is not a directory.
 
     Example:
-        >>> genjax.enable_compile_cache("~/.cache/genjax-xla")
-        PosixPath('/home/me/.cache/genjax-xla')
+        >>> import tempfile
+        >>> genjax.enable_compile_cache(tempfile.mkdtemp()).is_dir()
+        True
+        >>> genjax.disable_compile_cache()
     """
     if min_compile_time_secs < 0 or min_entry_size_bytes < 0:
         raise InputError(

@@ -198,10 +198,11 @@ def generate(
             ``mesh=`` inside ``shard_map``.
 
     Example:
-        >>> cfg = GenerationConfig(max_new_tokens=8, do_sample=True, temperature=0.7)
-        >>> out = genjax.generate(model, params, ids, cfg, key=jax.random.key(0))
-        >>> out.sequences.shape
-        (1, 13)
+        >>> sampling = config.replace(do_sample=True, temperature=0.7)
+        >>> out = genjax.generate(model, params, ids, sampling, attention_mask=mask,
+        ...                       key=jax.random.key(0))
+        >>> out.sequences.shape  # [B, P + max_new_tokens]
+        (2, 7)
     """
     request = CallRequest(
         attention_mask=attention_mask,

@@ -70,10 +70,12 @@ def compute_transition_scores(
         keeps ``n`` columns, the extra ones 0.)
 
     Example:
-        >>> out = genjax.generate(model, params, ids, cfg.replace(num_beams=4, output_scores=True))
+        >>> beams = config.replace(num_beams=4, output_scores=True)
+        >>> out = genjax.generate(model, params, ids, beams, attention_mask=mask)
         >>> steps = genjax.compute_transition_scores(out.sequences, out.scores, out.beam_indices)
         >>> length = (out.beam_indices >= 0).sum(-1)
-        >>> steps.sum(-1) / length**cfg.length_penalty  # == out.sequences_scores
+        >>> np.allclose(steps.sum(-1) / length, out.sequences_scores)  # length_penalty 1.0
+        True
 
     References:
         Hugging Face transformers v5, ``GenerationMixin.compute_transition_scores``.

@@ -62,9 +62,10 @@ def pmap_generate(
         ShardingError: ``B`` does not divide by the number of devices.
 
     Example:
-        >>> out = genjax.sharding.pmap_generate(model, params, ids, config)
+        >>> out = genjax.sharding.pmap_generate(model, params, ids, config, attention_mask=mask,
+        ...                                     devices=jax.local_devices()[:2])
         >>> out.sequences.shape  # [B*R, P+N]
-        (8, 12)
+        (2, 7)
     """
     devices = tuple(jax.local_devices() if devices is None else devices)
     count = len(devices)

@@ -5,11 +5,15 @@ Everything here runs on the host, outside ``jit``: encoding produces left-padded
 ready for :func:`genjax.generate`, decoding turns its ``sequences`` back into text.
 
 Example:
-    >>> tok = genjax.tokenizer.from_pretrained("path/to/checkpoint")
-    >>> batch = tok(["Hello", "A longer prompt"])           # left-padded int32 arrays
-    >>> out = genjax.generate(model, params, batch["input_ids"], cfg,
+    >>> tok = genjax.tokenizer.from_pretrained(genjax.io.bundled.path())
+    >>> batch = tok(["def f():", "import os"])  # left-padded int32 arrays
+    >>> batch["attention_mask"]
+    array([[1, 1, 1],
+           [0, 1, 1]], dtype=int32)
+    >>> out = genjax.generate(model, params, batch["input_ids"], config,
     ...                       attention_mask=batch["attention_mask"])
-    >>> tok.batch_decode(out.sequences, skip_special_tokens=True)
+    >>> tok.batch_decode(out.sequences, skip_special_tokens=True)[1]
+    'import os.path.join'
 
 References:
     The chat-template environment follows transformers' ``utils/chat_template_utils.py``:
@@ -155,8 +159,10 @@ class Tokenizer:
             **template_kwargs: more variables for the template.
 
         Example:
-            >>> tok.apply_chat_template([{"role": "user", "content": "Hi"}],
-            ...                         add_generation_prompt=True, tokenize=False)
+            >>> print(tok.apply_chat_template([{"role": "user", "content": "Hi"}],
+            ...                               add_generation_prompt=True, tokenize=False))
+            # user: Hi
+            # assistant:
         """
         template = chat_template or self.chat_template
         if template is None:
@@ -297,7 +303,9 @@ def from_pretrained(
             or a file is not valid (truncated JSON, an unreadable tokenizer).
 
     Example:
-        >>> tok = from_pretrained("path/to/checkpoint")
+        >>> tok = from_pretrained(genjax.io.bundled.path())  # a folder or a Hub id
+        >>> tok.eos_token_id, tok.pad_token_id
+        (0, 0)
         >>> tok = from_pretrained("dir", gguf_file="model.Q4_1.gguf")  # doctest: +SKIP
     """
     from tokenizers import Tokenizer as Backend

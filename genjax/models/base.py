@@ -77,7 +77,9 @@ class ModelBase:
             dtype: the key/value dtype; None means the model dtype.
 
         Example:
-            >>> cache = model.init_cache(2, 16)  # doctest: +SKIP
+            >>> cache = model.init_cache(2, 16)
+            >>> cache.keys[0].shape  # [B, K, H, S] per layer
+            (2, 2, 64, 16)
         """
         return KVCache.create(
             num_layers=self.num_layers,
@@ -114,8 +116,11 @@ class ModelBase:
             ``T``.
 
         Example:
-            >>> cache = model.init_cache(1, 4)  # doctest: +SKIP
-            >>> logits, cache = model.apply(params, ids, pos, cache, mask)  # doctest: +SKIP
+            >>> cache = model.init_cache(1, 4)
+            >>> pos = jnp.arange(3)[None]  # int32[B, T]: the prompt "def f():"
+            >>> logits, cache = jax.jit(model.apply)(params, ids[:1], pos, cache, jnp.ones((1, 4)))
+            >>> logits.shape, int(cache.index)
+            ((1, 3, 4096), 3)
         """
         _check_inputs(tokens, positions, cache, attention_mask)
         if not isinstance(logits_to_keep, int) or logits_to_keep < 0:
@@ -141,7 +146,7 @@ class ModelBase:
         """Maps a parameter path to its HF state-dict name (prefix stripped) and transpose flag.
 
         Example:
-            >>> model.hf_tensor_name(("layers", "0", "mlp", "up_proj", "kernel"))  # doctest: +SKIP
+            >>> model.hf_tensor_name(("layers", "0", "mlp", "up_proj", "kernel"))
             ('layers.0.mlp.up_proj.weight', False)
         """
         name = ".".join((*path[:-1], _LEAF_TO_HF[path[-1]]))

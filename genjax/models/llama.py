@@ -359,7 +359,7 @@ class LlamaModel(ModelBase):
     Example:
         >>> model, params = genjax.models.from_pretrained("HuggingFaceTB/SmolLM2-135M")
         ...  # doctest: +SKIP
-        >>> cache = model.init_cache(batch=1, max_length=8)  # doctest: +SKIP
+        >>> cache = model.init_cache(batch=1, max_length=8)
     """
 
     config: LlamaConfig

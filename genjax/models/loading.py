@@ -274,7 +274,10 @@ def load_params(model: Any, folder: str | os.PathLike) -> PyTree:
         The nested dict of jax arrays, of ``model.dtype``.
 
     Example:
-        >>> params = load_params(from_config("ckpt/config.json"), "ckpt")  # doctest: +SKIP
+        >>> folder = genjax.io.bundled.path()
+        >>> params = load_params(from_config(os.path.join(folder, "config.json")), folder)
+        >>> params["embed_tokens"]["embedding"].shape
+        (4096, 256)
     """
     folder = os.fspath(folder)
     stored = _stored_tensors(model, folder)  # name -> (file, stored name)
@@ -323,8 +326,10 @@ def save_params(model: Any, params: PyTree, folder: str | os.PathLike, dtype: An
         The path written.
 
     Example:
-        >>> save_params(model, params, "out", dtype="bfloat16")  # doctest: +SKIP
-        'out/model.safetensors'
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as folder:
+        ...     os.path.basename(save_params(model, params, folder, dtype="bfloat16"))
+        'model.safetensors'
     """
     from safetensors.numpy import save_file
 

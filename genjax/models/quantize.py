@@ -145,8 +145,10 @@ def quantize_params(
         InputError: ``params`` are already quantized, or a kernel is not a float matrix.
 
     Example:
-        >>> qparams = genjax.quantize_params(model, params, "int8")  # doctest: +SKIP
-        >>> out = genjax.generate(model, qparams, input_ids, config)  # doctest: +SKIP
+        >>> qparams = genjax.quantize_params(model, params, "int8")
+        >>> out = genjax.generate(model, qparams, ids, config, attention_mask=mask)
+        >>> out.sequences.shape
+        (2, 7)
     """
     check_mode(mode)
     if not isinstance(params, Mapping):

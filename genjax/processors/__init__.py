@@ -47,7 +47,7 @@ Example:
     >>> warp = processors.chain(processors.temperature(0.7), processors.top_k(2))
     >>> ctx = processors.LogitsContext.for_prompt(jnp.zeros((1, 3), jnp.int32))
     >>> warp(jnp.array([[1.0, 3.0, 2.0, 0.0]]), ctx).tolist()
-    [[-inf, 4.285714149475342, 2.857142925262451, -inf]]
+    [[-inf, 4.285714149475098, 2.857142925262451, -inf]]
 
 References:
     Keskar et al. 2019, "CTRL: A Conditional Transformer Language Model" (repetition penalty).

@@ -9,11 +9,12 @@ thread-safe queues; every wait has a timeout, and every request ends with one fi
 an error in the loop fails every request, so ``get_result`` and ``request_id_iter`` never hang.
 
 Example:
-    >>> manager = init_continuous_batching(model, params)  # doctest: +SKIP
-    >>> manager.start()  # doctest: +SKIP
-    >>> rid = manager.add_request([1, 2, 3], max_new_tokens=8)  # doctest: +SKIP
-    >>> manager.get_result(rid, timeout=60).generated_tokens  # doctest: +SKIP
-    >>> manager.stop()  # doctest: +SKIP
+    >>> manager = init_continuous_batching(model, params, config)
+    >>> manager.start()
+    >>> rid = manager.add_request([483, 288, 860], max_new_tokens=4)  # "def f():"
+    >>> manager.get_result(rid, timeout=60).generated_tokens
+    [267, 342, 783, 328]
+    >>> manager.stop()
 """
 
 from __future__ import annotations
@@ -402,7 +403,7 @@ def init_continuous_batching(
         tokenizer: decodes new tokens for ``stop_strings``.
 
     Example:
-        >>> manager = init_continuous_batching(model, params)  # doctest: +SKIP
+        >>> manager = init_continuous_batching(model, params)
     """
     return ContinuousBatchingManager(
         model, params, generation_config, continuous_batching_config, tokenizer
@@ -426,8 +427,9 @@ def generate_batch(
     number of finished requests. ``timeout`` bounds the whole call (None: no bound).
 
     Example:
-        >>> results = generate_batch(model, params, [[1, 2], [3]])  # doctest: +SKIP
-        >>> results["req_0"].generated_tokens  # doctest: +SKIP
+        >>> results = generate_batch(model, params, [[483, 288, 860], [794, 664]], config)
+        >>> results["req_0"].generated_tokens
+        [267, 342, 783, 328]
     """
     manager = init_continuous_batching(
         model, params, generation_config, continuous_batching_config, tokenizer

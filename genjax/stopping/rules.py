@@ -187,6 +187,7 @@ def as_criteria(criteria: Sequence[StopCriterion] | StopCriterion) -> tuple[Stop
 
     Example:
         >>> as_criteria([lambda tokens, length: tokens[:, length - 1] == 7])
+        (<function <lambda> at 0x...>,)
     """
     if callable(criteria):
         criteria = (criteria,)
@@ -233,7 +234,10 @@ def start_timer(rules: StoppingRules, *operands: Any) -> tuple[StoppingRules, tu
         (the rules with ``start_time`` set, the operands).
 
     Example:
-        >>> rules, (input_ids,) = start_timer(rules, input_ids)
+        >>> rules = stopping_rules(jnp.array([2]), max_time=5.0)
+        >>> rules, (input_ids,) = start_timer(rules, jnp.array([[5, 6]]))
+        >>> rules.start_time is not None
+        True
     """
     if rules.max_time is None:
         return rules, operands
@@ -285,7 +289,11 @@ def finished_rows(
         step: int32[], the newest token's index among the new tokens (0 for the first).
 
     Example:
-        >>> done = finished_rows(rules, done, state.tokens, state.length, step)
+        >>> rules = stopping_rules(jnp.array([2]))  # EOS id 2
+        >>> tokens = jnp.array([[5, 2, 0], [5, 6, 0]])  # slot 1 was just written
+        >>> done = jnp.array([False, False])
+        >>> finished_rows(rules, done, tokens, jnp.int32(2), jnp.int32(0)).tolist()
+        [True, False]
     """
     newest = jax.lax.dynamic_index_in_dim(tokens, length - 1, axis=1, keepdims=False)
     done = finished | is_eos(newest, rules.eos_token_ids)

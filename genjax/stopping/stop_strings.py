@@ -80,7 +80,7 @@ def stop_string_table(tokenizer: Any, stop_strings: str | Sequence[str]) -> Stop
         TypeError: ``tokenizer`` has no ``get_vocab()``.
 
     Example:
-        >>> table = stop_string_table(tokenizer, ["\\n\\n", "###"])
+        >>> table = stop_string_table(tok, ["\\n\\n", "###"])
         >>> table.window
         3
     """
@@ -131,8 +131,10 @@ def stop_string_hits(
             padding, which transformers never sees).
 
     Example:
-        >>> stop_string_hits(table, tokens, jnp.int32(7)).shape
-        (2,)
+        >>> table = stop_string_table(tok, ["\\n\\n"])
+        >>> tokens = tok(["x = 1\\n\\n", "x = 1"])["input_ids"]  # int32[2, 4]
+        >>> stop_string_hits(table, tokens, jnp.int32(4)).tolist()
+        [True, False]
     """
     spare = table.token_lengths.shape[0] - 1
     slots = length - 1 - jnp.arange(table.window)  # int32[W], newest first

@@ -15,6 +15,23 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
+_T5_V1_0 = {  # ReLU MLP, head tied to the embedding with the D ** -0.5 rescale
+    "model_type": "t5",
+    "architectures": ["T5ForConditionalGeneration"],
+    "vocab_size": 101,
+    "d_model": 32,
+    "d_kv": 8,
+    "d_ff": 64,
+    "num_layers": 2,
+    "num_decoder_layers": 2,
+    "num_heads": 4,
+    "relative_attention_num_buckets": 8,
+    "relative_attention_max_distance": 16,
+    "feed_forward_proj": "relu",
+    "is_encoder_decoder": True,
+    "tie_word_embeddings": True,
+    "decoder_start_token_id": 0,
+}
 _TINY = {
     "llama": {
         "model_type": "llama",
@@ -88,6 +105,34 @@ _TINY = {
         "scale_attn_weights": True,
         "tie_word_embeddings": True,
     },
+    "t5": _T5_V1_0,
+    "t5_v1_1": {  # v1.1 / flan-t5: gated GELU, untied head, no rescale
+        **_T5_V1_0,
+        "num_decoder_layers": 3,
+        "feed_forward_proj": "gated-gelu",
+        "tie_word_embeddings": False,
+    },
+    **{
+        name: {
+            "model_type": name,
+            "vocab_size": 101,
+            "d_model": 32,
+            "max_position_embeddings": 64,
+            "encoder_layers": 2,
+            "decoder_layers": 2,
+            "encoder_attention_heads": 4,
+            "decoder_attention_heads": 4,
+            "encoder_ffn_dim": 64,
+            "decoder_ffn_dim": 64,
+            "activation_function": "swish" if name == "marian" else "gelu",
+            "scale_embedding": name != "bart",
+            "is_encoder_decoder": True,
+            "tie_word_embeddings": True,
+            "decoder_start_token_id": 2,
+            "pad_token_id": 1,
+        }
+        for name in ("bart", "mbart", "marian")
+    },
 }
 
 
@@ -121,7 +166,9 @@ def write_random_checkpoint(
 
     Args:
         path: the folder (created if needed).
-        model_type: ``"llama"``, ``"mistral"``, ``"qwen2"`` or ``"gpt2"``.
+        model_type: a preset of :func:`tiny_config`: ``"llama"``, ``"mistral"``, ``"qwen2"``,
+            ``"gpt2"``, or the encoder-decoders ``"t5"`` (v1.0), ``"t5_v1_1"``, ``"bart"``,
+            ``"mbart"``, ``"marian"`` (whose names are always full: ``prefix`` is ignored).
         seed: the numpy seed.
         dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``: the stored dtype.
         num_shards: more than one writes ``model-0000i-of-0000n.safetensors`` plus
@@ -140,12 +187,21 @@ def write_random_checkpoint(
         101
     """
     config = tiny_config(model_type, **config_overrides)
-    shapes = _gpt2_shapes(config) if model_type == "gpt2" else _llama_shapes(config, model_type)
+    kind = config["model_type"]
+    if kind == "gpt2":
+        shapes = _gpt2_shapes(config)
+    elif kind == "t5":
+        shapes = _t5_shapes(config)
+    elif kind in ("bart", "mbart", "marian"):
+        shapes = _bart_shapes(config)
+    else:
+        shapes = _llama_shapes(config, model_type)
     rng = np.random.default_rng(seed)
     stored_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[
         dtype
     ]
-    base_prefix = "transformer." if model_type == "gpt2" else "model."
+    encoder_decoder = kind in ("t5", "bart", "mbart", "marian")  # names carry their prefix
+    base_prefix = "transformer." if kind == "gpt2" else "" if encoder_decoder else "model."
     tensors = {}
     for name, shape in shapes.items():
         full = name if name.startswith("lm_head") or not prefix else base_prefix + name
@@ -232,12 +288,12 @@ def tiny_bpe_tokenizer(corpus=TINY_CORPUS, vocab_size: int = 300):
 
 def _random(rng: np.random.Generator, name: str, shape: tuple[int, ...]) -> np.ndarray:
     leaf = name.rsplit(".", 1)[-1]
-    is_norm = "norm" in name or name.split(".")[-2].startswith("ln_")
+    is_norm = "norm" in name or name.split(".")[-2:][0].startswith("ln_")
     if is_norm and leaf == "weight":
         return 1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32)
     if leaf == "bias":
         return 0.1 * rng.standard_normal(shape, dtype=np.float32)
-    if name.endswith(("embed_tokens.weight", "wte.weight", "wpe.weight")):
+    if name.endswith(("embed_tokens.weight", "wte.weight", "wpe.weight", "shared.weight")):
         return rng.standard_normal(shape, dtype=np.float32)
     fan_in = shape[0] if name.startswith("h.") else shape[-1]  # GPT-2 Conv1D is [in, out]
     return rng.standard_normal(shape, dtype=np.float32) / np.sqrt(fan_in)
@@ -295,6 +351,68 @@ def _gpt2_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     shapes["ln_f.weight"] = shapes["ln_f.bias"] = (width,)
     if not config.get("tie_word_embeddings", True):
         shapes["lm_head.weight"] = (vocab, width)
+    return shapes
+
+
+def _t5_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    width, inner = config["d_model"], config["num_heads"] * config["d_kv"]
+    mlp, gated = config["d_ff"], config["feed_forward_proj"].startswith("gated")
+    shapes = {"shared.weight": (config["vocab_size"], width)}
+    layers = {"encoder": config["num_layers"], "decoder": config["num_decoder_layers"]}
+    for stack, count in layers.items():
+        for i in range(count):
+            block = f"{stack}.block.{i}.layer."
+            attentions = ["0.SelfAttention"] + (["1.EncDecAttention"] if stack == "decoder" else [])
+            for attn in attentions:
+                for proj in "qkv":
+                    shapes[f"{block}{attn}.{proj}.weight"] = (inner, width)
+                shapes[f"{block}{attn}.o.weight"] = (width, inner)
+                shapes[f"{block}{attn[0]}.layer_norm.weight"] = (width,)
+            if i == 0:
+                buckets = config["relative_attention_num_buckets"]
+                shapes[f"{block}0.SelfAttention.relative_attention_bias.weight"] = (
+                    buckets,
+                    config["num_heads"],
+                )
+            ff = f"{block}{len(attentions)}."
+            for wi in ("wi_0", "wi_1") if gated else ("wi",):
+                shapes[f"{ff}DenseReluDense.{wi}.weight"] = (mlp, width)
+            shapes[f"{ff}DenseReluDense.wo.weight"] = (width, mlp)
+            shapes[f"{ff}layer_norm.weight"] = (width,)
+        shapes[f"{stack}.final_layer_norm.weight"] = (width,)
+    if config.get("tie_word_embeddings") is False:
+        shapes["lm_head.weight"] = (config["vocab_size"], width)
+    return shapes
+
+
+def _bart_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    width, vocab, kind = config["d_model"], config["vocab_size"], config["model_type"]
+    shapes = {"model.shared.weight": (vocab, width)}
+    for stack in ("encoder", "decoder"):
+        root = f"model.{stack}."
+        if kind != "marian":  # learned positions, with BART's offset of 2 rows
+            shapes[root + "embed_positions.weight"] = (config["max_position_embeddings"] + 2, width)
+            shapes[root + "layernorm_embedding.weight"] = (width,)
+            shapes[root + "layernorm_embedding.bias"] = (width,)
+        mlp = config[f"{stack}_ffn_dim"]
+        for i in range(config[f"{stack}_layers"]):
+            layer = f"{root}layers.{i}."
+            for attn in ["self_attn"] + (["encoder_attn"] if stack == "decoder" else []):
+                for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
+                    shapes[f"{layer}{attn}.{proj}.weight"] = (width, width)
+                    shapes[f"{layer}{attn}.{proj}.bias"] = (width,)
+                shapes[f"{layer}{attn}_layer_norm.weight"] = (width,)
+                shapes[f"{layer}{attn}_layer_norm.bias"] = (width,)
+            for fc, (out, inp) in {"fc1": (mlp, width), "fc2": (width, mlp)}.items():
+                shapes[f"{layer}{fc}.weight"] = (out, inp)
+                shapes[f"{layer}{fc}.bias"] = (out,)
+            for leaf in ("weight", "bias"):
+                shapes[f"{layer}final_layer_norm.{leaf}"] = (width,)
+        if kind == "mbart":
+            shapes[root + "layer_norm.weight"] = shapes[root + "layer_norm.bias"] = (width,)
+    if config.get("tie_word_embeddings") is False:
+        shapes["lm_head.weight"] = (vocab, width)
+    shapes["final_logits_bias"] = (1, vocab)
     return shapes
 
 

@@ -3,7 +3,8 @@
 ``kv`` is the float cache (keys ``[B, K, H, S]``, values ``[B, K, S, H]``, preallocated to its
 final length ``S``); ``quantized`` its int8 form; ``slots`` the fixed slot layout that lets one
 compiled program serve many prompt and output lengths (``max_cache_len``); ``memory`` sizes a
-cache before it is allocated; ``paged`` the block pool of the serving engine (rows of
+cache before it is allocated; ``encoder_decoder`` the decoder-plus-cross-attention cache of
+T5/BART-style models; ``paged`` the block pool of the serving engine (rows of
 different lengths in fixed-size blocks, per-row write indices).
 
 Layer:
@@ -14,6 +15,7 @@ Static or traced:
     write index are traced arrays carried by the decoding loops.
 """
 
+from genjax.cache.encoder_decoder import EncoderDecoderCache, fold_rows, unfold_rows
 from genjax.cache.kv import (
     KVCache,
     attention_bias,
@@ -36,6 +38,7 @@ from genjax.cache.quantized import (
 
 __all__ = [
     "CacheRequest",
+    "EncoderDecoderCache",
     "KVCache",
     "PagedKVCache",
     "QuantizedKVCache",
@@ -45,6 +48,7 @@ __all__ = [
     "check_cache_options",
     "check_fits",
     "dequantize",
+    "fold_rows",
     "free_bytes",
     "gather_beams",
     "grow_slots",
@@ -54,4 +58,5 @@ __all__ = [
     "repeat_rows",
     "replace_layer",
     "slots_last",
+    "unfold_rows",
 ]

@@ -49,9 +49,19 @@ Example::
     logits, cache = model.apply(params, ids, jnp.arange(4)[None], cache, mask)   # prefill 4
     logits, cache = model.apply(params, next_id, jnp.array([[4]]), cache, mask)  # one more
 
+Encoder-decoder models
+----------------------
+T5, mT5, BART, mBART and Marian (``is_encoder_decoder`` True) follow a second form of the
+protocol: ``encode(params, input_ids, attention_mask)``; ``init_cache(batch, max_length,
+encoder_states, encoder_mask, params)``, which computes the cross-attention keys and values
+once and keeps them, one entry per prompt, in a :class:`genjax.cache.EncoderDecoderCache`; and a
+decoder ``apply`` with the shape contract above. :mod:`genjax.models.encoder_decoder` defines it.
+``generate`` does not drive them yet.
+
 Built-in architectures
 ----------------------
-``LlamaModel`` (model_type llama, mistral, qwen2) and ``GPT2Model`` (gpt2). Their parameters are
+``LlamaModel`` (model_type llama, mistral, qwen2) and ``GPT2Model`` (gpt2); the
+encoder-decoders ``T5Model`` (t5, mt5) and ``BartModel`` (bart, mbart, marian). Their parameters are
 nested dicts whose paths mirror the HF state-dict names (``params["layers"]["0"]["self_attn"]
 ["q_proj"]["kernel"]`` is ``model.layers.0.self_attn.q_proj.weight``, [out, in]); the modules
 ``llama`` and ``gpt2`` list each tree and which ``config.json`` keys they handle, ignore or
@@ -66,6 +76,7 @@ from typing import Any, Protocol, runtime_checkable
 import jax.numpy as jnp
 
 from genjax.cache import KVCache
+from genjax.models.bart import BartConfig, BartModel
 from genjax.models.gpt2 import GPT2Config, GPT2Model
 from genjax.models.llama import LlamaConfig, LlamaModel
 from genjax.models.loading import (
@@ -76,6 +87,7 @@ from genjax.models.loading import (
     save_params,
 )
 from genjax.models.rope import SUPPORTED_ROPE_TYPES, RopeConfig
+from genjax.models.t5 import T5Config, T5Model
 from genjax.typing import Array, PyTree
 
 
@@ -111,6 +123,8 @@ class Model(Protocol):
 
 __all__ = [
     "ARCHITECTURES",
+    "BartConfig",
+    "BartModel",
     "GPT2Config",
     "GPT2Model",
     "LlamaConfig",
@@ -118,6 +132,8 @@ __all__ = [
     "Model",
     "RopeConfig",
     "SUPPORTED_ROPE_TYPES",
+    "T5Config",
+    "T5Model",
     "from_config",
     "from_pretrained",
     "load_params",

@@ -21,11 +21,23 @@ import numpy as np
 from genjax.errors import CheckpointError, UnsupportedError
 from genjax.models import gguf
 from genjax.models import quantize as quantization
+from genjax.models.bart import BartModel
 from genjax.models.gpt2 import GPT2Model
 from genjax.models.llama import LlamaModel
+from genjax.models.t5 import T5Model
 from genjax.typing import PyTree
 
-ARCHITECTURES = {"llama": LlamaModel, "mistral": LlamaModel, "qwen2": LlamaModel, "gpt2": GPT2Model}
+ARCHITECTURES = {
+    "llama": LlamaModel,
+    "mistral": LlamaModel,
+    "qwen2": LlamaModel,
+    "gpt2": GPT2Model,
+    "t5": T5Model,
+    "mt5": T5Model,
+    "bart": BartModel,
+    "mbart": BartModel,
+    "marian": BartModel,
+}
 HUB_PATTERNS = [
     "config.json",
     "*.safetensors",

@@ -217,6 +217,13 @@ def prepare(model, params: PyTree, input_ids, config, request: CallRequest) -> P
         config and mode, the arrays, the mesh, the assistant, the lengths, the stopping rules
         and streamer, the memory.
     """
+    if getattr(model, "is_encoder_decoder", False):
+        raise UnsupportedError(
+            f"generate does not run encoder-decoder models yet ({type(model).__name__}): "
+            "genjax.models loads them and runs their encoder and decoder passes "
+            "(model.encode, model.init_cache, model.apply), but the decoding loops do not "
+            "drive them."
+        )
     config, resolved, mode = _resolve(model, config, request)
     input_ids, attention_mask, key = check_inputs(
         model, input_ids, request.attention_mask, request.key, resolved

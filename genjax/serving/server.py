@@ -42,7 +42,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
@@ -70,6 +70,10 @@ __all__ = ["build_app"]
 _log = logging.getLogger(__name__)
 _WAIT = 1.0  # seconds between checks that the engine still runs, while waiting for outputs
 _REFUSED = (InputError, GenerationConfigError, UnsupportedError)
+
+
+class _ClientGone(Exception):
+    """The client of a non-streamed request disconnected."""
 
 
 @dataclasses.dataclass
@@ -303,9 +307,16 @@ class _Server:
             if not choice.done:
                 self.manager.cancel_request(choice.request_id)
 
-    async def outputs(self, choices: list[Choice], queue: asyncio.Queue) -> AsyncIterator:
-        """Yields ``(choice, new_text)`` as outputs arrive, until every choice is done."""
+    async def outputs(
+        self, choices: list[Choice], queue: asyncio.Queue, gone=None
+    ) -> AsyncIterator:
+        """Yields ``(choice, new_text)`` as outputs arrive, until every choice is done.
+
+        ``gone``: for a request not streamed, an async ``() -> bool`` asked every ``_WAIT``
+        seconds, True once the client has left (raises :class:`_ClientGone`); partial outputs
+        are then only counted, not decoded."""
         by_id = {c.request_id: c for c in choices}
+        next_check = time.monotonic() + _WAIT
         while not all(c.done for c in choices):
             try:
                 output = await asyncio.wait_for(queue.get(), _WAIT)
@@ -314,12 +325,20 @@ class _Server:
                     raise APIError(
                         503, "the engine stopped.", "service_unavailable", code="engine_stopped"
                     ) from None
+                output = None
+            if gone is not None and time.monotonic() >= next_check:
+                next_check = time.monotonic() + _WAIT
+                if await gone():
+                    raise _ClientGone()
+            if output is None:
                 continue
             choice = by_id.get(output.request_id)
             if choice is None or choice.done:
                 continue
             final = output.is_finished()
             choice.tokens = len(output.generated_tokens)
+            if gone is not None and not final:
+                continue
             delta = choice.text.advance(output.generated_tokens, final)
             if choice.text.stopped:
                 choice.finish_reason = "stop"
@@ -404,8 +423,10 @@ async def _generate(server: _Server, request: Request, kind: str):
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
     try:
-        async for _ in server.outputs(choices, queue):
+        async for _ in server.outputs(choices, queue, gone=request.is_disconnected):
             pass
+    except _ClientGone:
+        return Response(status_code=499)  # nobody reads it; the finally cancels the requests
     finally:
         server.cancel(choices)
         server.dispatch.release([c.request_id for c in choices], set())

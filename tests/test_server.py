@@ -229,6 +229,18 @@ def test_a_full_queue_answers_429_with_retry_after(tokenizer):
     assert done.choices[0].text == " ok" and later.choices[0].text == "!"
 
 
+def test_more_choices_than_the_server_ever_holds_is_a_400(tokenizer):
+    app = build_app(FakeManager(), tokenizer, "fake", max_waiting=0)
+
+    async def scenario():
+        async with _fake_client(app) as client:
+            with pytest.raises(openai.BadRequestError) as error:
+                await client.completions.create(model="fake", prompt=["a", "b"])
+            return error.value
+
+    assert asyncio.run(scenario()).body["param"] == "n"
+
+
 def test_an_internal_fault_is_a_500_and_the_server_keeps_serving(tokenizer):
     manager = FakeManager(fail=True)
     app = build_app(manager, tokenizer, "fake")

@@ -157,7 +157,15 @@ _TYPE_TAG = re.compile(r"str|int|bool|float|none|[A-Z]\w*|.*\[.*")
 
 
 def parse_request(kind: type[_Sampling], data: Any) -> _Sampling:
-    """Validates a decoded JSON body; a 400 naming the first bad field otherwise."""
+    """Validates a decoded JSON body; a 400 naming the first bad field otherwise.
+
+    Example:
+        >>> parse_request(CompletionRequest, {"model": "m", "prompt": "Hi"}).prompt
+        'Hi'
+        >>> parse_request(CompletionRequest, {"model": "m", "prompt": "Hi", "x": 1})
+        Traceback (most recent call last):
+        genjax.serving.protocol.APIError: unknown field 'x': this server does not accept it.
+    """
     if not isinstance(data, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}.")
     try:
@@ -241,6 +249,13 @@ def generation_options(
 
     Raises:
         APIError: 400 naming the first invalid or unsupported field.
+
+    Example:
+        >>> body = parse_request(CompletionRequest, {"model": "m", "prompt": "Hi", "n": 2,
+        ...                                          "temperature": 0, "stop": "\\n"})
+        >>> config, max_tokens, n, stop = generation_options(body, GenerationConfig(), 8)
+        >>> config.do_sample, max_tokens, n, stop
+        (False, None, 2, ('\\n',))
     """
     _neutral(request)
     _number("temperature", request.temperature, 0.0, 100.0)

@@ -270,6 +270,12 @@ class _Server:
             for j in range(n)
         ]
         ids = [c.request_id for c in choices]
+        if len(ids) > self.capacity:
+            raise invalid(
+                "n",
+                f"{len(rows)} prompts x n={n} = {len(ids)} choices, more than this server holds "
+                f"at once ({self.capacity}). Send fewer prompts or a smaller n.",
+            )
         if not self.dispatch.reserve(ids, self.capacity, queue):
             raise APIError(
                 429,

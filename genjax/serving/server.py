@@ -1,8 +1,8 @@
 """``genjax serve``: an OpenAI-compatible HTTP server over the continuous-batching manager.
 
-:func:`build_app` returns the FastAPI (ASGI) app for a running manager; :func:`serve` loads a
-model, warms the engine up, and runs the app under uvicorn until SIGTERM or Ctrl-C
-(:mod:`genjax.serving.runner`).
+:func:`build_app` returns the FastAPI (ASGI) app for a running manager;
+:func:`genjax.serving.runner.serve` loads a model, warms the engine up, and runs the app under
+uvicorn until SIGTERM or Ctrl-C.
 
 Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (the
 tokenizer's chat template), ``GET /health``, ``GET /metrics`` (Prometheus text). The request
@@ -17,8 +17,9 @@ Design:
     * Admission: at most ``max_batch_size + max_waiting`` engine requests are outstanding; a
       request that would pass that gets 429 with ``Retry-After``. An engine request stays
       outstanding until its final output, so a cancelled one is counted until the engine drops it.
-    * A stream whose client goes away cancels its engine requests; so does a choice whose stop
-      string was found before the engine saw it.
+    * A client that goes away cancels its engine requests (a stream at once, a request not
+      streamed within ``_WAIT`` seconds); so does a choice whose stop string was found before
+      the engine saw it.
     * Draining (SIGTERM, Ctrl-C): new requests get 503 with ``Retry-After``; running ones finish
       (at most ``shutdown_timeout`` seconds), then the process exits 0. A second signal exits now.
     * Every wait has a timeout; an engine that stopped ends its requests with 503.

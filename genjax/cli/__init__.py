@@ -10,6 +10,7 @@ Usage::
     genjax config show [PATH_OR_HUB_ID] [generation flags]
     genjax config validate [PATH_OR_HUB_ID] [generation flags]
     genjax convert HF_PATH OUT_DIR [--dtype D] [--overwrite]
+    genjax serve [--model PATH_OR_HUB_ID] [--host H] [--port P] [--api-key KEY] ...
     genjax --version
 
 ``generate``:
@@ -61,7 +62,7 @@ import sys
 import warnings
 from collections.abc import Sequence
 
-from genjax.cli import generate, options
+from genjax.cli import generate, options, serve
 from genjax.errors import CheckpointError, GenerationConfigError, InputError, UnsupportedError
 
 _USER_ERRORS = (CheckpointError, GenerationConfigError, InputError, UnsupportedError, OSError)
@@ -126,6 +127,7 @@ def _parser() -> argparse.ArgumentParser:
         title="commands", metavar="COMMAND", required=True, parser_class=_Parser
     )
     _add_generate(commands)
+    serve.add_parser(commands)
     config = commands.add_parser("config", help="show or validate a generation config")
     actions = config.add_subparsers(metavar="ACTION", required=True, parser_class=_Parser)
     for name, run, text in (

@@ -1,0 +1,441 @@
+"""The OpenAI wire format of ``genjax serve``: request schemas, their mapping onto the engine's
+per-request options, and the text a choice shows (stop strings cut, held back while streaming).
+
+Everything here is plain Python (pydantic models, no I/O, no threads), so it is tested without a
+server. :mod:`genjax.serving.server` puts it behind HTTP.
+
+Request fields:
+    * Honoured: ``model``, ``prompt`` (a string, a list of strings, a list of token ids, or a
+      list of such lists) / ``messages`` (rendered with the tokenizer's chat template),
+      ``max_tokens`` / ``max_completion_tokens``, ``temperature`` (0: greedy), ``top_p``, ``n``
+      (n engine requests; choice ``j`` of prompt ``i`` gets seed ``derive_seed(seed, i*n + j)``),
+      ``stop``, ``seed``, ``stream``, ``stream_options.include_usage``, ``user`` (metadata), and
+      the transformers names ``top_k``, ``min_p``, ``repetition_penalty``.
+    * Accepted only at their neutral value, else 400 naming the field (the engine cannot honour
+      them): ``logit_bias`` (null or ``{}``), ``presence_penalty`` and ``frequency_penalty``
+      (null or 0), ``logprobs`` (null or false), ``top_logprobs`` (null), ``echo`` (false),
+      ``best_of`` (null or 1), ``suffix`` (null).
+    * Any other field: 400 naming it.
+
+Fields a request leaves unset take the model's ``generation_config.json`` values (as
+transformers' and vLLM's servers do), so ``temperature`` unset means the checkpoint's sampling
+settings, not OpenAI's ``temperature=1``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+import secrets
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from genjax.config import GenerationConfig
+
+__all__ = [
+    "APIError",
+    "ChatRequest",
+    "Choice",
+    "CompletionRequest",
+    "StopText",
+    "choice_delta",
+    "derive_seed",
+    "final_body",
+    "generation_options",
+    "parse_request",
+    "stream_chunk",
+    "usage",
+]
+
+MAX_STOP_STRINGS = 4
+MAX_STOP_LENGTH = 256
+_SEED_MODULUS = 2**31 - 1
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.message, self.type = status, message, type
+        self.param, self.code, self.headers = param, code, headers or {}
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body."""
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+def invalid(param: str, message: str, code: str = "invalid_value") -> APIError:
+    """A 400 naming ``param``."""
+    return APIError(400, message, param=param, code=code)
+
+
+# ---------------------------------------------------------------------------- schemas
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = None
+
+
+class _Sampling(_Strict):
+    """The fields completions and chat share."""
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # Extras under their transformers names.
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    # The engine cannot honour these: neutral values only (checked in generation_options).
+    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    top_logprobs: int | None = None
+
+
+class CompletionRequest(_Sampling):
+    """``POST /v1/completions``."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatRequest(_Sampling):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+
+
+_TYPE_TAG = re.compile(r"str|int|bool|float|none|[A-Z]\w*|.*\[.*")
+
+
+def parse_request(kind: type[_Sampling], data: Any) -> _Sampling:
+    """Validates a decoded JSON body; a 400 naming the first bad field otherwise.
+
+    Example:
+        >>> parse_request(CompletionRequest, {"model": "m", "prompt": "Hi"}).prompt
+        'Hi'
+        >>> parse_request(CompletionRequest, {"model": "m", "prompt": "Hi", "x": 1})
+        Traceback (most recent call last):
+        genjax.serving.protocol.APIError: unknown field 'x': this server does not accept it.
+    """
+    if not isinstance(data, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}.")
+    try:
+        return kind.model_validate(data)
+    except ValidationError as error:
+        first = error.errors()[0]
+        # A union reports each member's failure under the member's type; name the field.
+        param = ".".join(str(p) for p in first["loc"] if not _TYPE_TAG.fullmatch(str(p)))
+        if first["type"] == "extra_forbidden":
+            message = f"unknown field {param!r}: this server does not accept it."
+            raise invalid(param, message, "unknown_field") from None
+        if first["type"] == "missing":
+            raise invalid(param, f"{param!r} is required.", "missing_field") from None
+        shown = repr(first.get("input"))
+        shown = shown if len(shown) <= 80 else shown[:77] + "..."
+        raise invalid(param, f"{param}: {first['msg']} (got {shown}).") from None
+
+
+def messages_as_dicts(request: ChatRequest) -> list[dict[str, Any]]:
+    """The chat messages as the template sees them (content parts joined into one string)."""
+    out = []
+    for message in request.messages:
+        content = message.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        entry: dict[str, Any] = {"role": message.role, "content": content or ""}
+        if message.name is not None:
+            entry["name"] = message.name
+        out.append(entry)
+    return out
+
+
+# ---------------------------------------------------------------------------- options
+
+
+def _neutral(request: _Sampling) -> None:
+    """400 for a field the engine cannot honour, when set to anything but its neutral value."""
+    checks = [
+        ("logit_bias", lambda v: v in (None, {})),
+        ("presence_penalty", lambda v: v in (None, 0)),
+        ("frequency_penalty", lambda v: v in (None, 0)),
+        ("logprobs", lambda v: v is None or v is False),
+        ("top_logprobs", lambda v: v is None),
+        ("echo", lambda v: v in (None, False)),
+        ("best_of", lambda v: v in (None, 1)),
+        ("suffix", lambda v: v is None),
+    ]
+    for name, ok in checks:
+        if name in type(request).model_fields and not ok(getattr(request, name)):
+            raise invalid(
+                name,
+                f"{name}={getattr(request, name)!r} is not supported by this server: the "
+                f"continuous-batching engine cannot honour it. Leave {name} unset.",
+                "unsupported_field",
+            )
+
+
+def _number(name: str, value: float | None, low: float, high: float, low_open: bool = False):
+    if value is None:
+        return
+    bad = not math.isfinite(value) or value > high or (value <= low if low_open else value < low)
+    if bad:
+        side = "(" if low_open else "["
+        raise invalid(name, f"{name} must be in {side}{low}, {high}], got {value!r}.")
+
+
+def generation_options(
+    request: _Sampling, base: GenerationConfig, max_n: int
+) -> tuple[GenerationConfig, int | None, int, tuple[str, ...]]:
+    """Checks a request's sampling fields and maps them onto a generation config.
+
+    Args:
+        request: a parsed :class:`CompletionRequest` or :class:`ChatRequest`.
+        base: the model's generation config (fields the request leaves unset keep its values).
+        max_n: the largest ``n`` the server can ever hold at once.
+
+    Returns:
+        ``(config, max_tokens, n, stop)``: the config for every choice (``max_new_tokens`` not
+        set: the caller fits it to each prompt), the requested token budget or None, the number
+        of choices per prompt, the stop strings.
+
+    Raises:
+        APIError: 400 naming the first invalid or unsupported field.
+
+    Example:
+        >>> body = parse_request(CompletionRequest, {"model": "m", "prompt": "Hi", "n": 2,
+        ...                                          "temperature": 0, "stop": "\\n"})
+        >>> config, max_tokens, n, stop = generation_options(body, GenerationConfig(), 8)
+        >>> config.do_sample, max_tokens, n, stop
+        (False, None, 2, ('\\n',))
+    """
+    _neutral(request)
+    _number("temperature", request.temperature, 0.0, 100.0)
+    _number("top_p", request.top_p, 0.0, 1.0, low_open=True)
+    _number("min_p", request.min_p, 0.0, 1.0)
+    _number("repetition_penalty", request.repetition_penalty, 0.0, 100.0, low_open=True)
+    if request.top_k is not None and request.top_k < 0:
+        raise invalid("top_k", f"top_k must be >= 0 (0: off), got {request.top_k}.")
+    n = 1 if request.n is None else request.n
+    if not 1 <= n <= max_n:
+        raise invalid("n", f"n must be between 1 and {max_n} on this server, got {n}.")
+    max_tokens, param = request.max_tokens, "max_tokens"
+    if isinstance(request, ChatRequest) and request.max_completion_tokens is not None:
+        max_tokens, param = request.max_completion_tokens, "max_completion_tokens"
+    if max_tokens is not None and max_tokens < 1:
+        raise invalid(param, f"{param} must be at least 1, got {max_tokens}.")
+    if request.stream_options is not None and not request.stream:
+        raise invalid("stream_options", "stream_options is only allowed with stream: true.")
+    stop = _stop_strings(request.stop)
+
+    fields: dict[str, Any] = {"stop_strings": None, "max_new_tokens": None, "max_length": None}
+    for name in ("top_p", "top_k", "min_p", "repetition_penalty"):
+        if getattr(request, name) is not None:
+            fields[name] = getattr(request, name)
+    if request.temperature is not None:
+        fields["do_sample"] = request.temperature > 0
+        if request.temperature > 0:
+            fields["temperature"] = request.temperature
+    if not fields.get("do_sample", base.do_sample):
+        # Greedy: the sampling cutoffs would only draw "ignored flag" warnings.
+        fields.update(do_sample=False, temperature=None, top_p=None, top_k=None, min_p=None)
+    return base.replace(**fields), max_tokens, n, stop
+
+
+def _stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
+    stops = () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
+    if len(stops) > MAX_STOP_STRINGS:
+        raise invalid("stop", f"stop holds at most {MAX_STOP_STRINGS} strings, got {len(stops)}.")
+    for s in stops:
+        if not s or len(s) > MAX_STOP_LENGTH:
+            raise invalid(
+                "stop", f"each stop string needs 1 to {MAX_STOP_LENGTH} characters, got {s!r}."
+            )
+    return stops
+
+
+def derive_seed(seed: int | None, index: int) -> int:
+    """The engine seed of choice ``index``: ``seed`` itself for the first (so ``n=1`` and the
+    first of ``n=2`` agree), spread by a large odd constant for the others; a random base when
+    ``seed`` is None. Always in ``[0, 2**31 - 1)``, as the engine's int32 seed needs.
+
+    Example:
+        >>> derive_seed(7, 0), derive_seed(7, 0) == derive_seed(7, 0)
+        (7, True)
+    """
+    if seed is None:
+        seed = secrets.randbelow(_SEED_MODULUS)
+    return (seed + index * 0x9E3779B1) % _SEED_MODULUS
+
+
+# ---------------------------------------------------------------------------- choices and responses
+
+
+class StopText:
+    """The text one choice shows, from its tokens so far: stop strings cut (the stop string is
+    not shown), and, while streaming, the tail that could be the start of a stop string held
+    back, as is an unfinished UTF-8 character.
+
+    Args:
+        decode: ``ids -> text`` (special tokens skipped).
+        stops: the stop strings.
+
+    Example:
+        >>> text = StopText(lambda ids: "".join(map(chr, ids)), ("END",))
+        >>> text.advance([ord(c) for c in "abcE"], final=False)  # "E" might start "END"
+        'abc'
+        >>> text.advance([ord(c) for c in "abcEND!"], final=False), text.stopped
+        ('', True)
+        >>> text.text
+        'abc'
+    """
+
+    def __init__(self, decode, stops: tuple[str, ...]):
+        self.decode, self.stops = decode, stops
+        self.text = ""  # everything shown so far
+        self.stopped = False  # a stop string was found
+
+    def advance(self, ids: list[int], final: bool) -> str:
+        """The new text to show after ``ids`` (all tokens so far); ``final``: nothing follows."""
+        if self.stopped:
+            return ""
+        text = self.decode(ids)
+        cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            text, final, self.stopped = text[:cut], True, True
+        if not final:
+            text = text.rstrip("\ufffd")  # a multi-byte character still being written
+            text = text[: len(text) - self._held(text)]
+        if len(text) <= len(self.text) or not text.startswith(self.text):
+            return ""
+        delta, self.text = text[len(self.text) :], text
+        return delta
+
+    def _held(self, text: str) -> int:
+        """The length of the longest tail of ``text`` that begins some stop string."""
+        held = 0
+        for stop in self.stops:
+            for k in range(min(len(stop) - 1, len(text)), held, -1):
+                if text.endswith(stop[:k]):
+                    held = k
+                    break
+        return held
+
+
+@dataclasses.dataclass
+class Choice:
+    """One engine request of an HTTP request: its choice index and text."""
+
+    index: int
+    request_id: str
+    prompt: int  # the index of its prompt
+    prompt_tokens: int
+    text: StopText
+    tokens: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+def usage(choices: list[Choice]) -> dict[str, int]:
+    """Token counts; a prompt shared by ``n`` choices counts once, as OpenAI counts it."""
+    prompt_tokens = sum({c.prompt: c.prompt_tokens for c in choices}.values())
+    completion = sum(c.tokens for c in choices)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt_tokens + completion,
+    }
+
+
+def stream_chunk(kind: str, model: str, stream_id: str, created: int, choice: dict) -> str:
+    """One server-sent event carrying one choice's delta (``kind``: "chat" or "completion")."""
+    chat = kind == "chat"
+    body = {
+        "id": stream_id,
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+    }
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+def choice_delta(kind: str, index: int, text: str | None, finish: str | None) -> dict:
+    """A streamed choice: new text (None: none) and, on its last chunk, the finish reason."""
+    if kind == "chat":
+        delta = {} if text is None else {"content": text}
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+    return {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+
+
+def final_body(kind: str, model: str, created: int, choices: list[Choice]) -> dict:
+    """The non-streamed response: every choice's text and finish reason, and the usage."""
+    chat = kind == "chat"
+    rows = []
+    for c in sorted(choices, key=lambda c: c.index):
+        row: dict[str, Any] = {"index": c.index}
+        if chat:
+            row["message"] = {"role": "assistant", "content": c.text.text}
+        else:
+            row["text"] = c.text.text
+        rows.append({**row, "logprobs": None, "finish_reason": c.finish_reason})
+    return {
+        "id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": created,
+        "model": model,
+        "choices": rows,
+        "usage": usage(choices),
+    }

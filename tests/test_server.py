@@ -1,0 +1,606 @@
+"""``genjax serve``: the OpenAI wire format, the app over a fake manager, and the real server.
+
+The real server runs the bundled model in a subprocess on a free port of 127.0.0.1 (one per
+session; ready when it prints its URL), driven by the official ``openai`` client with
+``max_retries=0``. Its teardown sends SIGTERM during a stream and checks the stream still ends
+and the process exits 0. Error paths that need an engine in a given state (a full queue, an
+internal fault, draining) run in-process against a fake manager. ``-m load`` adds 32 concurrent
+streams. Every wait has a safety bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from types import SimpleNamespace
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+import genjax
+from genjax.io import bundled
+from genjax.io import tokenizer as tokenizers
+from genjax.serving.protocol import (
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    StopText,
+    derive_seed,
+    generation_options,
+    parse_request,
+)
+from genjax.serving.scheduler import RequestStatus
+from genjax.serving.server import build_app
+
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
+MODEL = bundled.DEFAULT_MODEL
+KEY = "sk-test-key"
+CONTEXT = 256
+READY_TIMEOUT = 600  # seconds: the subprocess loads and compiles the engine on 2 busy cores
+PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:\n", "for i in range("]
+
+
+# ---------------------------------------------------------------------------- the wire format
+
+
+def test_stop_text_holds_back_a_possible_stop_and_cuts_a_found_one():
+    text = StopText(lambda ids: "".join(map(chr, ids)), ("<END>", "xyz"))
+    steps = ["ab<", "ab<EN", "ab<EN!", "ab<EN!x", "ab<EN!<END>tail"]
+    shown = [text.advance([ord(c) for c in s], final=False) for s in steps]
+    assert shown == ["ab", "", "<EN!", "", ""]
+    assert text.stopped and text.text == "ab<EN!"
+
+
+def test_stop_text_final_flushes_what_was_held_and_waits_for_whole_characters():
+    text = StopText(lambda ids: "".join(map(chr, ids)), ("<END>",))
+    assert text.advance([ord(c) for c in "ok<E"], final=False) == "ok"
+    assert text.advance([ord(c) for c in "ok<E"], final=True) == "<E"
+    partial = StopText(lambda ids: "é\ufffd" if len(ids) == 1 else "éè", ())
+    assert partial.advance([1], final=False) == "é"
+    assert partial.advance([1, 2], final=False) == "è"
+
+
+def test_derive_seed_is_stable_distinct_and_in_int32():
+    seeds = [derive_seed(2**40 + 3, i) for i in range(4)]
+    assert seeds == [derive_seed(2**40 + 3, i) for i in range(4)]
+    assert len(set(seeds)) == 4 and all(0 <= s < 2**31 - 1 for s in seeds)
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"prompt": "x"}, "model"),
+        ({"model": "m", "prompt": "x", "max_tokens": "9"}, "max_tokens"),
+        ({"model": "m", "prompt": "x", "stream": 1}, "stream"),
+        ({"model": "m", "prompt": "x", "best_effort": True}, "best_effort"),
+        ({"model": "m", "prompt": [[1], "a"]}, "prompt"),
+    ],
+)
+def test_parse_request_names_the_bad_field(body, param):
+    with pytest.raises(APIError) as error:
+        parse_request(CompletionRequest, body)
+    assert error.value.status == 400 and error.value.param == param
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"n": 0}, "n"),
+        ({"max_completion_tokens": 0}, "max_completion_tokens"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"stop": ""}, "stop"),
+        ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"frequency_penalty": -0.5}, "frequency_penalty"),
+        ({"logprobs": True}, "logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ],
+)
+def test_generation_options_refuses_by_name(extra, param):
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **extra}
+    request = parse_request(ChatRequest, body)
+    with pytest.raises(APIError) as error:
+        generation_options(request, genjax.GenerationConfig(), max_n=8)
+    assert error.value.param == param
+
+
+def test_generation_options_maps_openai_names_onto_the_config():
+    base = genjax.GenerationConfig(do_sample=True, temperature=0.8, top_k=50, max_new_tokens=9)
+    fields = {"temperature": 0.5, "top_p": 0.9, "min_p": 0.1, "repetition_penalty": 1.2}
+    body = {"model": "m", "prompt": "x", "n": 3, "stop": "\n", "max_tokens": 7, **fields}
+    body.update(logit_bias={}, presence_penalty=0, frequency_penalty=0.0, user="u")
+    config, max_tokens, n, stop = generation_options(
+        parse_request(CompletionRequest, body), base, max_n=8
+    )
+    assert (max_tokens, n, stop) == (7, 3, ("\n",))
+    assert config.do_sample and config.top_k == 50 and config.max_new_tokens is None
+    assert [getattr(config, k) for k in fields] == pytest.approx(list(fields.values()))
+    greedy, *_ = generation_options(
+        parse_request(CompletionRequest, {"model": "m", "prompt": "x", "temperature": 0}), base, 8
+    )
+    assert not greedy.do_sample and greedy.temperature is None and greedy.top_k is None
+
+
+# ---------------------------------------------------------------------------- a fake manager
+
+
+class FakeManager:
+    """The manager's public surface; requests stay running until ``finish`` is called."""
+
+    def __init__(self, fail: bool = False):
+        self.cb_config = SimpleNamespace(max_batch_size=1)
+        self.shape = SimpleNamespace(max_length=64)
+        self.generation_config = genjax.GenerationConfig(max_new_tokens=4)
+        self.handlers, self.added, self.cancelled, self.fail = [], [], [], fail
+
+    def is_running(self):
+        return True
+
+    def register_result_handler(self, handler):
+        self.handlers.append(handler)
+
+    def add_request(self, input_ids, request_id, **kwargs):
+        if self.fail:
+            self.fail = False
+            raise RuntimeError("an internal fault")
+        self.added.append(request_id)
+        return request_id
+
+    def cancel_request(self, request_id):
+        self.cancelled.append(request_id)
+
+    def finish(self, request_id, tokens):
+        output = SimpleNamespace(
+            request_id=request_id,
+            generated_tokens=tokens,
+            status=RequestStatus.FINISHED,
+            finish_reason="length",
+            error=None,
+            is_finished=lambda: True,
+        )
+        for handler in self.handlers:
+            handler(output)
+
+    def metrics(self):
+        return {"steps": 0, "running": len(self.added)}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tokenizers.from_pretrained(bundled.path())
+
+
+def _fake_client(app) -> openai.AsyncOpenAI:
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    return openai.AsyncOpenAI(
+        base_url="http://fake/v1",
+        api_key="unused",
+        max_retries=0,
+        http_client=httpx.AsyncClient(transport=transport, timeout=30),
+    )
+
+
+def test_a_full_queue_answers_429_with_retry_after(tokenizer):
+    manager = FakeManager()
+    app = build_app(manager, tokenizer, "fake", max_waiting=0)
+
+    async def scenario():
+        async with _fake_client(app) as client:
+            return await steps(client)
+
+    async def steps(client):
+        first = asyncio.create_task(
+            client.completions.create(model="fake", prompt="a", max_tokens=2)
+        )
+        for _ in range(1000):  # the first request reaches the engine within a few loop turns
+            if manager.added:
+                break
+            await asyncio.sleep(0)
+        with pytest.raises(openai.RateLimitError) as error:
+            await client.completions.create(model="fake", prompt="b", max_tokens=2)
+        manager.finish(manager.added[0], tokenizer.encode(" ok"))
+        done = await asyncio.wait_for(first, 30)
+        later = client.completions.create(model="fake", prompt="c", max_tokens=2)
+        task = asyncio.create_task(later)
+        for _ in range(1000):
+            if len(manager.added) == 2:
+                break
+            await asyncio.sleep(0)
+        manager.finish(manager.added[1], tokenizer.encode("!"))
+        return error.value, done, await asyncio.wait_for(task, 30)
+
+    error, done, later = asyncio.run(scenario())
+    assert error.status_code == 429 and error.response.headers["retry-after"] == "1"
+    assert error.body["code"] == "queue_full"
+    assert done.choices[0].text == " ok" and later.choices[0].text == "!"
+
+
+def test_more_choices_than_the_server_ever_holds_is_a_400(tokenizer):
+    app = build_app(FakeManager(), tokenizer, "fake", max_waiting=0)
+
+    async def scenario():
+        async with _fake_client(app) as client:
+            with pytest.raises(openai.BadRequestError) as error:
+                await client.completions.create(model="fake", prompt=["a", "b"])
+            return error.value
+
+    assert asyncio.run(scenario()).body["param"] == "n"
+
+
+def test_an_internal_fault_is_a_500_and_the_server_keeps_serving(tokenizer):
+    manager = FakeManager(fail=True)
+    app = build_app(manager, tokenizer, "fake")
+
+    async def scenario():
+        async with _fake_client(app) as client:
+            return await steps(client)
+
+    async def steps(client):
+        with pytest.raises(openai.InternalServerError) as error:
+            await client.completions.create(model="fake", prompt="a", max_tokens=2)
+        models = await client.models.list()
+        task = asyncio.create_task(client.completions.create(model="fake", prompt="a"))
+        for _ in range(1000):
+            if manager.added:
+                break
+            await asyncio.sleep(0)
+        manager.finish(manager.added[0], tokenizer.encode("fine"))
+        return error.value, models, await asyncio.wait_for(task, 30)
+
+    error, models, answer = asyncio.run(scenario())
+    assert error.status_code == 500 and error.body["type"] == "server_error"
+    assert [m.id for m in models.data] == ["fake"] and answer.choices[0].text == "fine"
+
+
+def test_draining_answers_503_with_retry_after(tokenizer):
+    app = build_app(FakeManager(), tokenizer, "fake")
+    app.state.genjax.draining = True
+
+    async def scenario():
+        async with _fake_client(app) as client:
+            with pytest.raises(openai.APIStatusError) as error:
+                await client.completions.create(model="fake", prompt="a")
+            return error.value
+
+    error = asyncio.run(scenario())
+    assert error.status_code == 503 and "retry-after" in error.response.headers
+
+
+# ---------------------------------------------------------------------------- the real server
+
+
+class _Server:
+    def __init__(self, process, url, pump):
+        self.process, self.url, self.pump = process, url, pump
+
+    def client(self, **kwargs) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url, api_key=KEY, max_retries=0, timeout=120, **kwargs)
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(self.url.removesuffix("/v1") + "/metrics", timeout=30).text
+        return {m[1]: float(m[2]) for m in re.finditer(r"^(genjax_\w+) ([-0-9.e+]+)$", text, re.M)}
+
+    def wait_idle(self, bound: float = 60.0) -> dict[str, float]:
+        """Polls /metrics (safety bound ``bound`` seconds) until nothing runs or holds blocks."""
+        deadline = time.monotonic() + bound
+        while True:
+            metrics = self.metrics()
+            idle = metrics["genjax_running"] == 0 and metrics["genjax_blocks_in_use"] == 0
+            if idle or time.monotonic() > deadline:
+                return metrics
+            time.sleep(0.05)
+
+
+def _start_server(tmp_dir) -> _Server:
+    stderr_path = os.path.join(tmp_dir, "server.stderr")
+    env = {**os.environ, "JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}
+    args = ["serve", "--port", "0", "--api-key", KEY, "--max-length", str(CONTEXT)]
+    args += ["--max-batch-size", "8", "--max-waiting", "64", "--log-level", "warning"]
+    with open(stderr_path, "w") as stderr:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "genjax.cli", *args],
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            env=env,
+        )
+    lines: queue.Queue = queue.Queue()
+
+    def pump():  # read stdout to the end, so the server never blocks on a full pipe
+        for line in process.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    pumping = threading.Thread(target=pump, daemon=True)
+    pumping.start()
+    deadline = time.monotonic() + READY_TIMEOUT
+    while True:
+        try:
+            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            line = None
+        if line is None:
+            process.kill()
+            with open(stderr_path) as f:
+                pytest.fail(f"genjax serve did not get ready:\n{f.read()[-3000:]}")
+        found = re.search(r"ready at (http://\S+)", line)
+        if found:
+            return _Server(process, found[1], pumping)
+
+
+def _stop_server_gracefully(server: _Server) -> None:
+    """SIGTERM during a stream: the stream still ends, a new request is refused, exit code 0."""
+    client = server.client()
+    stream = client.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=60, temperature=0, stream=True
+    )
+    chunks = iter(stream)
+    first = next(chunks)
+    server.process.send_signal(signal.SIGTERM)
+    rest = list(chunks)
+    try:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2)
+        refused = None
+    except (openai.APIStatusError, openai.APIConnectionError) as error:
+        refused = error
+    code = server.process.wait(timeout=120)
+    assert first.choices and rest[-1].choices[0].finish_reason in ("stop", "length")
+    assert refused is not None
+    assert code == 0
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    running = _start_server(str(tmp_path_factory.mktemp("serve")))
+    try:
+        yield running
+        _stop_server_gracefully(running)
+    finally:
+        if running.process.poll() is None:
+            running.process.kill()
+            running.process.wait(timeout=60)
+        running.pump.join(timeout=60)
+        running.process.stdout.close()
+
+
+@pytest.fixture(scope="module")
+def model_and_params():
+    return genjax.models.from_pretrained(bundled.path())
+
+
+def _greedy_reference(model_and_params, tokenizer, ids: list[int], new: int) -> str:
+    """``genjax.generate`` greedy on one prompt; the new text up to EOS, special tokens off."""
+    model, params = model_and_params
+    config = genjax.GenerationConfig.from_pretrained(bundled.path()).replace(
+        do_sample=False, temperature=None, top_p=None, top_k=None, max_new_tokens=new
+    )
+    out = genjax.generate(model, params, np.asarray([ids], np.int32), config)
+    tokens = np.asarray(out.sequences)[0, len(ids) :].tolist()
+    if config.eos_token_id in tokens:
+        tokens = tokens[: tokens.index(config.eos_token_id)]
+    return tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def test_models_list(server):
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert server.client().models.retrieve(MODEL).id == MODEL
+
+
+def test_greedy_completion_equals_generate(server, tokenizer, model_and_params):
+    answer = server.client().completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=24, temperature=0
+    )
+    ids = tokenizer.encode(PROMPTS[0])
+    expected = _greedy_reference(model_and_params, tokenizer, ids, 24)
+    assert answer.choices[0].text == expected
+    assert answer.usage.prompt_tokens == len(ids) and answer.usage.completion_tokens <= 24
+    assert answer.choices[0].finish_reason in ("stop", "length")
+
+
+def test_greedy_chat_equals_generate_with_the_chat_template(server, tokenizer, model_and_params):
+    messages = [{"role": "user", "content": "Write a function that adds two numbers."}]
+    answer = server.client().chat.completions.create(
+        model=MODEL, messages=messages, max_completion_tokens=20, temperature=0
+    )
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    expected = _greedy_reference(model_and_params, tokenizer, ids, 20)
+    assert answer.choices[0].message.content == expected
+    assert answer.choices[0].message.role == "assistant"
+    assert answer.usage.prompt_tokens == len(ids)
+
+
+def test_streams_give_the_same_text_and_end_with_usage(server):
+    client = server.client()
+    kwargs = {"model": MODEL, "max_tokens": 20, "temperature": 0}
+    whole = client.completions.create(prompt=PROMPTS[1], **kwargs).choices[0].text
+    chunks = list(
+        client.completions.create(
+            prompt=PROMPTS[1], stream=True, stream_options={"include_usage": True}, **kwargs
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole
+    assert chunks[-2].choices[0].finish_reason in ("stop", "length")
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+
+    messages = [{"role": "user", "content": "hello"}]
+    chat = client.chat.completions.create(messages=messages, **kwargs).choices[0].message.content
+    deltas = list(client.chat.completions.create(messages=messages, stream=True, **kwargs))
+    assert deltas[0].choices[0].delta.role == "assistant"
+    assert "".join(d.choices[0].delta.content or "" for d in deltas) == chat
+    assert deltas[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_n_choices_and_seeds(server):
+    client = server.client()
+    kwargs = {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 16, "temperature": 1.0}
+    first = client.completions.create(n=2, seed=1234, **kwargs)
+    again = client.completions.create(n=2, seed=1234, **kwargs)
+    assert [c.index for c in first.choices] == [0, 1]
+    assert [c.text for c in first.choices] == [c.text for c in again.choices]
+    other = client.completions.create(seed=99, **kwargs)
+    solo = client.completions.create(seed=1234, **kwargs)
+    assert solo.choices[0].text == first.choices[0].text
+    assert len({first.choices[0].text, first.choices[1].text, other.choices[0].text}) > 1
+
+    two_prompts = client.completions.create(
+        model=MODEL, prompt=PROMPTS[:2], n=2, max_tokens=4, temperature=0
+    )
+    assert [c.index for c in two_prompts.choices] == [0, 1, 2, 3]
+    assert two_prompts.choices[0].text == two_prompts.choices[1].text
+
+
+def test_a_stop_string_split_across_tokens_and_chunks_is_caught(server):
+    client = server.client()
+    kwargs = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 48, "temperature": 0}
+    pieces = [
+        c.choices[0].text for c in client.completions.create(stream=True, **kwargs) if c.choices
+    ]
+    pieces = [p for p in pieces if p]
+    assert len(pieces) >= 3, pieces
+    whole = "".join(pieces)
+    # A stop string made of the end of one chunk and the start of the next.
+    boundary = len(pieces[0]) + len(pieces[1])
+    stop = whole[boundary - 3 : boundary + 3]
+    assert len(stop) == 6
+    expected = whole[: whole.find(stop)]
+    stopped = list(client.completions.create(stream=True, stop=[stop, "\x00never"], **kwargs))
+    assert "".join(c.choices[0].text for c in stopped) == expected
+    assert stopped[-1].choices[0].finish_reason == "stop"
+    answer = client.completions.create(stop=stop, **kwargs)
+    assert answer.choices[0].text == expected and answer.choices[0].finish_reason == "stop"
+
+
+def _status(call) -> openai.APIStatusError:
+    with pytest.raises(openai.APIStatusError) as error:
+        call()
+    return error.value
+
+
+def test_error_statuses(server):
+    client = server.client()
+    bad = _status(lambda: client.completions.create(model=MODEL, prompt="x", temperature=-1))
+    assert bad.status_code == 400 and bad.body["param"] == "temperature"
+    for field, value in [
+        ("logit_bias", {"5": 2}),
+        ("presence_penalty", 0.5),
+        ("frequency_penalty", 0.5),
+        ("logprobs", 2),
+        ("made_up_field", 1),
+    ]:
+        error = _status(
+            lambda f=field, v=value: client.completions.create(
+                model=MODEL, prompt="x", extra_body={f: v}
+            )
+        )
+        assert error.status_code == 400 and error.body["param"] == field, error.body
+    chat = lambda **kw: client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "x"}], **kw
+    )
+    assert _status(lambda: chat(logprobs=True, top_logprobs=2)).body["param"] == "logprobs"
+    too_long = _status(lambda: client.completions.create(model=MODEL, prompt="a " * CONTEXT))
+    assert too_long.status_code == 400 and too_long.body["code"] == "context_length_exceeded"
+    wrong_key = server.client()
+    wrong_key.api_key = "sk-wrong"
+    assert isinstance(_status(lambda: wrong_key.models.list()), openai.AuthenticationError)
+    missing = _status(lambda: client.completions.create(model="gpt-4o", prompt="x"))
+    assert isinstance(missing, openai.NotFoundError) and missing.body["param"] == "model"
+
+
+@pytest.mark.parametrize(
+    "path, content, status",
+    [
+        ("/v1/completions", b"{not json", 400),
+        ("/v1/completions", b"[1, 2]", 400),
+        ("/v1/completions", {"model": MODEL, "prompt": 5}, 400),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 10**30}, 400),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 10**6}, 400),
+        ("/v1/completions", {"model": MODEL, "prompt": [-1, 5]}, 400),
+        ("/v1/completions", {"model": MODEL, "prompt": []}, 400),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": "hot"}, 400),
+        ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "robot"}]}, 400),
+        ("/v1/completions", {"model": MODEL, "prompt": "y" * (1 << 20)}, 400),
+        ("/v1/nothing", {}, 404),
+    ],
+)
+def test_malformed_bodies_get_4xx(server, path, content, status):
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    if not isinstance(content, bytes):
+        content = json.dumps(content).encode()
+    url = server.url.removesuffix("/v1") + path
+    response = httpx.post(url, content=content, headers=headers, timeout=60)
+    assert response.status_code == status, response.text
+    assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+    assert httpx.get(server.url.removesuffix("/v1") + "/health", timeout=30).status_code == 200
+
+
+def test_a_client_leaving_mid_stream_cancels_its_request(server):
+    url = server.url + "/completions"
+    budget = CONTEXT - 16
+    body = {"model": MODEL, "prompt": PROMPTS[3], "max_tokens": budget, "stream": True}
+    body.update(temperature=1.5, top_k=0, top_p=1.0)  # an early EOS is unlikely
+    headers = {"Authorization": f"Bearer {KEY}"}
+    before = server.wait_idle()["genjax_tokens_total"]
+    with httpx.stream("POST", url, json=body, headers=headers, timeout=60) as response:
+        assert response.status_code == 200
+        next(response.iter_lines())
+    metrics = server.wait_idle()
+    assert metrics["genjax_running"] == 0 and metrics["genjax_blocks_in_use"] == 0
+    assert metrics["genjax_tokens_total"] - before < budget
+
+
+@pytest.mark.load
+def test_load_32_streams_with_a_fifth_leaving(server):
+    kwargs = {"model": MODEL, "max_tokens": 40, "temperature": 0}
+    solo = {
+        p: server.client().completions.create(prompt=p, **kwargs).choices[0].text for p in PROMPTS
+    }
+
+    async def one(client, i):
+        prompt = PROMPTS[i % len(PROMPTS)]
+        stream = await client.completions.create(prompt=prompt, stream=True, **kwargs)
+        text = []
+        async for chunk in stream:
+            text.append(chunk.choices[0].text)
+            if i % 5 == 0 and "".join(text):
+                await stream.close()
+                return None
+        return prompt, "".join(text)
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=server.url, api_key=KEY, max_retries=0, timeout=300)
+        async with client:
+            streams = asyncio.gather(*(one(client, i) for i in range(32)))
+            return await asyncio.wait_for(streams, 600)
+
+    results = asyncio.run(run())
+    finished = [r for r in results if r is not None]
+    assert len(finished) == 32 - len(range(0, 32, 5))
+    for prompt, text in finished:
+        assert text == solo[prompt]
+    metrics = server.wait_idle()
+    assert metrics["genjax_running"] == 0 and metrics["genjax_blocks_in_use"] == 0
+
+
+def test_serve_flags_are_checked_before_anything_loads(capsys):
+    from genjax.cli import main
+
+    assert main(["serve", "--max-batch-size", "0"]) == 2
+    assert "must be at least 1" in capsys.readouterr().err
+    assert main(["serve", "--help"]) == 0
+    assert "--served-model-name" in capsys.readouterr().out

@@ -148,7 +148,7 @@ def test_automaton_accepts_what_the_regex_matches(bundled):
     table = c.next_states()
     eos_allowed = table[:, c.eos_token_id] >= 0
     np.testing.assert_array_equal(eos_allowed, c.final)  # EOS only in accepting states
-    assert constraints.regex(PHONE, tok).build_seconds == 0.0  # cached
+    assert constraints.regex(PHONE, tok) is c  # cached
 
 
 def test_compressed_table_equals_dense(bundled):
@@ -279,6 +279,37 @@ def test_same_table_size_does_not_recompile(bundled):
     assert not compiled, compiled
     for text, ended in _new_texts(tok, out, ids.shape[1]):
         assert ended and re.fullmatch(r"[0-9]{4}-[0-9]{3}", text), text
+
+
+def test_streamed_and_sharded_tokens_equal_plain(bundled):
+    """A streamer receives the constrained tokens; a (4, 2) mesh gives one device's tokens."""
+    model, params, tok = bundled
+    c = constraints.regex(PHONE, tok)
+    ids, mask = _prompts(tok, 8)
+    plain = genjax.generate(model, params, ids, GREEDY, attention_mask=mask, constraint=c)
+    mesh = genjax.sharding.make_mesh((4, 2))
+    sharded = genjax.generate(
+        model, params, ids, GREEDY, attention_mask=mask, constraint=c, mesh=mesh
+    )
+    np.testing.assert_array_equal(plain.sequences, sharded.sequences)
+
+    class Collect(genjax.streaming.BaseStreamer):
+        def __init__(self):
+            self.values = []
+
+        def put(self, value):
+            self.values.append(np.asarray(value).reshape(-1).tolist())
+
+        def end(self):
+            pass
+
+    streamer = Collect()
+    single = tok(["def f(x):"])["input_ids"]
+    one = genjax.generate(model, params, single, GREEDY, constraint=c, streamer=streamer)
+    streamed = [v[0] for v in streamer.values[1:]]  # after the prompt
+    assert streamed == np.asarray(one.sequences[0, single.shape[1] :]).tolist()[: len(streamed)]
+    text = tok.decode([t for t in streamed if t != 0])
+    assert re.fullmatch(PHONE, text), text
 
 
 # --- what raises --------------------------------------------------------------------------------

@@ -50,7 +50,7 @@ class Constraint:
     final: np.ndarray  # bool[n]: accepting states
     eos_token_id: int
     vocab_size: int  # the tokenizer's token count: every id is below it
-    build_seconds: float  # time spent building this automaton (0 when read from the cache)
+    build_seconds: float  # time spent building this automaton (once; the cache returns it)
 
     @property
     def num_states(self) -> int:
@@ -119,7 +119,7 @@ def regex(pattern: str, tokenizer: Any, *, eos_token_id: int | None = None) -> C
     found = _AUTOMATA.get(key)
     if found is not None:
         _AUTOMATA.move_to_end(key)
-        return dataclasses.replace(found, build_seconds=0.0)
+        return found
     built = _build(pattern, vocabulary)
     _AUTOMATA[key] = built
     if len(_AUTOMATA) > _CACHE_SIZE:

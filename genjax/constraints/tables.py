@@ -21,6 +21,7 @@ Static or traced:
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Sequence
 
 import jax.numpy as jnp
@@ -90,7 +91,7 @@ def device_automaton(
     batch: int,
     vocab_size: int,
     *,
-    dense_limit_bytes: int = DENSE_LIMIT_BYTES,
+    dense_limit_bytes: int | None = None,
 ) -> DenseTable | CompressedTable:
     """The device table of a call's constraint(s).
 
@@ -99,7 +100,8 @@ def device_automaton(
             per input row (the same object may repeat; it is stored once).
         batch: ``B``, the call's input rows.
         vocab_size: ``V``, the model's vocabulary (at least the tokenizer's).
-        dense_limit_bytes: the dense format's memory bound.
+        dense_limit_bytes: the dense format's memory bound; None reads
+            :data:`DENSE_LIMIT_BYTES` (which a program may change).
 
     Raises:
         InputError: a list of the wrong length, something not a Constraint, automata with
@@ -110,6 +112,24 @@ def device_automaton(
     """
     rows = _per_row(constraint, batch)
     unique = list({id(c): c for c in rows}.values())
+    limit = DENSE_LIMIT_BYTES if dense_limit_bytes is None else dense_limit_bytes
+    starts = np.cumsum([0, *(c.num_states for c in unique)])
+    start_of = {id(c): int(s) for c, s in zip(unique, starts[:-1], strict=True)}
+    initial = jnp.asarray([start_of[id(c)] for c in rows], jnp.int32)
+    key = (tuple(id(c) for c in unique), vocab_size, limit)
+    found = _TABLES.get(key)
+    if found is not None and all(a is b for a, b in zip(found[0], unique, strict=True)):
+        _TABLES.move_to_end(key)
+        return found[1].replace(initial=initial)
+    table = _stack(unique, starts, initial, vocab_size, limit)
+    _TABLES[key] = (tuple(unique), table)  # holds the constraints, so their ids stay theirs
+    if len(_TABLES) > 8:
+        _TABLES.popitem(last=False)
+    return table
+
+
+def _stack(unique, starts, initial, vocab_size, limit):
+    """The table of the distinct automata ``unique``, whose states start at ``starts``."""
     for c in unique:
         if c.vocab_size > vocab_size:
             raise InputError(
@@ -121,9 +141,6 @@ def device_automaton(
             f"the per-row constraints use different EOS ids "
             f"{sorted({c.eos_token_id for c in unique})}; build them with one tokenizer."
         )
-    starts = np.cumsum([0, *(c.num_states for c in unique)])
-    start_of = {id(c): int(s) for c, s in zip(unique, starts[:-1], strict=True)}
-    initial = jnp.asarray([start_of[id(c)] for c in rows], jnp.int32)
     eos = jnp.asarray(unique[0].eos_token_id, jnp.int32)
     states = _bucket(int(starts[-1]))
     offsets = [np.zeros(1, np.int64)]
@@ -136,7 +153,7 @@ def device_automaton(
     offsets = np.concatenate(offsets)
     offsets = np.concatenate([offsets, np.full(states - (offsets.shape[0] - 1), total)])
     tokens, targets = np.concatenate(tokens), np.concatenate(targets)
-    if states * vocab_size * 4 <= dense_limit_bytes:
+    if states * vocab_size * 4 <= limit:
         table = np.full((states, vocab_size), -1, np.int32)
         table[np.repeat(np.arange(states), np.diff(offsets)), tokens] = targets
         return DenseTable(jnp.asarray(table), initial, eos)
@@ -159,6 +176,10 @@ def _compressed(offsets, tokens, targets, states, vocab_size, initial, eos) -> C
         eos_token_id=eos,
         vocab_size=vocab_size,
     )
+
+
+_TABLES: collections.OrderedDict[tuple, tuple] = collections.OrderedDict()
+"""The last 8 device tables, by (the automata's ids, V, the dense bound)."""
 
 
 def _per_row(constraint, batch: int) -> list[Constraint]:

@@ -49,9 +49,10 @@ Index bookkeeping, one prompt, ``M = 2`` beams, ``V = 5``, no EOS so ``K = 4``. 
 
 Static or traced:
     Static: ``M`` (``num_beams``), the buffer length ``S`` and ``N``, the processors, whether
-    continuations are sampled, ``early_stopping``, the number of EOS ids, the output flags.
+    continuations are sampled, ``early_stopping``, the number of EOS ids, the output flags,
+    whether a token automaton constrains the beams (:mod:`genjax.decoding.automaton`).
     Traced: ``length_penalty`` (scalar or per prompt ``[B]``), the EOS ids, the PRNG key, the
-    processor settings and all state.
+    processor settings, the automaton's tables and all state.
 
 The slots of a returned sequence after its end hold transformers v5's fill value
 (:func:`fill_token_id`): ``pad_token_id`` when it is set and not 0, else the first EOS id; -1 when

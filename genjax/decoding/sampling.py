@@ -23,9 +23,10 @@ Static or traced:
     loop earlier, traced), the processors in the chain,
     whether tokens are sampled, which outputs are recorded, which stopping rules are present
     (custom criteria, stop-string table shapes, the ``max_time`` clock), the ``on_token`` hook
-    (streaming; see :mod:`genjax.streaming`).
+    (streaming; see :mod:`genjax.streaming`), whether a token automaton constrains the output
+    and its table's format and shapes (:mod:`genjax.decoding.automaton`).
     Traced: the PRNG key, the processor settings, the pad and EOS ids, the stop-string tables,
-    ``max_time``, and all state.
+    ``max_time``, the automaton's tables, and all state.
 
 Randomness: the token at new-token index ``i`` is drawn with ``fold_in(key, i)``, so the same key
 gives the same tokens however the loop is driven (jitted or not, streamed or not).

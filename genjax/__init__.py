@@ -19,14 +19,16 @@ mask`` (``tok(["def f():", "import os"])``, int32[2, 3], left-padded), ``config`
 
 The package is built in floors, each importing only the floors below it (``tests/test_layout.py``
 checks it): ``errors``/``typing``; ``config``, ``processors``, ``stopping``, ``cache``;
-``models``, ``decoding``, ``sharding``; ``io``, ``streaming``; ``generation``, ``serving``; and
-this face with ``cli``. The axis letters used in shapes are defined in :mod:`genjax.typing`.
+``models``, ``decoding``, ``sharding``; ``io``, ``streaming``, ``constraints``; ``generation``,
+``serving``; and this face with ``cli``. The axis letters used in shapes are defined in
+:mod:`genjax.typing`.
 """
 
 from genjax import (
     cache,
     checkpoints,
     config,
+    constraints,
     decoding,
     io,
     models,
@@ -70,6 +72,7 @@ __all__ = [
     "checkpoints",
     "compute_transition_scores",
     "config",
+    "constraints",
     "decoding",
     "disable_compile_cache",
     "enable_compile_cache",

@@ -27,6 +27,7 @@ FLOORS = {
     "sharding": 3,
     "io": 4,
     "streaming": 4,
+    "constraints": 4,
     "checkpoints": 4,  # the public name of io.checkpoints
     "tokenizer": 4,  # the public name of io.tokenizer
     "generation": 5,

@@ -49,9 +49,10 @@ Index bookkeeping, one prompt, ``M = 2`` beams, ``V = 5``, no EOS so ``K = 4``. 
 
 Static or traced:
     Static: ``M`` (``num_beams``), the buffer length ``S`` and ``N``, the processors, whether
-    continuations are sampled, ``early_stopping``, the number of EOS ids, the output flags.
+    continuations are sampled, ``early_stopping``, the number of EOS ids, the output flags,
+    whether a token automaton constrains the beams (:mod:`genjax.decoding.automaton`).
     Traced: ``length_penalty`` (scalar or per prompt ``[B]``), the EOS ids, the PRNG key, the
-    processor settings and all state.
+    processor settings, the automaton's tables and all state.
 
 The slots of a returned sequence after its end hold transformers v5's fill value
 (:func:`fill_token_id`): ``pad_token_id`` when it is set and not 0, else the first EOS id; -1 when
@@ -83,6 +84,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from genjax.cache import KVCache
+from genjax.decoding.automaton import TokenAutomaton, mask_scores
 from genjax.errors import UnsupportedError
 from genjax.processors import LogitsContext, Processor
 from genjax.stopping import StoppingRules, finished_rows, is_eos
@@ -116,6 +118,8 @@ class BeamState:
     key: Array  # key[]: the PRNG key of the whole call (beam sampling)
     scores: Array | None  # float32[B*M, N, V]: processed scores, when recorded
     raw_logits: Array | None  # float32[B*M, N, V]: raw logits, when recorded
+    # int32[B*M]: each running beam's token-automaton state, when rules.automaton is set
+    automaton_state: Array | None = None
 
     @property
     def num_beams(self) -> int:
@@ -145,6 +149,9 @@ class BeamRules:
     constrain: Callable[[BeamState], BeamState] | None = struct.field(
         pytree_node=False, default=None
     )
+    # Structured output (genjax.decoding.automaton): masks the log-probs before the processors;
+    # each beam's state follows its source beam. Its tables are traced. None: no constraint.
+    automaton: TokenAutomaton | None = None
 
     @property
     def num_eos(self) -> int:
@@ -344,6 +351,19 @@ def _still_improvable(state: BeamState, step: Array, rules: BeamRules) -> Array:
     return state.improvable & jnp.any(best_possible > worst, axis=-1)
 
 
+def _next_automaton_state(state, rules, source, token, keep) -> Array | None:
+    """int32[B*M]: the automaton states of the new running beams: each of the ``K``
+    continuations (source row ``source`` int32[B, K], ``token`` int32[B, K]) advances its source
+    beam's state (a refused token, scored -inf, keeps it), then the kept ones (``keep`` int32[B,
+    M]) are taken."""
+    if rules.automaton is None:
+        return state.automaton_state
+    before = state.automaton_state[source.reshape(-1)]
+    after = rules.automaton.advance(before, token.reshape(-1))
+    after = jnp.where(after >= 0, after, before).reshape(source.shape)
+    return _take(after, keep).reshape(-1).astype(jnp.int32)
+
+
 def advance(state: BeamState, logits: Array, rules: BeamRules) -> BeamState:
     """One beam step: scores the next tokens of every running beam and updates all beams.
 
@@ -373,6 +393,8 @@ def advance(state: BeamState, logits: Array, rules: BeamRules) -> BeamState:
     step = state.length - prompt_length
     log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     context = rules.context.replace(tokens=state.tokens, length=state.length)
+    if rules.automaton is not None:
+        log_probs = mask_scores(log_probs, rules.automaton, state.automaton_state)
     processed = rules.process(log_probs, context)  # float32[B*M, V]
     totals = processed.reshape(batch, num_beams, -1) + state.running_scores[:, :, None]
     picked, beam, token = _top_continuations(state, totals.reshape(batch, -1), rules, step)
@@ -401,6 +423,7 @@ def advance(state: BeamState, logits: Array, rules: BeamRules) -> BeamState:
         running_indices=_take(indices, keep),
         scores=_record(state.scores, processed, step),
         raw_logits=_record(state.raw_logits, logits, step),
+        automaton_state=_next_automaton_state(state, rules, source, token, keep),
     )
     new = _add_hypotheses(new, picked, tokens[:, :, prompt_length:], indices, hits, step, rules)
     new = new.replace(improvable=_still_improvable(new, step, rules))

@@ -23,9 +23,10 @@ Static or traced:
     loop earlier, traced), the processors in the chain,
     whether tokens are sampled, which outputs are recorded, which stopping rules are present
     (custom criteria, stop-string table shapes, the ``max_time`` clock), the ``on_token`` hook
-    (streaming; see :mod:`genjax.streaming`).
+    (streaming; see :mod:`genjax.streaming`), whether a token automaton constrains the output
+    and its table's format and shapes (:mod:`genjax.decoding.automaton`).
     Traced: the PRNG key, the processor settings, the pad and EOS ids, the stop-string tables,
-    ``max_time``, and all state.
+    ``max_time``, the automaton's tables, and all state.
 
 Randomness: the token at new-token index ``i`` is drawn with ``fold_in(key, i)``, so the same key
 gives the same tokens however the loop is driven (jitted or not, streamed or not).
@@ -40,6 +41,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from genjax.cache import KVCache
+from genjax.decoding.automaton import TokenAutomaton, advance_rows, mask_scores
 from genjax.processors import LogitsContext, Processor
 from genjax.processors.base import NEG_INF
 from genjax.processors.warpers import PREFIX
@@ -64,6 +66,8 @@ class DecodeState:
     key: Array  # key[]: the PRNG key of the whole call
     scores: Array | None  # float32[B, N, V]: processed scores, when recorded
     raw_logits: Array | None  # float32[B, N, V]: raw logits, when recorded
+    # int32[B]: each row's token-automaton state (structured output), when rules.automaton is set
+    automaton_state: Array | None = None
 
 
 @struct.dataclass
@@ -86,6 +90,9 @@ class DecodeRules:
     # int32[] (traced): the loop stops once `length` reaches it, so the number of new tokens
     # can change without compiling (genjax.cache.slots); None: at the end of the buffer.
     end: Array | None = None
+    # Structured output (genjax.decoding.automaton): masks the logits before the processors and
+    # advances `DecodeState.automaton_state`; its tables are traced. None: no constraint.
+    automaton: TokenAutomaton | None = None
 
     @property
     def eos_token_ids(self) -> Array | None:
@@ -175,9 +182,17 @@ def choose_next(state: DecodeState, logits: Array, rules: DecodeRules) -> Decode
         The state with one more token.
     """
     context = rules.context.replace(tokens=state.tokens, length=state.length)
-    scores = rules.process(logits.astype(jnp.float32), context)
+    scores = logits.astype(jnp.float32)
+    if rules.automaton is not None:  # before every processor and warper
+        scores = mask_scores(scores, rules.automaton, state.automaton_state)
+    scores = rules.process(scores, context)
     step = state.length - context.prompt_end
     tokens = rules.choose(scores, jax.random.fold_in(state.key, step))
+    automaton_state = state.automaton_state
+    if rules.automaton is not None:
+        tokens, automaton_state = advance_rows(
+            rules.automaton, automaton_state, tokens, ~state.finished
+        )
     if rules.eos_token_ids is not None:  # transformers pads finished rows only when EOS is set
         tokens = jnp.where(state.finished, jnp.asarray(rules.pad_token_id, jnp.int32), tokens)
     if rules.on_token is not None:
@@ -190,6 +205,7 @@ def choose_next(state: DecodeState, logits: Array, rules: DecodeRules) -> Decode
         finished=finished_rows(rules.stopping, state.finished, buffer, length, step),
         scores=_record(state.scores, scores, step),
         raw_logits=_record(state.raw_logits, logits, step),
+        automaton_state=automaton_state,
     )
 
 

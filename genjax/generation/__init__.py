@@ -7,6 +7,7 @@ stopping criteria, streaming, the output flags, the KV caches; frozen and hashab
 arrays the program traces. ``entry`` is :func:`generate` itself and its one jitted program,
 whose single static argument is the plan and whose three loops (sampling, beams, assisted) read
 it; ``inputs`` holds the host checks ``plan`` calls (arrays, lengths, layout, stop strings);
+``constrained`` turns ``constraint=`` into the device automaton (:mod:`genjax.constraints`);
 ``prefill`` the pieces every loop shares inside the program (the prompt pass, stopping state,
 special ids); ``outputs`` the output type and transition scores; ``buckets`` the prompt-length
 policies; ``compiling`` :func:`warmup` (it plans each call as ``generate`` does, then lowers
@@ -18,7 +19,7 @@ form. The call flow::
 
 Layer:
     Floor 5. May import every floor below (config, processors, stopping, cache, models,
-    decoding, sharding, streaming); nothing below imports it.
+    decoding, sharding, streaming, constraints); nothing below imports it.
 
 Static or traced:
     Static: the model, batch size, prompt bucket, ``max_new_tokens`` (traced with

@@ -107,6 +107,7 @@ def generate(
     assistant_model=None,
     assistant_params: PyTree = None,
     prompt_buckets=None,
+    constraint=None,
     **config_overrides,
 ) -> GenerateOutput:
     """Generates tokens after ``input_ids``: greedy, sampling, beam search or beam sampling,
@@ -177,6 +178,11 @@ def generate(
             for powers of two from 16, an int ``n`` for multiples of ``n``, a sequence of bucket
             lengths, or a ``genjax.buckets`` policy. With ``max_cache_len`` only its
             granularity counts (the prefill chunk).
+        constraint: structured output (:mod:`genjax.constraints`): a ``Constraint`` from
+            ``regex``, ``json_schema``, ``json_object`` or ``choice`` for every row, or a list
+            of one per input row. The automaton's tables are traced (patterns whose tables pad
+            to the same size share one program; its format and sizes are static). Greedy,
+            sampling and beams; not assisted generation.
         **config_overrides: generation config fields overriding ``config`` for this call.
 
     Returns:
@@ -217,6 +223,7 @@ def generate(
         assistant_model=assistant_model,
         assistant_params=assistant_params,
         prompt_buckets=prompt_buckets,
+        constraint=constraint,
         overrides=config_overrides,
     )
     call = prepare(model, params, input_ids, config, request)
@@ -358,6 +365,7 @@ def _generate_sampling(call: _Call) -> GenerateOutput:
         key=traced.key,
         scores=jnp.zeros(recorded) if plan.output_scores else None,
         raw_logits=jnp.zeros(recorded) if plan.output_logits else None,
+        automaton_state=None if traced.automaton is None else rows(traced.automaton.initial),
     )
     context = prompt_context(state.tokens, state.length, state.attention_mask, traced.offset)
     if plan.slots is not None:  # transformers' max_length = P + N, traced
@@ -371,6 +379,7 @@ def _generate_sampling(call: _Call) -> GenerateOutput:
         on_token=token_hook(traced.stream_id) if plan.streaming else None,
         constrain=call.constrain(),
         end=None if plan.slots is None else traced.bounds[1],
+        automaton=traced.automaton,
     )
     state = decode(plan.model.apply, call.params, state, rows(logits[:, -1]), rules)
     sequences = state.tokens
@@ -400,6 +409,9 @@ def _generate_beams(call: _Call) -> GenerateOutput:
         logits_shape=recorded if plan.output_logits else None,
         fill_token_id=beam.fill_token_id(call.pad_token_id, call.eos_token_ids),
     )
+    automaton = call.traced.automaton
+    if automaton is not None:
+        state = state.replace(automaton_state=jnp.repeat(automaton.initial, num_beams, axis=0))
     offset = call.traced.offset
     rules = beam.BeamRules(
         process=call.processors(),
@@ -410,6 +422,7 @@ def _generate_beams(call: _Call) -> GenerateOutput:
         eos_token_ids=call.eos_token_ids,
         stopping=call.stopping,
         constrain=call.constrain(),
+        automaton=automaton,
     )
     first_logits = jnp.repeat(logits[:, -1], num_beams, axis=0)
     state = beam.beam_search(plan.model.apply, call.params, state, first_logits, rules)

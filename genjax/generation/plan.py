@@ -55,6 +55,7 @@ from genjax.config import GenerationConfig
 from genjax.decoding import assisted, beam
 from genjax.errors import UnsupportedError
 from genjax.generation import buckets
+from genjax.generation.constrained import automaton_for
 from genjax.generation.inputs import (
     as_int32,
     call_layout,
@@ -114,6 +115,7 @@ class CallRequest:
     assistant_model: Any = None
     assistant_params: PyTree = None
     prompt_buckets: Any = None
+    constraint: Any = None  # genjax.constraints.Constraint, or a list of one per input row
     overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     @classmethod
@@ -171,6 +173,9 @@ class TracedInputs:
     assistant_params: PyTree  # the draft's params, or None
     logits_processor: tuple = ()  # the user's processors: pytrees, values traced, kinds static
     stream_id: Array | None = None  # int32[]: the registered streamer (plan.streaming)
+    # The structured-output automaton (genjax.constraints.tables; its format and shapes are in
+    # the treedef, its tables traced), or None.
+    automaton: Any = None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -269,6 +274,7 @@ def prepare(model, params: PyTree, input_ids, config, request: CallRequest) -> P
         stop_strings=stop_strings,
         assistant_params=request.assistant_params,
         logits_processor=as_processors(request.logits_processor),
+        automaton=automaton_for(request.constraint, mode, input_ids.shape[0], model, resolved),
     )
     return PreparedCall(
         plan, params, ids, mask, traced, input_ids, prompt_length, new_tokens, offset, policy

@@ -102,6 +102,21 @@ def stop_string_table(tokenizer: Any, stop_strings: str | Sequence[str]) -> Stop
     return table
 
 
+def token_texts(tokenizer: Any) -> tuple[dict[int, str | bytes], bool]:
+    """Each token id's text, read as :func:`stop_string_table` reads it (the text the token adds
+    when decoded after other text), for other vocabulary-level automata (structured output).
+
+    Returns:
+        ``(texts, as_bytes)``: token id -> text, and whether the texts are UTF-8 ``bytes`` (a
+        byte-level or byte-fallback vocabulary) rather than ``str``.
+
+    Example:
+        >>> texts, as_bytes = token_texts(tokenizer)  # doctest: +SKIP
+    """
+    source = _VocabSource.of(tokenizer)
+    return source.clean(source.vocab()), source.mode is not None
+
+
 # The last 8 tables, by vocabulary content and by tokenizer object (which the entry keeps alive).
 _BY_CONTENT: collections.OrderedDict[tuple, StopStringTable] = collections.OrderedDict()
 _BY_TOKENIZER: collections.OrderedDict[tuple, tuple] = collections.OrderedDict()

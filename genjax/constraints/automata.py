@@ -1,0 +1,320 @@
+"""Host side of structured output: a regex (or JSON schema, or list of choices) becomes a
+token-level automaton over a tokenizer's vocabulary, built by ``outlines-core``.
+
+The automaton is read out of ``outlines_core.Index`` once and kept as numpy arrays in CSR form
+(per state, its sorted allowed tokens and the state each leads to), with states renumbered so that
+the initial state is 0. :mod:`genjax.constraints.tables` turns one or more of them into the device
+table the decoding loops read.
+
+Caches (in memory, per process): the vocabulary read from a tokenizer (by tokenizer object and
+token count, then by content), and the last 32 automata by (regex, vocabulary content), so a
+pattern used again costs a dictionary lookup.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import json
+import re
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from genjax.errors import InputError, UnsupportedError
+from genjax.stopping.stop_strings import token_texts
+
+__all__ = ["Constraint", "choice", "grammar", "json_object", "json_schema", "regex"]
+
+_CACHE_SIZE = 32
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Constraint:
+    """A token automaton for one pattern over one vocabulary (host numpy arrays, CSR form).
+
+    From state ``s`` the allowed tokens are ``tokens[offsets[s]:offsets[s + 1]]`` (sorted) and
+    token ``tokens[i]`` leads to ``targets[i]``. State 0 is the initial state. The EOS id is
+    allowed exactly in the accepting states (``final``), where it leads back to the same state.
+
+    Build one with :func:`regex`, :func:`json_schema`, :func:`json_object` or :func:`choice`.
+    """
+
+    pattern: str  # the regex the automaton recognises
+    offsets: np.ndarray  # int32[n + 1]
+    tokens: np.ndarray  # int32[E]: allowed tokens, sorted within each state
+    targets: np.ndarray  # int32[E]: the state each allowed token leads to
+    final: np.ndarray  # bool[n]: accepting states
+    eos_token_id: int
+    vocab_size: int  # the tokenizer's token count: every id is below it
+    build_seconds: float  # time spent building this automaton (once; the cache returns it)
+
+    @property
+    def num_states(self) -> int:
+        """``n``, the number of states."""
+        return int(self.final.shape[0])
+
+    def next_states(self, vocab_size: int | None = None) -> np.ndarray:
+        """int32[n, V]: the dense transition table, -1 where a token is not allowed.
+
+        Example:
+            >>> c = genjax.constraints.choice(["yes", "no"], tok)  # doctest: +SKIP
+            >>> c.next_states().shape  # doctest: +SKIP
+            (9, 4096)
+        """
+        vocab = self.vocab_size if vocab_size is None else vocab_size
+        table = np.full((self.num_states, vocab), -1, np.int32)
+        rows = np.repeat(np.arange(self.num_states), np.diff(self.offsets))
+        table[rows, self.tokens] = self.targets
+        return table
+
+    def accepts(self, token_ids: Sequence[int]) -> bool:
+        """Whether the token sequence (EOS ids at the end are ignored) ends in an accepting
+        state. Host-side, for checks and tests."""
+        ids = list(token_ids)
+        while ids and ids[-1] == self.eos_token_id:
+            ids.pop()
+        state = 0
+        for token in ids:
+            start, stop = self.offsets[state], self.offsets[state + 1]
+            at = start + np.searchsorted(self.tokens[start:stop], token)
+            if at >= stop or self.tokens[at] != token:
+                return False
+            state = int(self.targets[at])
+        return bool(self.final[state])
+
+    def __repr__(self) -> str:
+        pattern = self.pattern if len(self.pattern) <= 60 else self.pattern[:57] + "..."
+        return (
+            f"Constraint({pattern!r}, states={self.num_states}, edges={self.tokens.shape[0]}, "
+            f"vocab_size={self.vocab_size})"
+        )
+
+
+def regex(pattern: str, tokenizer: Any, *, eos_token_id: int | None = None) -> Constraint:
+    """Outputs that match ``pattern`` in full (``re.fullmatch``), then EOS.
+
+    Args:
+        pattern: a regular expression (the dialect of ``outlines-core``: Rust ``regex``-like,
+            no look-around or back-references).
+        tokenizer: a transformers tokenizer, a ``tokenizers.Tokenizer`` or
+            :class:`genjax.tokenizer.Tokenizer`; byte-level vocabularies are matched on bytes.
+        eos_token_id: the EOS id allowed in accepting states; None reads the tokenizer's.
+
+    Raises:
+        InputError: a pattern the vocabulary cannot spell (nothing is admitted), an invalid
+            pattern, or no EOS id.
+
+    Example:
+        >>> c = genjax.constraints.regex(r"\\d{3}-\\d{4}", tok)  # doctest: +SKIP
+        >>> out = genjax.generate(model, params, ids, cfg, constraint=c)  # doctest: +SKIP
+    """
+    if not isinstance(pattern, str) or not pattern:
+        raise InputError(f"regex needs a non-empty pattern string; got {pattern!r}.")
+    vocabulary = _vocabulary(tokenizer, eos_token_id)
+    key = (pattern, vocabulary.fingerprint)
+    found = _AUTOMATA.get(key)
+    if found is not None:
+        _AUTOMATA.move_to_end(key)
+        return found
+    built = _build(pattern, vocabulary)
+    _AUTOMATA[key] = built
+    if len(_AUTOMATA) > _CACHE_SIZE:
+        _AUTOMATA.popitem(last=False)
+    return built
+
+
+def json_schema(
+    schema: Mapping[str, Any] | str,
+    tokenizer: Any,
+    *,
+    whitespace_pattern: str | None = None,
+    max_recursion_depth: int = 3,
+    eos_token_id: int | None = None,
+) -> Constraint:
+    """Outputs that are JSON documents valid under ``schema`` (through ``outlines-core``'s
+    schema-to-regex builder).
+
+    What the regex enforces is what ``outlines-core`` supports: types, ``properties`` and
+    ``required``, ``enum``/``const``, string ``minLength``/``maxLength``/``pattern``/``format``,
+    array ``minItems``/``maxItems``, ``anyOf``/``oneOf``/``allOf``, ``$ref`` up to
+    ``max_recursion_depth``. Numeric bounds (``minimum``, ``maximum``) are not enforced.
+
+    Args:
+        schema: a JSON schema as a dict or a JSON string.
+        tokenizer: as for :func:`regex`.
+        whitespace_pattern: the regex for whitespace between tokens; None: ``[ ]?``.
+        max_recursion_depth: how deep recursive ``$ref`` and nested free objects unfold.
+        eos_token_id: as for :func:`regex`.
+
+    Example:
+        >>> schema = {"type": "object", "properties": {"n": {"type": "integer"}}}
+        >>> c = genjax.constraints.json_schema(schema, tok)  # doctest: +SKIP
+    """
+    from outlines_core.json_schema import build_regex_from_schema
+
+    text = schema if isinstance(schema, str) else json.dumps(schema)
+    try:
+        pattern = build_regex_from_schema(text, whitespace_pattern, max_recursion_depth)
+    except (ValueError, TypeError) as error:
+        raise InputError(f"json_schema: cannot turn the schema into a regex: {error}") from error
+    return regex(pattern, tokenizer, eos_token_id=eos_token_id)
+
+
+def json_object(tokenizer: Any, *, max_recursion_depth: int = 1, **kwargs) -> Constraint:
+    """Any JSON object (``{"type": "object"}``), nested objects and arrays unfolded
+    ``max_recursion_depth`` levels deep (the automaton grows quickly with the depth).
+
+    Example:
+        >>> c = genjax.constraints.json_object(tok)  # doctest: +SKIP
+    """
+    return json_schema(
+        {"type": "object"}, tokenizer, max_recursion_depth=max_recursion_depth, **kwargs
+    )
+
+
+def choice(choices: Sequence[str], tokenizer: Any, **kwargs) -> Constraint:
+    """Outputs that are exactly one of ``choices`` (literal strings).
+
+    Example:
+        >>> c = genjax.constraints.choice(["yes", "no", "maybe"], tok)  # doctest: +SKIP
+    """
+    if isinstance(choices, str) or not choices or not all(isinstance(c, str) for c in choices):
+        raise InputError(
+            f"choice needs a non-empty list of strings, e.g. ['yes', 'no']; got {choices!r}."
+        )
+    return regex("(" + "|".join(re.escape(c) for c in choices) + ")", tokenizer, **kwargs)
+
+
+def grammar(*args, **kwargs) -> Constraint:
+    """Context-free grammars (Lark/EBNF) are not supported: a token automaton recognises regular
+    languages only. Always raises UnsupportedError.
+
+    Example:
+        >>> grammar("start: 'a'")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        genjax.errors.UnsupportedError: context-free grammars are not supported ...
+    """
+    raise UnsupportedError(
+        "context-free grammars are not supported by genjax.constraints: the device automaton "
+        "recognises regular languages. Use regex() or json_schema() (recursive schemas unfold "
+        "to max_recursion_depth)."
+    )
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Vocabulary:
+    index: Any  # outlines_core.Vocabulary
+    fingerprint: str  # hash of the token texts, the EOS id and the excluded ids
+    eos_token_id: int
+    size: int  # ids are below it
+
+
+def _vocabulary(tokenizer: Any, eos_token_id: int | None) -> _Vocabulary:
+    """The ``outlines_core.Vocabulary`` of ``tokenizer`` (cached by object, then by content)."""
+    eos = eos_token_id if eos_token_id is not None else getattr(tokenizer, "eos_token_id", None)
+    if eos is None or isinstance(eos, bool) or not isinstance(eos, int | np.integer) or eos < 0:
+        raise InputError(
+            f"a constraint needs the EOS id it allows in accepting states, but the tokenizer has "
+            f"none ({eos!r}); pass eos_token_id=."
+        )
+    quick = (id(tokenizer), int(eos))
+    seen = _BY_TOKENIZER.get(quick)
+    if seen is not None and seen[0] is tokenizer:
+        return seen[1]
+    from outlines_core import Vocabulary
+
+    texts, _ = token_texts(tokenizer)
+    skip = _special_ids(tokenizer) | {int(eos)}
+    spelled: dict[Any, list[int]] = {}
+    for index, text in sorted(texts.items()):
+        if index not in skip and text:
+            spelled.setdefault(text, []).append(int(index))
+    digest = hashlib.sha256(repr((sorted(spelled.items()), int(eos))).encode()).hexdigest()
+    vocabulary = _Vocabulary(
+        index=Vocabulary(int(eos), spelled),
+        fingerprint=digest,
+        eos_token_id=int(eos),
+        size=max([*texts, int(eos)]) + 1,
+    )
+    _BY_TOKENIZER[quick] = (tokenizer, vocabulary)
+    if len(_BY_TOKENIZER) > 8:
+        _BY_TOKENIZER.popitem(last=False)
+    return vocabulary
+
+
+def _special_ids(tokenizer: Any) -> set[int]:
+    """Ids of special (added) tokens, which no pattern may spell."""
+    ids = {int(i) for i in (getattr(tokenizer, "all_special_ids", None) or [])}
+    for backend in (tokenizer, getattr(tokenizer, "backend_tokenizer", None)):
+        added = getattr(backend, "get_added_tokens_decoder", None)
+        if callable(added):
+            ids |= {int(i) for i, token in added().items() if getattr(token, "special", False)}
+    return ids
+
+
+def _build(pattern: str, vocabulary: _Vocabulary) -> Constraint:
+    """Builds the outlines-core index of ``pattern`` and reads it out in CSR form."""
+    from outlines_core import Index
+
+    start = time.perf_counter()
+    try:
+        index = Index(pattern, vocabulary.index)
+    except ValueError as error:
+        raise InputError(
+            f"the constraint's pattern admits no output over this vocabulary (or is invalid): "
+            f"{error}"
+        ) from error
+    transitions = index.get_transitions()
+    initial = index.get_initial_state()
+    order = [initial, *sorted(s for s in _states(transitions) if s != initial)]
+    number = {state: i for i, state in enumerate(order)}
+    counts, tokens, targets = [], [], []
+    for state in order:
+        edges = sorted(transitions.get(state, {}).items())
+        counts.append(len(edges))
+        tokens.extend(token for token, _ in edges)
+        targets.extend(number[target] for _, target in edges)
+    final = np.zeros(len(order), bool)
+    final[[number[s] for s in index.get_final_states() if s in number]] = True
+    constraint = Constraint(
+        pattern=pattern,
+        offsets=np.concatenate([[0], np.cumsum(counts)]).astype(np.int32),
+        tokens=np.asarray(tokens, np.int32),
+        targets=np.asarray(targets, np.int32),
+        final=final,
+        eos_token_id=vocabulary.eos_token_id,
+        vocab_size=vocabulary.size,
+        build_seconds=time.perf_counter() - start,
+    )
+    _check_admits_something(constraint)
+    return constraint
+
+
+def _states(transitions: Mapping[int, Mapping[int, int]]) -> set[int]:
+    return set(transitions) | {t for edges in transitions.values() for t in edges.values()}
+
+
+def _check_admits_something(constraint: Constraint) -> None:
+    """Raises InputError when no accepting state can be reached from the initial state."""
+    seen, todo = {0}, [0]
+    while todo:
+        state = todo.pop()
+        if constraint.final[state]:
+            return
+        for target in constraint.targets[constraint.offsets[state] : constraint.offsets[state + 1]]:
+            if int(target) not in seen:
+                seen.add(int(target))
+                todo.append(int(target))
+    raise InputError(
+        f"the constraint {constraint.pattern!r} admits no complete output over this vocabulary: "
+        f"no accepting state is reachable. Check the pattern against the tokenizer."
+    )
+
+
+_AUTOMATA: collections.OrderedDict[tuple, Constraint] = collections.OrderedDict()
+_BY_TOKENIZER: collections.OrderedDict[tuple, tuple] = collections.OrderedDict()

@@ -14,7 +14,8 @@ Policy:
 * When blocks run out, the newest running request is preempted: its blocks are freed, its slot
   released, and it goes back to the front of the queue; readmitted, it prefills its prompt and
   the tokens it already generated (recomputation, as vLLM's default preemption) and continues.
-* A finished request (EOS, ``max_new_tokens``, a stop string) frees its slot and blocks at once.
+* A finished request (EOS, ``max_new_tokens``, a stop string) frees its slot and blocks at once,
+  before its final output is published.
 """
 
 from __future__ import annotations

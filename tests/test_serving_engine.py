@@ -11,6 +11,7 @@ final output is published. Timeouts only bound a broken run.
 """
 
 import contextlib
+import dataclasses
 import functools
 import tempfile
 import threading
@@ -25,6 +26,7 @@ from genjax import GenerationConfig
 from genjax.cache import KVCache, PagedKVCache, attention_bias
 from genjax.errors import GenerationConfigError, InputError, UnsupportedError
 from genjax.serving import (
+    BlockAllocator,
     ContinuousBatchingConfig,
     RequestStatus,
     RowSettings,
@@ -33,6 +35,7 @@ from genjax.serving import (
     init_continuous_batching,
     init_state,
 )
+from genjax.serving.blocks import block_hashes
 from genjax.testing import write_random_checkpoint
 
 pytestmark = pytest.mark.usefixtures("fast_compiles")
@@ -154,6 +157,26 @@ def test_paged_cache_runs_the_model_like_the_contiguous_cache():
     assert isinstance(dense, KVCache)
 
 
+# ---- the block allocator --------------------------------------------------------------------
+def test_block_allocator_shares_counts_and_evicts_a_prefix_tail_first():
+    allocator = BlockAllocator(5)  # blocks 1..4
+    h0, h1, h2 = block_hashes(list(range(12)), block_size=4)
+    a = allocator.allocate(2)
+    allocator.register(a[0], h0)
+    allocator.register(a[1], h1)
+    b = allocator.match([h0, h1, h2])  # the longest known run
+    assert b == a and allocator.refcount(a[0]) == 2 and allocator.num_used == 2
+    allocator.free(a)
+    assert allocator.refcount(a[0]) == 1 and allocator.num_used == 2
+    allocator.free(b)
+    assert allocator.num_used == 0 and allocator.num_cached == 2 and allocator.num_free == 4
+    # Never-used blocks go first, then the least recently freed: the prefix's tail.
+    c = allocator.allocate(3)
+    assert c[:2] == [3, 4] and c[2] == a[1] and allocator.num_cached == 1
+    assert allocator.match([h0, h1]) == [a[0]]  # h1 was forgotten with its block
+    assert allocator.allocate(1) is None and allocator.num_used == 4
+
+
 # ---- the step alone -------------------------------------------------------------------------
 def test_step_alone_prefills_chooses_and_decodes_a_hand_checked_request():
     model, params = _model()
@@ -178,6 +201,7 @@ def test_step_alone_prefills_chooses_and_decodes_a_hand_checked_request():
         prompt_length=np.asarray(3, np.int32),
         row=row,
         admit=np.asarray(True),
+        history=np.zeros((shape.max_length,), np.int32),
     )
     state, out = step(params, state, work)
     want = _reference(tuple(prompt))
@@ -353,6 +377,36 @@ def test_pause_holds_every_step_while_params_are_replaced(manager):
     want = _greedy_from(new, prompt[:-1], new, prompt[-1], 8)
     assert out.generated_tokens == want
     assert want != _reference(tuple(prompt))[:8]
+
+
+def test_prefix_caching_shares_full_blocks_and_prefills_only_the_suffix():
+    model, params = _model()
+    prefix = _prompt(100, 17)  # blocks 0-3 (16 tokens) are shared; block 4 differs
+    prompts = [prefix + _prompt(101, 3), prefix + _prompt(102, 5)]
+    runs = {}
+    for caching in (True, False):
+        cb = dataclasses.replace(CB, prefix_caching=caching)
+        m = init_continuous_batching(model, params, GenerationConfig(pad_token_id=0), cb)
+        m.start()
+        try:
+            with m.pause():  # both queued before the first step: A prefills, then B is admitted
+                ids = m.add_requests(prompts, max_new_tokens=5)  # 6 + 7 blocks: no preemption
+            runs[caching] = ([m.get_result(i, timeout=300) for i in ids], m.metrics())
+        finally:
+            m.stop(block=True, timeout=60)
+    (cached, metrics), (plain, plain_metrics) = runs[True], runs[False]
+    for prompt, a, b in zip(prompts, cached, plain, strict=True):
+        assert a.generated_tokens == b.generated_tokens == _reference(tuple(prompt))[:5]
+    # B (22 tokens) found A's first 4 blocks and prefilled only its last 6 tokens.
+    assert plain_metrics["prefill_tokens"] == 20 + 22
+    assert metrics["prefill_tokens"] == 20 + 6
+    assert metrics["prefix_cache_hit_tokens"] == 16 and metrics["prefix_cache_query_tokens"] == 42
+    assert metrics["prefix_cache_hit_rate"] == pytest.approx(16 / 42)
+    assert plain_metrics["prefix_cache_hit_rate"] == 0.0
+    # Nothing is referenced at the end; A's 5 and B's own fifth prompt block stay cached.
+    assert metrics["blocks_in_use"] == 0 and metrics["blocks_cached"] == 6
+    assert metrics["blocks_free"] == CB.num_blocks - 1
+    assert plain_metrics["blocks_in_use"] == 0 and plain_metrics["blocks_cached"] == 0
 
 
 def test_stop_strings_end_the_request_and_trim_what_follows(manager):

@@ -67,6 +67,7 @@ class ContinuousBatchingConfig:
         prefill_chunk_size: ``C``, prompt tokens prefilled per step.
         max_decode_steps: ``K``, decode steps per host round trip when nothing waits.
         max_eos_tokens: the most EOS ids per request.
+        prefix_caching: share the cache blocks of equal prompt prefixes (full blocks only).
         poll_interval: the longest single wait of the loop and of callers (each is woken by the
             event it waits for; this only bounds it).
     """
@@ -78,6 +79,7 @@ class ContinuousBatchingConfig:
     prefill_chunk_size: int = 32
     max_decode_steps: int = 8
     max_eos_tokens: int = 4
+    prefix_caching: bool = True
     poll_interval: float = 0.05
 
     def engine_shape(self) -> EngineShape:
@@ -153,7 +155,7 @@ class ContinuousBatchingManager:
         self.shape = self.cb_config.engine_shape()
         self._step = compile_step(model, self.shape.max_steps)
         self._state = None
-        self._scheduler = Scheduler(self.shape, tokenizer)
+        self._scheduler = Scheduler(self.shape, tokenizer, self.cb_config.prefix_caching)
         self._inbox: queue.Queue = queue.Queue()  # ("add", request) or ("cancel", request_id)
         # Guards what callers read: outputs, finals, the metrics snapshot, `_ended`. Reentrant:
         # a result handler (loop thread) may call back into the manager.
@@ -368,8 +370,11 @@ class ContinuousBatchingManager:
         """A snapshot, taken between steps (before their outputs are published).
 
         Keys: ``running``, ``waiting`` (requests); ``blocks_in_use`` (held by requests),
-        ``blocks_free``; ``steps``, ``tokens`` (generated), ``preemptions``, ``step_seconds``
-        (device calls).
+        ``blocks_free`` (held by none, cached ones included), ``blocks_cached`` (held by none
+        but naming a prefix); ``prefill_tokens`` (run through prefill), ``prefix_cache_hit_rate``
+        (of the tokens admitted requests looked up, the share found cached) with
+        ``prefix_cache_hit_tokens`` and ``prefix_cache_query_tokens``; ``steps``, ``tokens``
+        (generated), ``preemptions``, ``step_seconds`` (device calls).
         """
         with self._cond:
             return copy.deepcopy(self._snapshot)
@@ -377,14 +382,21 @@ class ContinuousBatchingManager:
     # ---- the loop -----------------------------------------------------------------------
     def _refresh(self) -> None:
         """Takes the metrics snapshot (loop thread, or before the loop starts)."""
-        scheduler = self._scheduler
+        scheduler, counters = self._scheduler, self._counters
+        allocator = scheduler.allocator
+        queried = scheduler.prefix_query_tokens
         snapshot = {
-            **self._counters,
+            **counters,
             "running": len(scheduler.running),
             "waiting": len(scheduler.waiting),
             "preemptions": scheduler.num_preemptions,
-            "blocks_in_use": scheduler.allocator.num_used,
-            "blocks_free": scheduler.allocator.num_free,
+            "blocks_in_use": allocator.num_used,
+            "blocks_free": allocator.num_free,
+            "blocks_cached": allocator.num_cached,
+            "prefill_tokens": scheduler.prefill_tokens,
+            "prefix_cache_hit_tokens": scheduler.prefix_hit_tokens,
+            "prefix_cache_query_tokens": queried,
+            "prefix_cache_hit_rate": scheduler.prefix_hit_tokens / queried if queried else 0.0,
         }
         with self._cond:
             self._snapshot = snapshot

@@ -409,6 +409,30 @@ def test_prefix_caching_shares_full_blocks_and_prefills_only_the_suffix():
     assert plain_metrics["blocks_in_use"] == 0 and plain_metrics["blocks_cached"] == 0
 
 
+def test_metrics_count_requests_tokens_and_latencies():
+    model, params = _model()
+    m = init_continuous_batching(model, params, GenerationConfig(pad_token_id=0), CB)
+    m.start()
+    try:
+        with m.pause():
+            ids = m.add_requests([_prompt(110 + i, 6) for i in range(4)], max_new_tokens=5)
+            waiting = m.metrics()
+        outs = [m.get_result(i, timeout=300) for i in ids]
+        metrics = m.metrics()
+    finally:
+        m.stop(block=True, timeout=60)
+    assert waiting["running"] == 0 and waiting["tokens"] == 0
+    assert metrics["running"] == metrics["waiting"] == 0
+    assert metrics["tokens"] == sum(len(o.generated_tokens) for o in outs) == 20
+    assert metrics["tokens_per_second"] > 0 and metrics["busy_seconds"] > 0
+    ttft, itl = metrics["ttft_seconds"], metrics["itl_seconds"]
+    assert ttft["count"] == 4 and sum(ttft["counts"]) == 4
+    assert len(ttft["counts"]) == len(ttft["edges"]) + 1
+    assert itl["count"] == 4 * 4 and itl["sum"] >= 0
+    first = [o.timestamps[0] - o.created_time for o in outs]
+    assert ttft["sum"] == pytest.approx(sum(first), abs=1e-6)
+
+
 def test_stop_strings_end_the_request_and_trim_what_follows(manager):
     prompt = _prompt(40, 6)
     want = _reference(tuple(prompt))

@@ -40,6 +40,7 @@ import jax
 from genjax.config import GenerationConfig
 from genjax.errors import InputError
 from genjax.serving.engine import EngineShape, compile_step, init_state
+from genjax.serving.metrics import ITL_EDGES, TTFT_EDGES, Histogram
 from genjax.serving.options import build_request
 from genjax.serving.scheduler import RequestState, RequestStatus, Scheduler
 
@@ -171,7 +172,9 @@ class ContinuousBatchingManager:
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._ids = itertools.count()
-        self._counters = {"steps": 0, "tokens": 0, "step_seconds": 0.0}
+        self._counters = {"steps": 0, "tokens": 0, "step_seconds": 0.0, "busy_seconds": 0.0}
+        self._ttft = Histogram(TTFT_EDGES)
+        self._itl = Histogram(ITL_EDGES)
         self._snapshot: dict[str, Any] = {}
         self._refresh()
 
@@ -374,7 +377,9 @@ class ContinuousBatchingManager:
         but naming a prefix); ``prefill_tokens`` (run through prefill), ``prefix_cache_hit_rate``
         (of the tokens admitted requests looked up, the share found cached) with
         ``prefix_cache_hit_tokens`` and ``prefix_cache_query_tokens``; ``steps``, ``tokens``
-        (generated), ``preemptions``, ``step_seconds`` (device calls).
+        (generated), ``preemptions``, ``step_seconds`` (device calls), ``busy_seconds`` (wall
+        time of steps), ``tokens_per_second`` (tokens / busy_seconds); ``ttft_seconds`` and
+        ``itl_seconds``: histograms (:class:`~genjax.serving.metrics.Histogram` snapshots).
         """
         with self._cond:
             return copy.deepcopy(self._snapshot)
@@ -385,6 +390,7 @@ class ContinuousBatchingManager:
         scheduler, counters = self._scheduler, self._counters
         allocator = scheduler.allocator
         queried = scheduler.prefix_query_tokens
+        busy = counters["busy_seconds"]
         snapshot = {
             **counters,
             "running": len(scheduler.running),
@@ -397,9 +403,21 @@ class ContinuousBatchingManager:
             "prefix_cache_hit_tokens": scheduler.prefix_hit_tokens,
             "prefix_cache_query_tokens": queried,
             "prefix_cache_hit_rate": scheduler.prefix_hit_tokens / queried if queried else 0.0,
+            "tokens_per_second": counters["tokens"] / busy if busy > 0 else 0.0,
+            "ttft_seconds": self._ttft.snapshot(),
+            "itl_seconds": self._itl.snapshot(),
         }
         with self._cond:
             self._snapshot = snapshot
+
+    def _record_latencies(self, request: RequestState, count: int) -> None:
+        """Feeds the histograms with the timestamps of the request's ``count`` new tokens."""
+        stamps = request.timestamps
+        new = len(stamps) - count
+        if count and new == 0:
+            self._ttft.add(stamps[0] - request.created_time)
+        for i in range(max(new, 1), len(stamps)):
+            self._itl.add(stamps[i] - stamps[i - 1])
 
     def _publish(self, request: RequestState, final: bool) -> None:
         output = _output(request)
@@ -452,16 +470,19 @@ class ContinuousBatchingManager:
                 self._gate.notify_all()
 
     def _run_step(self, scheduler: Scheduler) -> None:
+        begin = time.perf_counter()
         work = scheduler.plan()
         if work is None:
             return
-        begin = time.perf_counter()
         self._state, out = self._step(self.params, self._state, work)
         out = jax.device_get(out)
         self._counters["step_seconds"] += time.perf_counter() - begin
         self._counters["steps"] += 1
         updates = scheduler.absorb(out)
-        self._counters["tokens"] += sum(count for _, count in updates)
+        for request, count in updates:
+            self._counters["tokens"] += count
+            self._record_latencies(request, count)
+        self._counters["busy_seconds"] += time.perf_counter() - begin
         self._refresh()  # blocks of finished requests are already free
         for request, count in updates:
             if request.done:

@@ -3,12 +3,18 @@
 One two-layer random Llama; one engine shape (3 slots, blocks of 4, 48 tokens per request), so
 the step compiles once for the file. Greedy requests through the engine must equal
 ``genjax.generate`` of each request alone, token for token.
+
+No test waits on the clock or on thread timing: arrivals that must land mid-request are made by a
+result handler (it runs in the loop thread between steps), cancellations likewise, several
+requests arrive together under ``pause()``, and the scheduler frees a request's blocks before its
+final output is published. Timeouts only bound a broken run.
 """
 
 import contextlib
+import dataclasses
 import functools
 import tempfile
-import time
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +26,7 @@ from genjax import GenerationConfig
 from genjax.cache import KVCache, PagedKVCache, attention_bias
 from genjax.errors import GenerationConfigError, InputError, UnsupportedError
 from genjax.serving import (
+    BlockAllocator,
     ContinuousBatchingConfig,
     RequestStatus,
     RowSettings,
@@ -28,6 +35,7 @@ from genjax.serving import (
     init_continuous_batching,
     init_state,
 )
+from genjax.serving.blocks import block_hashes
 from genjax.testing import write_random_checkpoint
 
 pytestmark = pytest.mark.usefixtures("fast_compiles")
@@ -149,6 +157,26 @@ def test_paged_cache_runs_the_model_like_the_contiguous_cache():
     assert isinstance(dense, KVCache)
 
 
+# ---- the block allocator --------------------------------------------------------------------
+def test_block_allocator_shares_counts_and_evicts_a_prefix_tail_first():
+    allocator = BlockAllocator(5)  # blocks 1..4
+    h0, h1, h2 = block_hashes(list(range(12)), block_size=4)
+    a = allocator.allocate(2)
+    allocator.register(a[0], h0)
+    allocator.register(a[1], h1)
+    b = allocator.match([h0, h1, h2])  # the longest known run
+    assert b == a and allocator.refcount(a[0]) == 2 and allocator.num_used == 2
+    allocator.free(a)
+    assert allocator.refcount(a[0]) == 1 and allocator.num_used == 2
+    allocator.free(b)
+    assert allocator.num_used == 0 and allocator.num_cached == 2 and allocator.num_free == 4
+    # Never-used blocks go first, then the least recently freed: the prefix's tail.
+    c = allocator.allocate(3)
+    assert c[:2] == [3, 4] and c[2] == a[1] and allocator.num_cached == 1
+    assert allocator.match([h0, h1]) == [a[0]]  # h1 was forgotten with its block
+    assert allocator.allocate(1) is None and allocator.num_used == 4
+
+
 # ---- the step alone -------------------------------------------------------------------------
 def test_step_alone_prefills_chooses_and_decodes_a_hand_checked_request():
     model, params = _model()
@@ -173,6 +201,7 @@ def test_step_alone_prefills_chooses_and_decodes_a_hand_checked_request():
         prompt_length=np.asarray(3, np.int32),
         row=row,
         admit=np.asarray(True),
+        history=np.zeros((shape.max_length,), np.int32),
     )
     state, out = step(params, state, work)
     want = _reference(tuple(prompt))
@@ -193,11 +222,15 @@ def test_step_alone_prefills_chooses_and_decodes_a_hand_checked_request():
 
 
 # ---- the manager ----------------------------------------------------------------------------
-def _wait(predicate, timeout=120.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
+def _bounded(call, timeout=120.0):
+    """Runs ``call()`` in a helper thread and returns its result; fails (rather than hangs)
+    when it has not returned within ``timeout`` seconds."""
+    result = []
+    thread = threading.Thread(target=lambda: result.append(call()), daemon=True)
+    thread.start()
+    thread.join(timeout)
+    assert not thread.is_alive(), f"{call} did not return"
+    return result[0]
 
 
 def test_engine_greedy_equals_generate_alone_across_a_mixed_workload(manager):
@@ -213,12 +246,18 @@ def test_engine_greedy_equals_generate_alone_across_a_mixed_workload(manager):
         dict(max_new_tokens=9),
         dict(max_new_tokens=12, repetition_penalty=1.3),
     ]
-    rid = manager.add_request(prompts[0], streaming=True, **specs[0])
-    ids = [rid]
-    # Arrivals while the first request decodes.
-    next(manager.request_id_iter(rid, timeout=120))
-    ids += [manager.add_request(p, **s) for p, s in zip(prompts[1:], specs[1:], strict=True)]
-    outputs = [manager.get_result(i, timeout=300) for i in ids]
+    ids = ["mixed-0"]
+
+    def arrive_while_the_first_decodes(out):
+        if out.request_id == "mixed-0" and len(ids) == 1 and not out.is_finished():
+            pairs = zip(prompts[1:], specs[1:], strict=True)
+            ids.extend(manager.add_request(p, **s) for p, s in pairs)
+
+    manager.register_result_handler(arrive_while_the_first_decodes)
+    manager.add_request(prompts[0], request_id="mixed-0", streaming=True, **specs[0])
+    first_out = manager.get_result("mixed-0", timeout=300)
+    assert len(ids) == 7, "the handler did not add the other requests"
+    outputs = [first_out] + [manager.get_result(i, timeout=300) for i in ids[1:]]
     for prompt, spec, out in zip(prompts, specs, outputs, strict=True):
         eos_ids = tuple(spec.get("eos_token_id", ())) or None
         want = _reference(
@@ -229,19 +268,169 @@ def test_engine_greedy_equals_generate_alone_across_a_mixed_workload(manager):
         assert out.finish_reason == ("stop" if eos_ids and want[-1] in eos_ids else "length")
         assert out.prompt_ids == prompt and len(out.timestamps) == len(want)
     assert outputs[2].finish_reason == "stop" and len(outputs[2].generated_tokens) == 4
-    assert manager.metrics()["preemptions"] > 0  # 13 usable blocks for 7 requests of ~20
-    _wait(lambda: manager.metrics()["blocks_in_use"] == 0)
+    metrics = manager.metrics()
+    assert metrics["preemptions"] > 0  # 13 usable blocks for 7 requests of ~20
+    assert metrics["blocks_in_use"] == 0  # freed before the last final output was published
 
 
-def test_cancel_ends_with_cancelled_and_frees_every_block(manager):
-    rid = manager.add_request(_prompt(30, 4), max_new_tokens=44, streaming=True)
-    assert next(manager.request_id_iter(rid, timeout=120)).generated_tokens
-    manager.cancel_request(rid)
-    out = manager.get_result(rid, timeout=60)
+def test_cancel_from_a_handler_ends_before_the_next_step_and_frees_every_block(manager):
+    prompt = _prompt(30, 4)
+    seen = []
+
+    def cancel_at_three_tokens(out):
+        if out.request_id == "cancel-me" and not seen and len(out.generated_tokens) >= 3:
+            seen.append(out.generated_tokens)
+            manager.cancel_request("cancel-me")
+
+    manager.register_result_handler(cancel_at_three_tokens)
+    manager.add_request(prompt, request_id="cancel-me", max_new_tokens=44, streaming=True)
+    out = manager.get_result("cancel-me", timeout=300)
     assert out.status is RequestStatus.CANCELLED and out.finish_reason == "cancelled"
-    assert 0 < len(out.generated_tokens) < 44, out
-    assert list(manager.request_id_iter(rid, timeout=5))[-1].is_finished()
-    _wait(lambda: manager.metrics()["blocks_in_use"] == 0)
+    # No step ran between the handler's cancel and its processing.
+    assert out.generated_tokens == seen[0]
+    assert seen[0] == _reference(tuple(prompt))[: len(seen[0])]
+    assert list(manager.request_id_iter("cancel-me", timeout=60))[-1] == out
+    assert manager.metrics()["blocks_in_use"] == 0
+
+
+def test_cancel_of_a_queued_request_ends_it_with_no_tokens(manager):
+    with manager.pause():
+        rid = manager.add_request(_prompt(31, 5), max_new_tokens=8)
+        manager.cancel_request(rid)
+        manager.cancel_request("no-such-request")  # ignored
+    out = manager.get_result(rid, timeout=300)
+    assert out.status is RequestStatus.CANCELLED and out.generated_tokens == []
+    assert manager.get_result("no-such-request", timeout=300) is None  # at once: unknown id
+    assert list(manager.request_id_iter("no-such-request", timeout=300)) == []
+
+
+@functools.cache
+def _other_params():
+    _, params = _model()
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(9), len(leaves))
+    noisy = [
+        x + 0.05 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys, strict=True)
+    ]
+    return jax.tree.unflatten(tree, noisy)
+
+
+def _greedy_from(prefix_params, prefix, params, last, count):
+    """Greedy tokens after feeding ``last``, the cache holding ``prefix`` computed with
+    ``prefix_params`` and every later token with ``params`` (a contiguous cache, no engine)."""
+    model, _ = _model()
+    cache = model.init_cache(1, CB.max_length)
+    mask = jnp.ones((1, CB.max_length), jnp.int32)
+    positions = jnp.arange(len(prefix), dtype=jnp.int32)[None]
+    _, cache = model.apply(prefix_params, jnp.asarray([prefix], jnp.int32), positions, cache, mask)
+    out, token = [], last
+    for position in range(len(prefix), len(prefix) + count):
+        feed = (jnp.asarray([[token]], jnp.int32), jnp.asarray([[position]], jnp.int32))
+        logits, cache = model.apply(params, *feed, cache, mask)
+        token = int(jnp.argmax(logits[0, -1]))
+        out.append(token)
+    return out
+
+
+def test_params_replaced_under_pause_in_a_handler_drive_the_next_steps(manager):
+    _, params = _model()
+    new = _other_params()
+    prompt = _prompt(90, 6)
+    seen = []
+
+    def swap_at_three_tokens(out):
+        if out.request_id == "swap" and not seen and len(out.generated_tokens) >= 3:
+            seen.append(out.generated_tokens)
+            with manager.pause():
+                manager.params = new
+
+    manager.register_result_handler(swap_at_three_tokens)
+    try:
+        manager.add_request(prompt, request_id="swap", max_new_tokens=12, streaming=True)
+        out = manager.get_result("swap", timeout=300)
+    finally:
+        with manager.pause():
+            manager.params = params
+    k = len(seen[0])
+    old = _reference(tuple(prompt))
+    assert out.generated_tokens[:k] == old[:k] == seen[0]
+    # The tokens fed before the swap (prompt and seen[:-1]) stay in the cache as computed.
+    later = _greedy_from(params, prompt + seen[0][:-1], new, seen[0][-1], 12 - k)
+    assert out.generated_tokens[k:] == later
+    assert later != old[k:]  # the new params show
+
+
+def test_pause_holds_every_step_while_params_are_replaced(manager):
+    _, params = _model()
+    new = _other_params()
+    prompt = _prompt(91, 7)
+    with manager.pause():
+        steps = manager.metrics()["steps"]
+        manager.params = new
+        rid = manager.add_request(prompt, max_new_tokens=8, streaming=True)
+        assert manager.metrics()["steps"] == steps
+    try:
+        out = manager.get_result(rid, timeout=300)
+    finally:
+        with manager.pause():
+            manager.params = params
+    want = _greedy_from(new, prompt[:-1], new, prompt[-1], 8)
+    assert out.generated_tokens == want
+    assert want != _reference(tuple(prompt))[:8]
+
+
+def test_prefix_caching_shares_full_blocks_and_prefills_only_the_suffix():
+    model, params = _model()
+    prefix = _prompt(100, 17)  # blocks 0-3 (16 tokens) are shared; block 4 differs
+    prompts = [prefix + _prompt(101, 3), prefix + _prompt(102, 5)]
+    runs = {}
+    for caching in (True, False):
+        cb = dataclasses.replace(CB, prefix_caching=caching)
+        m = init_continuous_batching(model, params, GenerationConfig(pad_token_id=0), cb)
+        m.start()
+        try:
+            with m.pause():  # both queued before the first step: A prefills, then B is admitted
+                ids = m.add_requests(prompts, max_new_tokens=5)  # 6 + 7 blocks: no preemption
+            runs[caching] = ([m.get_result(i, timeout=300) for i in ids], m.metrics())
+        finally:
+            m.stop(block=True, timeout=60)
+    (cached, metrics), (plain, plain_metrics) = runs[True], runs[False]
+    for prompt, a, b in zip(prompts, cached, plain, strict=True):
+        assert a.generated_tokens == b.generated_tokens == _reference(tuple(prompt))[:5]
+    # B (22 tokens) found A's first 4 blocks and prefilled only its last 6 tokens.
+    assert plain_metrics["prefill_tokens"] == 20 + 22
+    assert metrics["prefill_tokens"] == 20 + 6
+    assert metrics["prefix_cache_hit_tokens"] == 16 and metrics["prefix_cache_query_tokens"] == 42
+    assert metrics["prefix_cache_hit_rate"] == pytest.approx(16 / 42)
+    assert plain_metrics["prefix_cache_hit_rate"] == 0.0
+    # Nothing is referenced at the end; A's 5 and B's own fifth prompt block stay cached.
+    assert metrics["blocks_in_use"] == 0 and metrics["blocks_cached"] == 6
+    assert metrics["blocks_free"] == CB.num_blocks - 1
+    assert plain_metrics["blocks_in_use"] == 0 and plain_metrics["blocks_cached"] == 0
+
+
+def test_metrics_count_requests_tokens_and_latencies():
+    model, params = _model()
+    m = init_continuous_batching(model, params, GenerationConfig(pad_token_id=0), CB)
+    m.start()
+    try:
+        with m.pause():
+            ids = m.add_requests([_prompt(110 + i, 6) for i in range(4)], max_new_tokens=5)
+            waiting = m.metrics()
+        outs = [m.get_result(i, timeout=300) for i in ids]
+        metrics = m.metrics()
+    finally:
+        m.stop(block=True, timeout=60)
+    assert waiting["running"] == 0 and waiting["tokens"] == 0
+    assert metrics["running"] == metrics["waiting"] == 0
+    assert metrics["tokens"] == sum(len(o.generated_tokens) for o in outs) == 20
+    assert metrics["tokens_per_second"] > 0 and metrics["busy_seconds"] > 0
+    ttft, itl = metrics["ttft_seconds"], metrics["itl_seconds"]
+    assert ttft["count"] == 4 and sum(ttft["counts"]) == 4
+    assert len(ttft["counts"]) == len(ttft["edges"]) + 1
+    assert itl["count"] == 4 * 4 and itl["sum"] >= 0
+    first = [o.timestamps[0] - o.created_time for o in outs]
+    assert ttft["sum"] == pytest.approx(sum(first), abs=1e-6)
 
 
 def test_stop_strings_end_the_request_and_trim_what_follows(manager):
@@ -296,12 +485,30 @@ def test_stop_ends_every_request_and_waits_never_hang():
     ids = m.add_requests([_prompt(60 + i, 8) for i in range(5)], max_new_tokens=40)
     m.stop(block=True, timeout=60)
     assert not m.is_running()
-    outs = [m.get_result(i, timeout=10) for i in ids]
+    outs = [_bounded(lambda i=i: m.get_result(i)) for i in ids]
     assert all(o is not None and o.is_finished() for o in outs)
     assert {o.status for o in outs} <= {RequestStatus.FINISHED, RequestStatus.CANCELLED}
-    assert m.get_result("unknown", timeout=None) is None
+    assert _bounded(lambda: m.get_result("unknown")) is None
     late = m.add_request([3, 4], max_new_tokens=2)
-    assert m.get_result(late, timeout=None).status is RequestStatus.CANCELLED
+    assert _bounded(lambda: m.get_result(late)).status is RequestStatus.CANCELLED
+    stream = _bounded(lambda: list(m.request_id_iter(late)))
+    assert [o.status for o in stream] == [RequestStatus.CANCELLED]
+    # Every final output once, in finishing order, then None (the loop has ended).
+    drained = _bounded(lambda: [m.get_result() for _ in range(7)])
+    assert sorted(o.request_id for o in drained[:6]) == sorted([*ids, late])
+    assert drained[6] is None
+    m.cancel_request(late)  # harmless after the end
+    assert _bounded(lambda: list(m.request_id_iter(ids[0]))) == [outs[0]]
+
+
+def test_stop_of_a_manager_never_started_cancels_its_queued_requests():
+    model, params = _model()
+    m = init_continuous_batching(model, params, GenerationConfig(pad_token_id=0), CB)
+    rid = m.add_request([3, 4, 5], max_new_tokens=2)
+    m.stop()
+    out = _bounded(lambda: m.get_result(rid))
+    assert out.status is RequestStatus.CANCELLED and out.generated_tokens == []
+    assert m.metrics()["waiting"] == 0 and m.metrics()["blocks_in_use"] == 0
 
 
 def test_sampled_requests_equal_generate_with_the_same_seed(manager):

@@ -7,7 +7,8 @@ model ``C`` tokens per step) or decoding (one token per step). One call of :func
    string, preempted);
 2. runs one prompt chunk of ``C`` tokens for one slot (chunked prefill; skipped with
    ``lax.cond`` when there is none); after the prompt's last chunk it chooses the slot's first
-   new token and the slot starts decoding;
+   new token and the slot starts decoding. A prompt whose first blocks are shared from the
+   prefix cache starts its chunks after them (their tokens come in ``StepInput.history``);
 3. decodes one token for every decoding slot (``B = R``, ``T = 1``), up to ``num_steps`` times
    in a ``lax.while_loop`` that ends early when a row finishes (a scheduling event).
 
@@ -139,7 +140,9 @@ class StepInput:
     prompt_length: Array  # int32[]: the request's own prompt length (for a recomputed one,
     #   shorter than the tokens prefilled)
     row: RowSettings  # [1]: the prefilling request's settings, written on its first chunk
-    admit: Array  # bool[]: first chunk of a request: write `row` and `prompt_length`
+    admit: Array  # bool[]: first chunk of a request: write `row`, `prompt_length`, `history`
+    history: Array  # int32[S]: on admission, the tokens before `prefill_start` (a cached
+    #   prefix, whose blocks are shared and not prefilled again); later tokens are ignored
 
 
 @struct.dataclass
@@ -232,7 +235,8 @@ def _set_rows(tree: PyTree, rows: Array, values: PyTree) -> PyTree:
 
 
 def _admit(state: EngineState, work: StepInput) -> EngineState:
-    """Writes a new request's settings into its slot (on its first chunk)."""
+    """Writes a new request's settings, and the tokens of its cached prefix, into its slot (on
+    its first chunk)."""
     slot = jnp.maximum(work.prefill_slot, 0)[None]
     take = work.admit & (work.prefill_slot >= 0)
     settings = _set_rows(
@@ -243,8 +247,12 @@ def _admit(state: EngineState, work: StepInput) -> EngineState:
         ),
     )
     prompt = jnp.where(take, work.prompt_length, state.prompt_lengths[slot])
+    before = jnp.arange(work.history.shape[0]) < work.prefill_start
+    history = jnp.where(take & before, work.history, state.tokens[slot[0]])
     return state.replace(
-        settings=settings, prompt_lengths=state.prompt_lengths.at[slot].set(prompt)
+        settings=settings,
+        prompt_lengths=state.prompt_lengths.at[slot].set(prompt),
+        tokens=state.tokens.at[slot[0]].set(history),
     )
 
 

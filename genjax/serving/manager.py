@@ -3,10 +3,15 @@ pure engine step (:mod:`genjax.serving.engine`) and the host scheduler
 (:mod:`genjax.serving.scheduler`).
 
 One background thread runs the loop: take new requests and cancellations, plan a step, run the
-jitted step, hand the tokens to their requests, publish outputs. Callers talk to it through
-thread-safe queues; every wait has a timeout, and every request ends with one final
-:class:`GenerationOutput` (finished, cancelled or failed): ``stop()`` cancels what is left, and
-an error in the loop fails every request, so ``get_result`` and ``request_id_iter`` never hang.
+jitted step, hand the tokens to their requests (a finished request's blocks are freed here),
+take the metrics snapshot, publish outputs (result handlers run here, in the loop thread). So a
+cancellation a handler asks for is handled before the next step, and when ``get_result``
+returns, the request holds no block. Callers talk to the loop through one thread-safe queue and
+wait on a condition that every publication signals; every wait is bounded, and every request
+ends with one final :class:`GenerationOutput` (finished, cancelled or failed): ``stop()`` cancels
+what is left, and an error in the loop fails every request, so ``get_result`` and
+``request_id_iter`` never hang. :meth:`~ContinuousBatchingManager.pause` holds the loop between
+steps (to replace ``params``).
 
 Example:
     >>> manager = init_continuous_batching(model, params, config)
@@ -19,6 +24,9 @@ Example:
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import copy
 import dataclasses
 import itertools
 import logging
@@ -33,6 +41,7 @@ import jax
 from genjax.config import GenerationConfig
 from genjax.errors import InputError
 from genjax.serving.engine import EngineShape, compile_step, init_state
+from genjax.serving.metrics import ITL_EDGES, TTFT_EDGES, Histogram
 from genjax.serving.options import build_request
 from genjax.serving.scheduler import RequestState, RequestStatus, Scheduler
 
@@ -60,7 +69,9 @@ class ContinuousBatchingConfig:
         prefill_chunk_size: ``C``, prompt tokens prefilled per step.
         max_decode_steps: ``K``, decode steps per host round trip when nothing waits.
         max_eos_tokens: the most EOS ids per request.
-        poll_interval: seconds the idle loop waits for new requests before looking again.
+        prefix_caching: share the cache blocks of equal prompt prefixes (full blocks only).
+        poll_interval: the longest single wait of the loop and of callers (each is woken by the
+            event it waits for; this only bounds it).
     """
 
     max_batch_size: int = 8
@@ -70,6 +81,7 @@ class ContinuousBatchingConfig:
     prefill_chunk_size: int = 32
     max_decode_steps: int = 8
     max_eos_tokens: int = 4
+    prefix_caching: bool = True
     poll_interval: float = 0.05
 
     def engine_shape(self) -> EngineShape:
@@ -134,7 +146,8 @@ def _output(request: RequestState) -> GenerationOutput:
 class ContinuousBatchingManager:
     """Runs requests through the engine in a background thread; see the module docstring.
 
-    Build it with :func:`init_continuous_batching`.
+    Build it with :func:`init_continuous_batching`. ``params`` may be replaced between steps
+    under :meth:`pause` (same structure and shapes: nothing recompiles).
     """
 
     def __init__(self, model, params, generation_config=None, cb_config=None, tokenizer=None):
@@ -144,18 +157,27 @@ class ContinuousBatchingManager:
         self.shape = self.cb_config.engine_shape()
         self._step = compile_step(model, self.shape.max_steps)
         self._state = None
-        self._scheduler = Scheduler(self.shape, tokenizer)
-        self._inbox: queue.Queue = queue.Queue()
-        self._cancels: queue.Queue = queue.Queue()
-        self._results: queue.Queue = queue.Queue()  # final outputs, in finishing order
-        self._streams: dict[str, queue.Queue] = {}
+        self._scheduler = Scheduler(self.shape, tokenizer, self.cb_config.prefix_caching)
+        self._inbox: queue.Queue = queue.Queue()  # ("add", request) or ("cancel", request_id)
+        # Guards what callers read: outputs, finals, the metrics snapshot, `_ended`. Reentrant:
+        # a result handler (loop thread) may call back into the manager.
+        self._cond = threading.Condition(threading.RLock())
+        self._streams: dict[str, collections.deque[GenerationOutput]] = {}
         self._finals: dict[str, GenerationOutput] = {}
-        self._lock = threading.Condition()
+        self._results: collections.deque[GenerationOutput] = collections.deque()
+        self._ended = False  # the loop has ended and every request has its final output
+        self._gate = threading.Condition()  # pause(): `_pauses` > 0 holds the loop between steps
+        self._pauses = 0
+        self._busy = False  # a step (plan, device call, publishing) is under way
         self._handlers: list[Callable[[GenerationOutput], Any]] = []
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._ids = itertools.count()
-        self._metrics = {"steps": 0, "tokens": 0, "preemptions": 0, "step_seconds": 0.0}
+        self._counters = {"steps": 0, "tokens": 0, "step_seconds": 0.0, "busy_seconds": 0.0}
+        self._ttft = Histogram(TTFT_EDGES)
+        self._itl = Histogram(ITL_EDGES)
+        self._snapshot: dict[str, Any] = {}
+        self._refresh()
 
     # ---- lifecycle ----------------------------------------------------------------------
     def warmup(self) -> None:
@@ -172,7 +194,9 @@ class ContinuousBatchingManager:
         if self.is_running():
             return
         self.warmup()
-        self._stopping.clear()
+        with self._cond:
+            self._stopping.clear()
+            self._ended = False
         self._thread = threading.Thread(target=self._run, name="genjax-cb", daemon=True)
         self._thread.start()
 
@@ -182,8 +206,15 @@ class ContinuousBatchingManager:
 
     def stop(self, block: bool = True, timeout: float | None = None) -> None:
         """Stops the loop; requests not finished end CANCELLED. ``block`` waits for the thread
-        (at most ``timeout`` seconds)."""
+        (at most ``timeout`` seconds). On a manager never started, the queued requests end
+        CANCELLED at once."""
         self._stopping.set()
+        if self._thread is None:
+            self._shutdown(self._scheduler, RequestStatus.CANCELLED, "cancelled", None)
+            return
+        self._inbox.put(("wake", None))
+        with self._gate:
+            self._gate.notify_all()
         if block:
             self.join(timeout)
 
@@ -191,6 +222,39 @@ class ContinuousBatchingManager:
         """Waits for the loop thread to end (at most ``timeout`` seconds)."""
         if self._thread is not None:
             self._thread.join(timeout)
+
+    @contextlib.contextmanager
+    def pause(self, timeout: float | None = None) -> Iterator[None]:
+        """Holds the loop between steps: on entry, waits for the running step to end (its
+        outputs published); inside, no step runs, so ``manager.params`` may be replaced.
+        Requests may still be added and cancelled. Works from a result handler too.
+
+        Raises:
+            TimeoutError: the running step did not end within ``timeout`` seconds.
+
+        Example:
+            >>> with manager.pause():  # doctest: +SKIP
+            ...     manager.params = new_params
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._gate:
+            self._pauses += 1
+            in_loop = threading.current_thread() is self._thread
+            while self._busy and not in_loop:
+                wait = self.cb_config.poll_interval
+                if deadline is not None:
+                    wait = min(wait, deadline - time.monotonic())
+                    if wait <= 0:
+                        self._pauses -= 1
+                        self._gate.notify_all()
+                        raise TimeoutError(f"the running step did not end within {timeout} s.")
+                self._gate.wait(wait)
+        try:
+            yield
+        finally:
+            with self._gate:
+                self._pauses -= 1
+                self._gate.notify_all()
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(
@@ -227,7 +291,7 @@ class ContinuousBatchingManager:
                 raise TypeError(f"add_request got unknown config fields {sorted(unused)}.")
         if request_id is None:
             request_id = f"req_{next(self._ids)}"
-        with self._lock:
+        with self._cond:
             if request_id in self._streams:
                 raise InputError(f"request_id {request_id!r} is already in use.")
             request = build_request(
@@ -240,12 +304,12 @@ class ContinuousBatchingManager:
                 streaming=streaming,
                 tokenizer=self.tokenizer,
             )
-            self._streams[request_id] = queue.Queue()
-        if self._stopping.is_set():
-            request.status, request.finish_reason = RequestStatus.CANCELLED, "cancelled"
-            self._publish(request, final=True)
-        else:
-            self._inbox.put(request)
+            self._streams[request_id] = collections.deque()
+            if self._stopping.is_set():  # the loop drains the inbox under this lock once
+                request.status, request.finish_reason = RequestStatus.CANCELLED, "cancelled"
+                self._publish(request, final=True)
+            else:
+                self._inbox.put(("add", request))
         return request_id
 
     def add_requests(self, inputs: Sequence[Sequence[int]], **kwargs) -> list[str]:
@@ -253,115 +317,175 @@ class ContinuousBatchingManager:
         return [self.add_request(ids, **kwargs) for ids in inputs]
 
     def cancel_request(self, request_id: str) -> None:
-        """Cancels a request; it ends with a CANCELLED output (unless already finished)."""
-        self._cancels.put(request_id)
+        """Cancels a request; it ends with a CANCELLED output (unless already finished). Called
+        from a result handler, the cancellation takes effect before the next step."""
+        self._inbox.put(("cancel", request_id))
 
     def register_result_handler(self, handler: Callable[[GenerationOutput], Any]) -> None:
-        """Calls ``handler(output)`` (in the loop thread) for every output published."""
+        """Calls ``handler(output)`` (in the loop thread, between steps) for every output
+        published."""
         self._handlers.append(handler)
 
-    def get_result(
-        self, request_id: str | None = None, timeout: float | None = None
-    ) -> GenerationOutput | None:
-        """The final output of ``request_id`` (or of the next request to finish, when None);
-        None after ``timeout`` seconds, or at once when the manager has stopped without it."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
+    def _wait_until(self, ready: Callable[[], bool], deadline: float | None) -> bool:
+        """Waits (holding ``_cond``) until ``ready()`` or the loop has ended; False on timeout.
+        Woken by every publication; the poll interval only bounds each wait."""
+        while not ready() and not self._ended:
             wait = self.cb_config.poll_interval
             if deadline is not None:
                 wait = min(wait, deadline - time.monotonic())
                 if wait <= 0:
-                    return None
+                    return False
+            self._cond.wait(wait)
+        return True
+
+    def get_result(
+        self, request_id: str | None = None, timeout: float | None = None
+    ) -> GenerationOutput | None:
+        """The final output of ``request_id``, or, when None, the next final output in finishing
+        order (each returned once). None after ``timeout`` seconds, at once for an unknown id,
+        and once the manager has stopped without one."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
             if request_id is None:
-                try:
-                    return self._results.get(timeout=wait)
-                except queue.Empty:
-                    pass
-            else:
-                with self._lock:
-                    if request_id in self._finals:
-                        return self._finals[request_id]
-                    self._lock.wait(wait)
-                    if request_id in self._finals:
-                        return self._finals[request_id]
-            if not self.is_running() and self._stopping.is_set():
-                return self._finals.get(request_id) if request_id is not None else None
+                self._wait_until(lambda: bool(self._results), deadline)
+                return self._results.popleft() if self._results else None
+            if request_id not in self._streams:
+                return None
+            self._wait_until(lambda: request_id in self._finals, deadline)
+            return self._finals.get(request_id)
 
     def request_id_iter(self, request_id: str, timeout: float | None = None) -> Iterator:
-        """Yields the request's outputs: partial ones when streaming, then the final one."""
-        stream = self._streams.get(request_id)
-        if stream is None:
-            return
+        """Yields the request's outputs: partial ones when streaming, then the final one. Ends
+        after ``timeout`` seconds in all, at once for an unknown id, and when the manager stops.
+        """
         deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            try:
-                output = stream.get(timeout=self.cb_config.poll_interval)
-            except queue.Empty:
-                if deadline is not None and time.monotonic() > deadline:
+        with self._cond:
+            stream = self._streams.get(request_id)
+        while stream is not None:
+            with self._cond:
+                if not self._wait_until(lambda: bool(stream), deadline) or not stream:
                     return
-                if not self.is_running() and request_id not in self._finals:
-                    if self._stopping.is_set() or self._thread is None:
-                        return
-                continue
+                output = stream.popleft()
             yield output
             if output.is_finished():
                 return
 
     def metrics(self) -> dict[str, Any]:
-        """Counters: steps, generated tokens, preemptions, device seconds, blocks in use."""
-        return {
-            **self._metrics,
-            "preemptions": self._scheduler.num_preemptions,
-            "blocks_in_use": self._scheduler.allocator.num_used,
-            "waiting": len(self._scheduler.waiting),
-            "running": len(self._scheduler.running),
-        }
+        """A snapshot, taken between steps (before their outputs are published).
+
+        Keys: ``running``, ``waiting`` (requests); ``blocks_in_use`` (held by requests),
+        ``blocks_free`` (held by none, cached ones included), ``blocks_cached`` (held by none
+        but naming a prefix); ``prefill_tokens`` (run through prefill), ``prefix_cache_hit_rate``
+        (of the tokens admitted requests looked up, the share found cached) with
+        ``prefix_cache_hit_tokens`` and ``prefix_cache_query_tokens``; ``steps``, ``tokens``
+        (generated), ``preemptions``, ``step_seconds`` (device calls), ``busy_seconds`` (wall
+        time of steps), ``tokens_per_second`` (tokens / busy_seconds); ``ttft_seconds`` and
+        ``itl_seconds``: histograms (:class:`~genjax.serving.metrics.Histogram` snapshots).
+        """
+        with self._cond:
+            return copy.deepcopy(self._snapshot)
 
     # ---- the loop -----------------------------------------------------------------------
+    def _refresh(self) -> None:
+        """Takes the metrics snapshot (loop thread, or before the loop starts)."""
+        scheduler, counters = self._scheduler, self._counters
+        allocator = scheduler.allocator
+        queried = scheduler.prefix_query_tokens
+        busy = counters["busy_seconds"]
+        snapshot = {
+            **counters,
+            "running": len(scheduler.running),
+            "waiting": len(scheduler.waiting),
+            "preemptions": scheduler.num_preemptions,
+            "blocks_in_use": allocator.num_used,
+            "blocks_free": allocator.num_free,
+            "blocks_cached": allocator.num_cached,
+            "prefill_tokens": scheduler.prefill_tokens,
+            "prefix_cache_hit_tokens": scheduler.prefix_hit_tokens,
+            "prefix_cache_query_tokens": queried,
+            "prefix_cache_hit_rate": scheduler.prefix_hit_tokens / queried if queried else 0.0,
+            "tokens_per_second": counters["tokens"] / busy if busy > 0 else 0.0,
+            "ttft_seconds": self._ttft.snapshot(),
+            "itl_seconds": self._itl.snapshot(),
+        }
+        with self._cond:
+            self._snapshot = snapshot
+
+    def _record_latencies(self, request: RequestState, count: int) -> None:
+        """Feeds the histograms with the timestamps of the request's ``count`` new tokens."""
+        stamps = request.timestamps
+        new = len(stamps) - count
+        if count and new == 0:
+            self._ttft.add(stamps[0] - request.created_time)
+        for i in range(max(new, 1), len(stamps)):
+            self._itl.add(stamps[i] - stamps[i - 1])
+
     def _publish(self, request: RequestState, final: bool) -> None:
         output = _output(request)
-        if final:
-            with self._lock:
+        with self._cond:
+            if final:
                 self._finals[request.request_id] = output
-                self._lock.notify_all()
-            self._results.put(output)
-        if final or request.streaming:
-            self._streams[request.request_id].put(output)
+                self._results.append(output)
+            if final or request.streaming:
+                self._streams[request.request_id].append(output)
+            self._cond.notify_all()
         for handler in self._handlers:
             try:
                 handler(output)
             except Exception:  # a user's handler must not stop the engine
                 _log.exception("result handler failed")
 
-    def _take_messages(self, scheduler: Scheduler, idle: bool) -> None:
-        wait = self.cb_config.poll_interval if idle else 0.0
-        try:
-            scheduler.add(self._inbox.get(timeout=wait) if wait else self._inbox.get_nowait())
-            while True:
-                scheduler.add(self._inbox.get_nowait())
-        except queue.Empty:
-            pass
-        while True:
-            try:
-                request_id = self._cancels.get_nowait()
-            except queue.Empty:
-                break
+    def _handle(self, scheduler: Scheduler, message) -> None:
+        kind, payload = message
+        if kind == "add":
+            scheduler.add(payload)
+        elif kind == "cancel":
             for request in [*scheduler.waiting, *scheduler.running]:
-                if request.request_id == request_id and not request.done:
+                if request.request_id == payload and not request.done:
                     scheduler.finish(request, RequestStatus.CANCELLED, "cancelled")
+                    self._refresh()
                     self._publish(request, final=True)
 
+    def _take_messages(self, scheduler: Scheduler, block: bool) -> None:
+        """Handles every queued message; ``block`` first waits (bounded) for one."""
+        try:
+            if block:
+                self._handle(scheduler, self._inbox.get(timeout=self.cb_config.poll_interval))
+            while True:
+                self._handle(scheduler, self._inbox.get_nowait())
+        except queue.Empty:
+            pass
+
+    @contextlib.contextmanager
+    def _stepping(self) -> Iterator[bool]:
+        """Marks a step under way once no pause holds the loop; yields False when stopping."""
+        with self._gate:
+            while self._pauses and not self._stopping.is_set():
+                self._gate.wait(self.cb_config.poll_interval)
+            self._busy = True
+        try:
+            yield not self._stopping.is_set()
+        finally:
+            with self._gate:
+                self._busy = False
+                self._gate.notify_all()
+
     def _run_step(self, scheduler: Scheduler) -> None:
+        begin = time.perf_counter()
         work = scheduler.plan()
         if work is None:
             return
-        begin = time.perf_counter()
         self._state, out = self._step(self.params, self._state, work)
         out = jax.device_get(out)
-        self._metrics["step_seconds"] += time.perf_counter() - begin
-        self._metrics["steps"] += 1
-        for request, count in scheduler.absorb(out):
-            self._metrics["tokens"] += count
+        self._counters["step_seconds"] += time.perf_counter() - begin
+        self._counters["steps"] += 1
+        updates = scheduler.absorb(out)
+        for request, count in updates:
+            self._counters["tokens"] += count
+            self._record_latencies(request, count)
+        self._counters["busy_seconds"] += time.perf_counter() - begin
+        self._refresh()  # blocks of finished requests are already free
+        for request, count in updates:
             if request.done:
                 self._publish(request, final=True)
             elif count:
@@ -369,21 +493,41 @@ class ContinuousBatchingManager:
 
     def _run(self) -> None:
         scheduler = self._scheduler
+        reason, status, error = "cancelled", RequestStatus.CANCELLED, None
         try:
             while not self._stopping.is_set():
-                self._take_messages(scheduler, idle=not scheduler.has_work)
-                self._run_step(scheduler)
-            reason, status, error = "cancelled", RequestStatus.CANCELLED, None
+                self._take_messages(scheduler, block=not scheduler.has_work)
+                with self._stepping() as go:
+                    if go:
+                        self._take_messages(scheduler, block=False)
+                        self._run_step(scheduler)
         except Exception as exc:  # every request must still end
             _log.exception("continuous-batching loop failed")
             reason, status, error = "error", RequestStatus.FAILED, repr(exc)
-        self._stopping.set()
-        self._take_messages(scheduler, idle=False)
-        while not self._inbox.empty():
-            scheduler.add(self._inbox.get_nowait())
-        for request in [*scheduler.waiting, *scheduler.running]:
+        finally:
+            self._shutdown(scheduler, status, reason, error)
+
+    def _shutdown(self, scheduler: Scheduler, status, reason: str, error) -> None:
+        """Ends every request left (queued ones included), then marks the loop ended."""
+        messages = []
+        with self._cond:  # add_request checks `_stopping` under this lock: nothing is lost
+            self._stopping.set()
+            try:
+                while True:
+                    messages.append(self._inbox.get_nowait())
+            except queue.Empty:
+                pass
+        for message in messages:
+            self._handle(scheduler, message)
+        left = [*scheduler.waiting, *scheduler.running]
+        for request in left:
             scheduler.finish(request, status, reason, error)
+        self._refresh()
+        for request in left:
             self._publish(request, final=True)
+        with self._cond:
+            self._ended = True
+            self._cond.notify_all()
 
 
 def init_continuous_batching(

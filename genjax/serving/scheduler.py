@@ -14,7 +14,12 @@ Policy:
 * When blocks run out, the newest running request is preempted: its blocks are freed, its slot
   released, and it goes back to the front of the queue; readmitted, it prefills its prompt and
   the tokens it already generated (recomputation, as vLLM's default preemption) and continues.
-* A finished request (EOS, ``max_new_tokens``, a stop string) frees its slot and blocks at once.
+* A finished request (EOS, ``max_new_tokens``, a stop string) frees its slot and blocks at once,
+  before its final output is published.
+* Prefix caching (on by default): an admitted request first takes the cached blocks of its
+  longest known prefix (:mod:`genjax.serving.blocks`) and prefills only what follows (at least
+  its last token, whose logits choose the first new token); each full block it prefills is named
+  for later requests. Preemption and cancellation drop the request's references like finishing.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from genjax.cache import SCRATCH_BLOCK
+from genjax.serving.blocks import BlockAllocator, block_hashes
 from genjax.serving.engine import EngineShape, RowSettings, StepInput, StepOutput
 
 __all__ = ["BlockAllocator", "RequestState", "RequestStatus", "Scheduler"]
@@ -42,42 +48,6 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
     CANCELLED = "cancelled"
     FAILED = "failed"
-
-
-class BlockAllocator:
-    """Hands out pool blocks ``1 .. num_blocks - 1`` (block 0 is the scratch block).
-
-    Example:
-        >>> allocator = BlockAllocator(4)
-        >>> allocator.allocate(2), allocator.num_free
-        ([1, 2], 1)
-        >>> allocator.allocate(2) is None  # all or nothing
-        True
-    """
-
-    def __init__(self, num_blocks: int):
-        self.num_blocks = num_blocks
-        self._free = collections.deque(b for b in range(num_blocks) if b != SCRATCH_BLOCK)
-
-    @property
-    def num_free(self) -> int:
-        """Blocks not held by any request."""
-        return len(self._free)
-
-    @property
-    def num_used(self) -> int:
-        """Blocks held by requests."""
-        return self.num_blocks - 1 - len(self._free)
-
-    def allocate(self, count: int) -> list[int] | None:
-        """``count`` blocks, or None (and nothing taken) when fewer are free."""
-        if count > len(self._free):
-            return None
-        return [self._free.popleft() for _ in range(count)]
-
-    def free(self, blocks: list[int]) -> None:
-        """Returns blocks to the pool."""
-        self._free.extend(blocks)
 
 
 @dataclasses.dataclass(eq=False)
@@ -101,6 +71,8 @@ class RequestState:
     blocks: list[int] = dataclasses.field(default_factory=list)
     pending: list[int] = dataclasses.field(default_factory=list)  # prefill tokens (prompt + gen)
     prefilled: int = 0  # tokens of `pending` already in the cache
+    hashes: list[bytes] = dataclasses.field(default_factory=list)  # of `pending`'s full blocks
+    named: int = 0  # leading blocks already named in the prefix cache (shared or registered)
     admitted: bool = False  # its settings were written into the slot
     order: int = 0  # admission counter: the largest is the newest (preempted first)
     text_checked: int = 0  # characters of the decoded text already searched for stop strings
@@ -127,11 +99,13 @@ class Scheduler:
     Args:
         shape: the engine's static sizes.
         tokenizer: decodes tokens for stop strings; None when no request has stop strings.
+        prefix_caching: share the cached blocks of equal prompt prefixes.
     """
 
-    def __init__(self, shape: EngineShape, tokenizer=None):
+    def __init__(self, shape: EngineShape, tokenizer=None, prefix_caching: bool = True):
         self.shape = shape
         self.tokenizer = tokenizer
+        self.prefix_caching = prefix_caching
         self.allocator = BlockAllocator(shape.num_blocks)
         self.slots: list[RequestState | None] = [None] * shape.max_batch_size
         self.waiting: collections.deque[RequestState] = collections.deque()
@@ -139,6 +113,9 @@ class Scheduler:
         self.tables = np.zeros((shape.max_batch_size, shape.max_blocks_per_row), np.int32)
         self.release = np.zeros((shape.max_batch_size,), bool)
         self.num_preemptions = 0
+        self.prefill_tokens = 0  # tokens run through prefill chunks
+        self.prefix_query_tokens = 0  # tokens admitted requests looked up in the prefix cache
+        self.prefix_hit_tokens = 0  # of those, tokens found (their prefill skipped)
         self._admissions = 0
         self._chunk: tuple[int, bool] | None = None  # (count, last) of the planned chunk
 
@@ -192,10 +169,34 @@ class Scheduler:
         self.slots[request.slot] = request
         request.pending = request.prompt + request.generated
         request.prefilled = 0
+        request.hashes, request.named = [], 0
+        if self.prefix_caching:
+            self._take_cached_prefix(request)
         request.status = RequestStatus.PREFILLING
         self._admissions += 1
         request.order = self._admissions
         self.prefilling = request
+
+    def _take_cached_prefix(self, request: RequestState) -> None:
+        """Gives the request the cached blocks of its longest known prefix, leaving at least
+        its last token to prefill."""
+        size = self.shape.block_size
+        request.hashes = block_hashes(request.pending, size)
+        usable = (len(request.pending) - 1) // size
+        blocks = self.allocator.match(request.hashes[:usable])
+        request.blocks = blocks
+        request.named = len(blocks)
+        request.prefilled = len(blocks) * size
+        self.tables[request.slot, : len(blocks)] = blocks
+        self.prefix_query_tokens += len(request.pending)
+        self.prefix_hit_tokens += request.prefilled
+
+    def _name_prefilled_blocks(self, request: RequestState) -> None:
+        """Names the request's blocks that its prefill has filled, for later requests."""
+        full = min(request.prefilled // self.shape.block_size, len(request.hashes))
+        for i in range(request.named, full):
+            self.allocator.register(request.blocks[i], request.hashes[i])
+        request.named = max(request.named, full)
 
     def _slots_needed(self, request: RequestState, steps: int) -> int:
         """Cache slots the request writes in a step of ``steps`` decode iterations."""
@@ -239,6 +240,7 @@ class Scheduler:
 
     def _step_input(self, steps: int) -> StepInput:
         chunk = np.zeros((self.shape.chunk,), np.int32)
+        history = np.zeros((self.shape.max_length,), np.int32)
         request = self.prefilling
         slot, start, count, last, admit = -1, 0, 1, False, False
         row = RowSettings.empty(1, self.shape.max_eos)
@@ -249,6 +251,8 @@ class Scheduler:
             last = start + count == len(request.pending)
             chunk[:count] = request.pending[start : start + count]
             admit, row, prompt_length = not request.admitted, request.row, len(request.prompt)
+            if admit:  # the cached prefix's tokens, which no chunk carries
+                history[:start] = request.pending[:start]
             request.admitted = True
             self._chunk = (count, last)
         work = StepInput(
@@ -263,6 +267,7 @@ class Scheduler:
             prompt_length=np.asarray(prompt_length, np.int32),
             row=row,
             admit=np.asarray(admit, bool),
+            history=history,
         )
         self.release[:] = False
         return work
@@ -293,6 +298,9 @@ class Scheduler:
         if request is not None and self._chunk is not None:
             count, last = self._chunk
             request.prefilled += count
+            self.prefill_tokens += count
+            if self.prefix_caching:
+                self._name_prefilled_blocks(request)
             if last:
                 self.prefilling = None
                 request.status = RequestStatus.DECODING

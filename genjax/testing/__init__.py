@@ -1,0 +1,98 @@
+"""Test helpers: tiny random checkpoints (Hugging Face folders and GGUF files), left-padded
+batches, a tiny byte-level BPE tokenizer and a chi-square test, all without torch.
+
+Layer:
+    Floor 1: imports nothing else of genjax, so tests of every layer can use it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from genjax.testing.checkpoints import tiny_config, write_random_checkpoint
+from genjax.testing.gguf import write_gguf
+
+__all__ = [
+    "TINY_CORPUS",
+    "chi_square_p_value",
+    "left_padded_batch",
+    "tiny_bpe_tokenizer",
+    "tiny_config",
+    "write_gguf",
+    "write_random_checkpoint",
+]
+
+
+TINY_CORPUS = ("def fibonacci(n):\n    return n", "hello world, hello tokens") * 20
+"""The text :func:`tiny_bpe_tokenizer` learns from by default."""
+
+
+def left_padded_batch(
+    batch: int, length: int, vocab_size: int, seed: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
+    """Random prompts with some left padding, for tests: ``(ids, mask)``, both int32[B, P].
+
+    Ids are drawn from ``[3, vocab_size)``; rows 1, 4 and 6 (those that exist) start with 2, 1
+    and 3 padding slots, which hold id 0 and mask 0.
+
+    Example:
+        >>> ids, mask = left_padded_batch(8, 5, vocab_size=101)
+        >>> mask[1].tolist()
+        [0, 0, 1, 1, 1]
+    """
+    ids = np.random.default_rng(seed).integers(3, vocab_size, (batch, length)).astype(np.int32)
+    mask = np.ones_like(ids)
+    for row, padding in ((1, 2), (4, 1), (6, 3)):
+        if row < batch:
+            mask[row, :padding] = 0
+    return np.where(mask == 1, ids, 0), mask
+
+
+def chi_square_p_value(counts: np.ndarray, expected: np.ndarray) -> float:
+    """Pearson's chi-square goodness-of-fit p-value of observed ``counts`` against ``expected``
+    counts (same shape, same total), for tests of sampling distributions.
+
+    Cells expected fewer than 5 times are merged into one; the p-value comes from the
+    Wilson-Hilferty normal approximation of the chi-square distribution. A count in a cell whose
+    expected count is 0 (an impossible outcome) gives 0.
+
+    Example:
+        >>> round(chi_square_p_value(np.array([480, 520]), np.array([500.0, 500.0])), 2)
+        0.2
+    """
+    counts, expected = np.ravel(counts), np.ravel(expected)
+    if counts[expected == 0].sum() > 0:
+        return 0.0
+    small = expected < 5
+    counts = np.append(counts[~small], counts[small].sum())
+    expected = np.append(expected[~small], expected[small].sum())
+    keep = expected > 0
+    stat = float((((counts - expected) ** 2)[keep] / expected[keep]).sum())
+    dof = int(keep.sum()) - 1
+    z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def tiny_bpe_tokenizer(corpus=TINY_CORPUS, vocab_size: int = 300):
+    """Returns a byte-level BPE ``tokenizers.Tokenizer`` trained on ``corpus``, with the special
+    tokens ``<pad>``, ``<s>``, ``</s>`` at ids 0, 1, 2 (no post-processor: add one if needed).
+
+    Example:
+        >>> tiny_bpe_tokenizer().token_to_id("</s>")
+        2
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(list(corpus), trainer)
+    return backend

@@ -13,6 +13,8 @@ Usage::
     genjax serve [--model PATH_OR_HUB_ID] [--host H] [--port P] [--api-key KEY] ...
     genjax --version
 
+Floor 6 (the command line, with the package's face): may import every layer.
+
 ``generate``:
     * The model defaults to the bundled one (:func:`genjax.io.bundled.path`); ``--model`` takes a
       Hugging Face folder or hub id, or a folder written by ``genjax convert``.

@@ -67,6 +67,12 @@ nested dicts whose paths mirror the HF state-dict names (``params["layers"]["0"]
 ``llama`` and ``gpt2`` list each tree and which ``config.json`` keys they handle, ignore or
 reject. ``from_pretrained`` also reads llama.cpp GGUF files (``gguf_file=``, or a ``.gguf``
 path): :mod:`genjax.models.gguf`.
+
+Layer
+-----
+Floor 3. Imports :mod:`genjax.cache`, :mod:`genjax.config`, :mod:`genjax.errors` and
+:mod:`genjax.typing`, never the decoding loops or anything above. Static: the model and its
+config (hashable; a static jit argument). Traced: params, tokens, positions, the cache, masks.
 """
 
 from __future__ import annotations

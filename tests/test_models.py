@@ -59,6 +59,16 @@ CASES = {
         "qwen2",
         {"use_sliding_window": True, "sliding_window": 3, "max_window_layers": 1},
     ),
+    "qwen3": ("qwen3", {}),
+    "qwen3_window_bias": (
+        "qwen3",
+        {
+            "use_sliding_window": True,
+            "sliding_window": 3,
+            "max_window_layers": 1,
+            "attention_bias": True,
+        },
+    ),
     "gpt2": ("gpt2", {}),
     "gpt2_untied": (
         "gpt2",
@@ -118,7 +128,7 @@ def _stepwise(model, params, tokens, mask, prefill):
 # Loading
 
 
-@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "gpt2"])
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3", "gpt2"])
 def test_loading_round_trip(tmp_path, model_type):
     write_random_checkpoint(tmp_path, model_type)
     model, params = from_pretrained(tmp_path)
@@ -301,11 +311,11 @@ def test_missing_or_corrupt_files_are_named(tmp_path):
 @pytest.mark.parametrize(
     "model_type, overrides, names",
     [
-        ("bert", {}, ["'bert'", "llama, mistral, qwen2, gpt2"]),
+        ("bert", {}, ["'bert'", "llama, mistral, qwen2, qwen3", "gpt2"]),
         (
             "llama",
-            {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1.0}},
-            ["'longrope'", "llama3"],
+            {"rope_parameters": {"rope_type": "made_up", "rope_theta": 1.0}},
+            ["'made_up'", "llama3", "longrope"],
         ),
         ("llama", {"rope_scaling": {"type": "su", "factor": 2.0}}, ["'su'"]),
         (
@@ -784,6 +794,17 @@ def _hf_cases():
             {**small, "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1},
         ),
         "mistral_window": (tf.MistralConfig, {**small, "sliding_window": 4, "head_dim": 16}),
+        "qwen3": (tf.Qwen3Config, {**small, "head_dim": 16}),
+        "qwen3_window_bias": (
+            tf.Qwen3Config,
+            {
+                **small,
+                "attention_bias": True,
+                "use_sliding_window": True,
+                "sliding_window": 4,
+                "max_window_layers": 1,
+            },
+        ),
         "gpt2": (tf.GPT2Config, gpt2),
         "gpt2_variants": (
             tf.GPT2Config,
@@ -808,6 +829,8 @@ PARITY_CASES = [
     "qwen2",
     "qwen2_window",
     "mistral_window",
+    "qwen3",
+    "qwen3_window_bias",
     "gpt2",
     "gpt2_variants",
 ]

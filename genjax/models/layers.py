@@ -83,17 +83,27 @@ def check_activation(name: str, key: str) -> str:
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm (Llama): reduces in float32, scales in the model dtype."""
+    """Root-mean-square norm: reduces in float32, then scales by ``offset + scale``.
+
+    Llama's (``offset`` 0, ``upcast_scale`` False) rounds the normalized input to the model dtype
+    and scales it there. ``upcast_scale`` multiplies in float32 and rounds once, after the scale
+    (OLMo 2; Gemma, whose weights are stored as ``scale`` around ``offset`` 1).
+    """
 
     eps: float
     dtype: jnp.dtype
+    offset: float = 0.0
+    upcast_scale: bool = False
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
-        scale = stored_param(self, "scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        init = nn.initializers.zeros if self.offset else nn.initializers.ones
+        scale = stored_param(self, "scale", init, (x.shape[-1],), self.dtype)
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
-        return scale.astype(self.dtype) * normed.astype(self.dtype)
+        if self.upcast_scale:
+            return (normed * (self.offset + scale.astype(jnp.float32))).astype(self.dtype)
+        return (self.offset + scale.astype(self.dtype)) * normed.astype(self.dtype)
 
 
 class LayerNorm(nn.Module):
@@ -295,6 +305,7 @@ def attention(
     bias: Array,
     scale: float,
     upcast_scores: bool = False,
+    softcap: float | None = None,
 ) -> Array:
     """Grouped-query dot-product attention over the full cache.
 
@@ -321,6 +332,8 @@ def attention(
         bias: float32[B, 1, T, S], from :func:`genjax.cache.attention_bias`.
         scale: the score multiplier (static), usually ``H ** -0.5``.
         upcast_scores: compute ``Q K^T`` in float32 (GPT-2's ``reorder_and_upcast_attn``).
+        softcap: static; when set, the scaled scores become ``softcap * tanh(scores / softcap)``
+            before the bias (Gemma 2's ``attn_logit_softcapping``).
 
     Returns:
         dtype[B, T, N * H].
@@ -333,14 +346,14 @@ def attention(
     if upcast_scores:
         grouped, keys = grouped.astype(jnp.float32), keys.astype(jnp.float32)
     if length > 1:
-        out = _prompt_attention(grouped, keys, values, bias, scale)
+        out = _prompt_attention(grouped, keys, values, bias, scale, softcap)
     else:
-        out = _decode_attention(grouped[:, 0], keys, values, bias[:, :, 0], scale)
+        out = _decode_attention(grouped[:, 0], keys, values, bias[:, :, 0], scale, softcap)
     return out.reshape(batch, length, num_heads * head_dim).astype(dtype)
 
 
 def _decode_attention(
-    grouped: Array, keys: Array, values: Array, bias: Array, scale: float
+    grouped: Array, keys: Array, values: Array, bias: Array, scale: float, softcap: float | None
 ) -> Array:
     """Attention for one query token per row, each sum a multiply and a sum over the cache.
 
@@ -362,6 +375,7 @@ def _decode_attention(
         values: dtype[B, K, S, H].
         bias: float32[B, 1, S].
         scale: the score multiplier.
+        softcap: the score soft cap, or None.
 
     Returns:
         dtype[B, K, G, H] of ``values``' dtype.
@@ -383,6 +397,7 @@ def _decode_attention(
     v = values.astype(wide).reshape(*heads, slots, head_dim)
     scores = _rounded(jnp.sum(q[..., None] * per_query(k), axis=-2), grouped.dtype)  # [.., S]
     scores = _rounded(scores * jnp.asarray(scale, grouped.dtype).astype(wide), grouped.dtype)
+    scores = _capped(scores, softcap, grouped.dtype)
     scores = scores.astype(jnp.float32).reshape(batch, num_kv_heads, groups, slots)
     weights = jax.nn.softmax(scores + bias[:, :, None], axis=-1)
     weights = _rounded(weights, values.dtype).astype(wide).reshape(*queries, slots)
@@ -391,7 +406,7 @@ def _decode_attention(
 
 
 def _prompt_attention(
-    grouped: Array, keys: Array, values: Array, bias: Array, scale: float
+    grouped: Array, keys: Array, values: Array, bias: Array, scale: float, softcap: float | None
 ) -> Array:
     """Attention for ``T > 1`` query tokens, each KV head's ``G * T`` queries as one block of rows.
 
@@ -408,6 +423,7 @@ def _prompt_attention(
         values: dtype[B, K, S, H].
         bias: float32[B, 1, T, S].
         scale: the score multiplier.
+        softcap: the score soft cap, or None.
 
     Returns:
         dtype[B, T, K * G * H] of ``values``' dtype.
@@ -417,7 +433,8 @@ def _prompt_attention(
     rows = grouped.transpose(0, 2, 3, 1, 4).reshape(batch, num_kv_heads, -1, head_dim)
     scores = jnp.einsum("bkqh,bkhs->bkqs", rows, keys, preferred_element_type=jnp.float32)
     scores = _rounded(scores, rows.dtype) * jnp.asarray(scale, rows.dtype).astype(jnp.float32)
-    scores = _rounded(scores, rows.dtype).reshape(batch, num_kv_heads, groups, length, slots)
+    scores = _capped(_rounded(scores, rows.dtype), softcap, rows.dtype)
+    scores = scores.reshape(batch, num_kv_heads, groups, length, slots)
     weights = jax.nn.softmax(scores + bias[:, :, None], axis=-1)  # float32[B, K, G, T, S]
     weights = _rounded(weights, values.dtype).reshape(batch, num_kv_heads, -1, slots)
     out = jnp.einsum(
@@ -425,6 +442,16 @@ def _prompt_attention(
     )  # [B, K, G*T, H]
     out = _rounded(out, values.dtype).reshape(batch, num_kv_heads, groups, length, head_dim)
     return out.transpose(0, 3, 1, 2, 4).reshape(batch, length, -1).astype(values.dtype)
+
+
+def _capped(scores: Array, softcap: float | None, dtype: jnp.dtype) -> Array:
+    """``softcap * tanh(scores / softcap)`` on wide scores, each step rounded to ``dtype`` as
+    transformers computes it in the query dtype; ``scores`` unchanged when ``softcap`` is None."""
+    if softcap is None:
+        return scores
+    cap = jnp.asarray(softcap, dtype).astype(scores.dtype)
+    capped = jnp.tanh(_rounded(scores / cap, dtype))
+    return _rounded(_rounded(capped, dtype) * cap, dtype)
 
 
 def _rounded(x: Array, dtype: jnp.dtype) -> Array:

@@ -1,25 +1,13 @@
-"""The Llama family: Llama 2/3 (and SmolLM, TinyLlama...), Mistral and Qwen2.
+"""The Llama family: Llama 2/3 (and SmolLM, TinyLlama...), Mistral, Qwen2 and Qwen3.
 
-One pre-norm decoder covers them: RMSNorm, rotary embeddings, grouped-query attention, a SiLU
-gated MLP. They differ only in config: biases (Qwen2: q/k/v projections), the sliding window
-(Mistral: every layer; Qwen2: layers at and after ``max_window_layers`` when
-``use_sliding_window``), tied embeddings (SmolLM, Llama 3.2).
-
-Parameter tree (HF name = path joined by dots, ``kernel``/``scale``/``embedding`` -> ``weight``,
-prefix ``model.`` except ``lm_head``; every ``kernel`` is the HF weight as stored, [out, in])::
-
-    embed_tokens/embedding                     [V, D]
-    layers/<i>/input_layernorm/scale           [D]
-    layers/<i>/self_attn/q_proj/kernel         [N*H, D]   (+ bias [N*H])
-    layers/<i>/self_attn/k_proj/kernel         [K*H, D]   (+ bias [K*H])
-    layers/<i>/self_attn/v_proj/kernel         [K*H, D]   (+ bias [K*H])
-    layers/<i>/self_attn/o_proj/kernel         [D, N*H]   (+ bias [D])
-    layers/<i>/post_attention_layernorm/scale  [D]
-    layers/<i>/mlp/gate_proj/kernel            [F, D]     (+ bias [F])
-    layers/<i>/mlp/up_proj/kernel              [F, D]     (+ bias [F])
-    layers/<i>/mlp/down_proj/kernel            [D, F]     (+ bias [D])
-    norm/scale                                 [D]
-    lm_head/kernel                             [V, D]     (absent when tie_word_embeddings)
+:class:`LlamaConfig` is the static structure of every rotary decoder genjax runs (this family,
+and OLMo 2, Phi-3 and Gemma 2/3 in their own modules); :class:`LlamaModel` runs it with the
+shared core of :mod:`genjax.models.decoder`, whose docstring lists the options and the parameter
+tree. The Llama family is the plain pre-norm decoder: RMSNorm, rotary embeddings, grouped-query
+attention, a SiLU gated MLP. Its members differ only in config: biases (Qwen2: q/k/v
+projections), the sliding window (Mistral: every layer; Qwen2/Qwen3: layers at and after
+``max_window_layers`` when ``use_sliding_window``), tied embeddings (SmolLM, Llama 3.2), and
+Qwen3's per-head RMSNorm on queries and keys (before rope) with an explicit ``head_dim``.
 
 config.json keys, by model_type (``_hf.IGNORED_KEYS`` lists the ones every architecture ignores):
 
@@ -33,6 +21,8 @@ config.json keys, by model_type (``_hf.IGNORED_KEYS`` lists the ones every archi
     qwen2          use_sliding_window sliding_window max_window_layers layer_types use_mrope (false
                    only); ignored as in transformers: attention_bias, mlp_bias (Qwen2 hardcodes
                    q/k/v bias and no o/MLP bias)
+    qwen3          attention_bias (q/k/v/o) use_sliding_window sliding_window max_window_layers
+                   layer_types
 """
 
 from __future__ import annotations
@@ -45,19 +35,12 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
-from genjax.cache import KVCache, attention_bias
 from genjax.errors import CheckpointError
 from genjax.models import _hf
 from genjax.models.base import ModelBase
-from genjax.models.layers import (
-    ACTIVATIONS,
-    Embed,
-    RMSNorm,
-    attention,
-    check_activation,
-    dense,
-)
-from genjax.models.rope import RopeConfig, apply_rope, rope_cos_sin, rope_from_hf
+from genjax.models.decoder import NORM_LAYOUTS, QK_NORMS, DecoderLM
+from genjax.models.layers import check_activation
+from genjax.models.rope import RopeConfig, rope_from_hf
 
 _COMMON_DEFAULTS = {
     "vocab_size": 32000,
@@ -98,6 +81,7 @@ _DEFAULTS = {
         "layer_types": None,
     },
 }
+_DEFAULTS["qwen3"] = {**_DEFAULTS["qwen2"], "head_dim": 128, "attention_bias": False}
 _HANDLED = (
     "vocab_size",
     "hidden_size",
@@ -125,6 +109,16 @@ _ARCH_KEYS = {
         "handled": ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types"),
         "ignored": ("attention_bias", "mlp_bias"),
     },
+    "qwen3": {
+        "handled": (
+            "attention_bias",
+            "use_sliding_window",
+            "sliding_window",
+            "max_window_layers",
+            "layer_types",
+        ),
+        "ignored": (),
+    },
 }
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -151,8 +145,18 @@ class LlamaConfig:
         sliding_windows: per layer, the attention window ``W`` or None for full attention;
             ``()`` means full attention everywhere.
         max_position_embeddings: the trained context from config.json (not a hard limit).
-        model_type: ``"llama"``, ``"mistral"`` or ``"qwen2"`` (informational).
+        model_type: the config.json ``model_type`` (informational).
         dtype: the activation and parameter dtype name, e.g. ``"float32"``.
+        qk_norm: None, ``"head"`` or ``"projection"``: RMSNorm on queries and keys before rope.
+        norm_layout: ``"pre"``, ``"post"`` or ``"sandwich"`` (see :mod:`genjax.models.decoder`).
+        norm_offset: norms scale by ``norm_offset + scale`` (Gemma: 1).
+        norm_upcast: norms multiply their scale in float32 before rounding.
+        fused_projections: ``qkv_proj`` and ``gate_up_proj`` matrices (Phi-3).
+        embed_scale: embeddings are multiplied by ``sqrt(D)`` in the model dtype.
+        attention_scale: the attention score multiplier; None means ``H ** -0.5``.
+        attn_softcap: attention scores become ``c * tanh(scores / c)``; None for none.
+        final_softcap: the same on the logits.
+        local_rope: rope settings of the sliding-window layers; None means ``rope``.
     """
 
     vocab_size: int
@@ -173,14 +177,31 @@ class LlamaConfig:
     max_position_embeddings: int | None = None
     model_type: str = "llama"
     dtype: str = "float32"
+    qk_norm: str | None = None
+    norm_layout: str = "pre"
+    norm_offset: float = 0.0
+    norm_upcast: bool = False
+    fused_projections: bool = False
+    embed_scale: bool = False
+    attention_scale: float | None = None
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    local_rope: RopeConfig | None = None
 
     def __post_init__(self):
+        if self.norm_layout not in NORM_LAYOUTS or self.qk_norm not in QK_NORMS:
+            raise CheckpointError(
+                f"norm_layout must be one of {NORM_LAYOUTS} and qk_norm one of {QK_NORMS}; got "
+                f"{self.norm_layout!r} and {self.qk_norm!r}."
+            )
         if not self.sliding_windows:
             object.__setattr__(self, "sliding_windows", (None,) * self.num_layers)
         object.__setattr__(self, "sliding_windows", tuple(self.sliding_windows))
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype).name)
-        if self.rope.dim == 0:
-            object.__setattr__(self, "rope", dataclasses.replace(self.rope, dim=self.head_dim))
+        for field in ("rope", "local_rope"):
+            rope = getattr(self, field)
+            if rope is not None and rope.dim == 0:
+                object.__setattr__(self, field, dataclasses.replace(rope, dim=self.head_dim))
         if self.num_heads % self.num_kv_heads:
             raise CheckpointError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
@@ -200,7 +221,7 @@ class LlamaConfig:
         dtype: str = "float32",
         ignore_config_keys: Iterable[str] = (),
     ) -> LlamaConfig:
-        """Reads an HF ``config.json`` dict of model_type llama, mistral or qwen2.
+        """Reads an HF ``config.json`` dict of model_type llama, mistral, qwen2 or qwen3.
 
         Raises:
             UnsupportedError: naming a config key or value genjax does not implement.
@@ -212,7 +233,9 @@ class LlamaConfig:
         """
         model_type = config.get("model_type", "llama")
         if model_type not in _DEFAULTS:
-            raise CheckpointError(f"LlamaConfig reads llama, mistral or qwen2, not {model_type!r}.")
+            raise CheckpointError(
+                f"LlamaConfig.from_hf reads {', '.join(_DEFAULTS)}, not {model_type!r}."
+            )
         keys = _ARCH_KEYS[model_type]
         _hf.check_keys(
             config, model_type, _HANDLED + keys["handled"], keys["ignored"], ignore_config_keys
@@ -222,30 +245,58 @@ class LlamaConfig:
         def get(key):
             return _hf.read(config, key, defaults)
 
-        num_heads = get("num_attention_heads")
-        num_layers = get("num_hidden_layers")
-        head_dim = get("head_dim") or get("hidden_size") // num_heads
-        has_bias = model_type == "llama" and bool(get("attention_bias"))
+        head_dim = get("head_dim") or get("hidden_size") // get("num_attention_heads")
+        has_bias = model_type in ("llama", "qwen3") and bool(get("attention_bias"))
         return cls(
-            vocab_size=get("vocab_size"),
-            hidden_size=get("hidden_size"),
-            intermediate_size=get("intermediate_size"),
-            num_layers=num_layers,
-            num_heads=num_heads,
-            num_kv_heads=get("num_key_value_heads") or num_heads,
-            head_dim=head_dim,
-            rms_norm_eps=float(get("rms_norm_eps")),
-            hidden_act=get("hidden_act"),
+            **common_fields(get, head_dim),
             qkv_bias=has_bias or model_type == "qwen2",
             o_bias=has_bias,
             mlp_bias=model_type == "llama" and bool(get("mlp_bias")),
-            tie_word_embeddings=bool(get("tie_word_embeddings")),
             rope=rope_from_hf({**defaults, **config}, head_dim, ignore_config_keys),
-            sliding_windows=_sliding_windows(model_type, get, num_layers),
-            max_position_embeddings=get("max_position_embeddings"),
+            sliding_windows=_sliding_windows(model_type, get, get("num_hidden_layers")),
             model_type=model_type,
             dtype=dtype,
+            qk_norm="head" if model_type == "qwen3" else None,
         )
+
+
+COMMON_KEYS = _HANDLED
+"""The config.json keys :func:`common_fields` and ``rope_from_hf`` read, for every architecture
+of the shared decoder (``hidden_act`` aside: Gemma names it ``hidden_activation``)."""
+
+
+def common_fields(get, head_dim: int, act_key: str = "hidden_act") -> dict[str, Any]:
+    """The :class:`LlamaConfig` fields every rotary decoder reads the same way.
+
+    Args:
+        get: ``get(key)``: the config.json value, or the architecture's default.
+        head_dim: ``H``, as the architecture derives it.
+        act_key: the key of the MLP activation.
+    """
+    num_heads = get("num_attention_heads")
+    return dict(
+        vocab_size=get("vocab_size"),
+        hidden_size=get("hidden_size"),
+        intermediate_size=get("intermediate_size"),
+        num_layers=get("num_hidden_layers"),
+        num_heads=num_heads,
+        num_kv_heads=get("num_key_value_heads") or num_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(get("rms_norm_eps")),
+        hidden_act=check_activation(get(act_key), act_key),
+        tie_word_embeddings=bool(get("tie_word_embeddings")),
+        max_position_embeddings=get("max_position_embeddings"),
+    )
+
+
+def layer_windows(layer_types, window: int | None, num_layers: int) -> tuple[int | None, ...]:
+    """Per-layer windows from transformers' ``layer_types`` (``"sliding_attention"`` layers get
+    ``window``), checking the list."""
+    if len(layer_types) != num_layers or set(layer_types) - set(_LAYER_TYPES):
+        raise CheckpointError(
+            f"layer_types must list {num_layers} entries among {_LAYER_TYPES}, got {layer_types}."
+        )
+    return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
 
 
 def _sliding_windows(model_type: str, get, num_layers: int) -> tuple[int | None, ...]:
@@ -262,99 +313,15 @@ def _sliding_windows(model_type: str, get, num_layers: int) -> tuple[int | None,
             "sliding_attention" if window is not None and i >= first else "full_attention"
             for i in range(num_layers)
         ]
-    if len(layer_types) != num_layers or set(layer_types) - set(_LAYER_TYPES):
-        raise CheckpointError(
-            f"layer_types must list {num_layers} entries among {_LAYER_TYPES}, got {layer_types}."
-        )
-    return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
-
-
-class _Attention(nn.Module):
-    config: LlamaConfig
-    layer: int
-
-    @nn.compact
-    def __call__(self, x, cos, sin, bias, cache: KVCache):
-        c, dtype = self.config, jnp.dtype(self.config.dtype)
-        batch, length, _ = x.shape
-        q = dense(c.num_heads * c.head_dim, c.qkv_bias, dtype, "q_proj")(x)
-        k = dense(c.num_kv_heads * c.head_dim, c.qkv_bias, dtype, "k_proj")(x)
-        v = dense(c.num_kv_heads * c.head_dim, c.qkv_bias, dtype, "v_proj")(x)
-        q = apply_rope(q.reshape(batch, length, c.num_heads, c.head_dim), cos, sin)
-        k = apply_rope(k.reshape(batch, length, c.num_kv_heads, c.head_dim), cos, sin)
-        v = v.reshape(batch, length, c.num_kv_heads, c.head_dim)
-        keys, values, cache = cache.update_layer(self.layer, k, v)
-        out = attention(q, keys, values, bias, c.head_dim**-0.5)
-        return dense(c.hidden_size, c.o_bias, dtype, "o_proj")(out), cache
-
-
-class _MLP(nn.Module):
-    config: LlamaConfig
-
-    @nn.compact
-    def __call__(self, x):
-        c, dtype = self.config, jnp.dtype(self.config.dtype)
-        gate = dense(c.intermediate_size, c.mlp_bias, dtype, "gate_proj")(x)
-        up = dense(c.intermediate_size, c.mlp_bias, dtype, "up_proj")(x)
-        return dense(c.hidden_size, c.mlp_bias, dtype, "down_proj")(
-            ACTIVATIONS[c.hidden_act](gate) * up
-        )
-
-
-class _DecoderLayer(nn.Module):
-    config: LlamaConfig
-    layer: int
-
-    @nn.compact
-    def __call__(self, x, cos, sin, bias, cache):
-        c, dtype = self.config, jnp.dtype(self.config.dtype)
-        h = RMSNorm(c.rms_norm_eps, dtype, name="input_layernorm")(x)
-        h, cache = _Attention(c, self.layer, name="self_attn")(h, cos, sin, bias, cache)
-        x = x + h
-        h = RMSNorm(c.rms_norm_eps, dtype, name="post_attention_layernorm")(x)
-        return x + _MLP(c, name="mlp")(h), cache
-
-
-class _Layers(nn.Module):
-    config: LlamaConfig
-
-    @nn.compact
-    def __call__(self, x, cos, sin, biases, cache):
-        for i, window in enumerate(self.config.sliding_windows):
-            x, cache = _DecoderLayer(self.config, i, name=str(i))(
-                x, cos, sin, biases[window], cache
-            )
-        return x, cache
-
-
-class _LlamaLM(nn.Module):
-    config: LlamaConfig
-
-    @nn.compact
-    def __call__(self, tokens, positions, cache, attention_mask, logits_to_keep=0):
-        c, dtype = self.config, jnp.dtype(self.config.dtype)
-        length = tokens.shape[1]
-        embed = Embed(c.vocab_size, c.hidden_size, dtype, name="embed_tokens")
-        x = embed(tokens)
-        cos, sin = rope_cos_sin(c.rope, positions, dtype)
-        biases = {
-            window: attention_bias(attention_mask, cache.index, length, jnp.float32, window)
-            for window in set(c.sliding_windows)
-        }
-        x, cache = _Layers(c, name="layers")(x, cos, sin, biases, cache)
-        if logits_to_keep:  # only the last positions' logits (prefill needs one)
-            x = x[:, -logits_to_keep:]
-        x = RMSNorm(c.rms_norm_eps, dtype, name="norm")(x)
-        if c.tie_word_embeddings:
-            logits = embed.attend(x)
-        else:
-            logits = dense(c.vocab_size, False, dtype, "lm_head")(x)
-        return logits.astype(jnp.float32), cache.advance(length)
+    return layer_windows(layer_types, window, num_layers)
 
 
 @dataclasses.dataclass(frozen=True)
 class LlamaModel(ModelBase):
-    """A Llama, Mistral or Qwen2 causal LM: a hashable, pure model (see ``genjax.models``).
+    """A causal LM of the shared rotary decoder: a hashable, pure model (see ``genjax.models``).
+
+    ``from_hf_config`` reads the Llama family; OLMo 2, Phi-3 and Gemma have subclasses that read
+    their own ``config.json`` into the same :class:`LlamaConfig`.
 
     Example:
         >>> model, params = genjax.models.from_pretrained("HuggingFaceTB/SmolLM2-135M")
@@ -374,7 +341,7 @@ class LlamaModel(ModelBase):
         return self.config.num_kv_heads
 
     def _module(self) -> nn.Module:
-        return _LlamaLM(self.config)
+        return DecoderLM(self.config)
 
     def _hf_transposed(self, path: tuple[str, ...]) -> bool:
         return False  # every tensor is stored as HF stores it

@@ -31,6 +31,7 @@ ARCHITECTURES = {
     "llama": LlamaModel,
     "mistral": LlamaModel,
     "qwen2": LlamaModel,
+    "qwen3": LlamaModel,
     "gpt2": GPT2Model,
     "t5": T5Model,
     "mt5": T5Model,

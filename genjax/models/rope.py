@@ -14,6 +14,12 @@ Supported types (the math of transformers' ``modeling_rope_utils``):
     llama3    Llama 3.1 piecewise scaling of the low and middle frequencies
     yarn      YaRN blend of interpolated and extrapolated frequencies, with cos/sin scaled by the
               attention factor
+    longrope  LongRoPE (Phi-3): inv_freq / short_factor, or / long_factor once the longest position
+              of the call passes original_max_position_embeddings; cos/sin scaled by the
+              attention factor
+
+A rotated width ``dim`` below the head dimension (``partial_rotary_factor``) rotates the first
+``dim`` features of each head and passes the rest through, as transformers' Phi-3 does.
 
 Static or traced: the :class:`RopeConfig` is static; positions are traced.
 
@@ -35,7 +41,7 @@ import numpy as np
 from genjax.errors import CheckpointError, UnsupportedError
 from genjax.typing import Array
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 # Keys each rope type reads, besides "rope_type"/"type", "rope_theta" and "partial_rotary_factor".
 _TYPE_KEYS = {
@@ -57,12 +63,23 @@ _TYPE_KEYS = {
             "truncate",
         }
     ),
+    "longrope": frozenset(
+        {
+            "factor",
+            "original_max_position_embeddings",
+            "attention_factor",
+            "short_factor",
+            "long_factor",
+        }
+    ),
 }
 _REQUIRED_KEYS = {
     "linear": ("factor",),
     "dynamic": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+    "longrope": ("short_factor", "long_factor"),
 }
+_ORIGINAL_LENGTH_TYPES = ("llama3", "yarn", "longrope")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,18 +89,24 @@ class RopeConfig:
     Attributes:
         rope_type: one of ``SUPPORTED_ROPE_TYPES``.
         theta: the base wavelength (``rope_theta``).
-        dim: the rotated width, the head dimension ``H``.
+        dim: the rotated width: the head dimension ``H``, or less with a partial rotary factor.
         factor: the scaling factor (all types but ``default``).
         low_freq_factor: ``llama3`` only.
         high_freq_factor: ``llama3`` only.
-        original_max_position_embeddings: the pretraining context (``llama3``, ``yarn``).
-        max_position_embeddings: the model's ``max_position_embeddings`` (``dynamic``, ``yarn``).
-        attention_factor: ``yarn``: the cos/sin scale; None derives it from ``factor``.
+        original_max_position_embeddings: the pretraining context (``llama3``, ``yarn``,
+            ``longrope``).
+        max_position_embeddings: the model's ``max_position_embeddings`` (``dynamic``, ``yarn``,
+            ``longrope``).
+        attention_factor: ``yarn``, ``longrope``: the cos/sin scale; None derives it from
+            ``factor``.
         beta_fast: ``yarn`` ramp bound (None means 32).
         beta_slow: ``yarn`` ramp bound (None means 1).
         mscale: ``yarn``: with ``mscale_all_dim``, sets the derived attention factor.
         mscale_all_dim: ``yarn``.
         truncate: ``yarn``: round the correction range to whole dimensions.
+        short_factor: ``longrope``: ``dim // 2`` divisors of the frequencies for calls whose
+            longest position is within ``original_max_position_embeddings``.
+        long_factor: ``longrope``: the divisors past it.
     """
 
     rope_type: str = "default"
@@ -100,6 +123,8 @@ class RopeConfig:
     mscale: float | None = None
     mscale_all_dim: float | None = None
     truncate: bool = True
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
 
     def __post_init__(self):
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
@@ -113,11 +138,24 @@ class RopeConfig:
                     f"rope type {self.rope_type!r} needs {key!r} in rope_parameters/rope_scaling, "
                     "but config.json does not set it."
                 )
-        if self.rope_type in ("dynamic", "yarn") and self.max_position_embeddings is None:
+        if self.rope_type == "longrope" and self.dim:
+            for key in ("short_factor", "long_factor"):
+                if len(getattr(self, key)) != self.dim // 2:
+                    raise CheckpointError(
+                        f"longrope {key} must hold one number per rotated frequency, "
+                        f"dim // 2 = {self.dim // 2}; got {len(getattr(self, key))}."
+                    )
+        if (
+            self.rope_type in ("dynamic", "yarn", "longrope")
+            and self.max_position_embeddings is None
+        ):
             raise CheckpointError(
                 f"rope type {self.rope_type!r} needs max_position_embeddings in config.json."
             )
-        if self.rope_type in ("llama3", "yarn") and self.original_max_position_embeddings is None:
+        if (
+            self.rope_type in _ORIGINAL_LENGTH_TYPES
+            and self.original_max_position_embeddings is None
+        ):
             raise CheckpointError(
                 f"rope type {self.rope_type!r} needs original_max_position_embeddings (or "
                 "max_position_embeddings) in config.json."
@@ -125,7 +163,9 @@ class RopeConfig:
 
     @property
     def attention_scaling(self) -> float:
-        """The factor applied to cos and sin (1 except for ``yarn``)."""
+        """The factor applied to cos and sin (1 except for ``yarn`` and ``longrope``)."""
+        if self.rope_type == "longrope":
+            return self._longrope_attention_factor()
         if self.rope_type != "yarn":
             return 1.0
         if self.attention_factor is not None:
@@ -137,6 +177,17 @@ class RopeConfig:
             )
         return _yarn_mscale(factor)
 
+    def _longrope_attention_factor(self) -> float:
+        if self.attention_factor is not None:
+            return float(self.attention_factor)
+        original = self.original_max_position_embeddings
+        factor = self.factor
+        if factor is None:
+            factor = self.max_position_embeddings / original
+        if factor <= 1.0:
+            return 1.0
+        return math.sqrt(1 + math.log(factor) / math.log(original))
+
     def _yarn_factor(self) -> float:
         if self.factor is not None:
             return float(self.factor)
@@ -144,7 +195,10 @@ class RopeConfig:
 
 
 def rope_from_hf(
-    config: Mapping[str, Any], head_dim: int, ignore_keys: Iterable[str] = ()
+    config: Mapping[str, Any],
+    head_dim: int,
+    ignore_keys: Iterable[str] = (),
+    partial_rotary: bool = False,
 ) -> RopeConfig:
     """Reads the rope settings of an HF ``config.json`` dict (v4 or v5 layout).
 
@@ -156,6 +210,8 @@ def rope_from_hf(
         config: the parsed ``config.json``.
         head_dim: the head dimension ``H``.
         ignore_keys: rope keys the caller vouches for (``from_pretrained(ignore_config_keys=)``).
+        partial_rotary: the architecture rotates ``int(H * partial_rotary_factor)`` features of
+            each head (Phi-3); otherwise a factor other than 1 is refused.
 
     Returns:
         The :class:`RopeConfig`.
@@ -183,7 +239,9 @@ def rope_from_hf(
             f"supported rope types: {', '.join(SUPPORTED_ROPE_TYPES)}."
         )
     partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor"))
-    if partial not in (None, 1, 1.0):
+    if partial is None:
+        partial = 1.0
+    if not partial_rotary and partial != 1:
         raise UnsupportedError(
             f"partial_rotary_factor={partial} is not supported: these architectures rotate the "
             "whole head."
@@ -199,12 +257,12 @@ def rope_from_hf(
     original = config.get(
         "original_max_position_embeddings", params.get("original_max_position_embeddings")
     )
-    if original is None and rope_type in ("llama3", "yarn"):
+    if original is None and rope_type in _ORIGINAL_LENGTH_TYPES:
         original = config.get("max_position_embeddings")
     return RopeConfig(
         rope_type=rope_type,
         theta=float(params.get("rope_theta", config.get("rope_theta", 10000.0))),
-        dim=head_dim,
+        dim=int(head_dim * partial),
         factor=_float_or_none(params.get("factor")),
         low_freq_factor=_float_or_none(params.get("low_freq_factor")),
         high_freq_factor=_float_or_none(params.get("high_freq_factor")),
@@ -216,11 +274,14 @@ def rope_from_hf(
         mscale=_float_or_none(params.get("mscale")),
         mscale_all_dim=_float_or_none(params.get("mscale_all_dim")),
         truncate=bool(params.get("truncate", True)),
+        short_factor=_floats_or_none(params.get("short_factor")),
+        long_factor=_floats_or_none(params.get("long_factor")),
     )
 
 
 def inverse_frequencies(rope: RopeConfig) -> np.ndarray:
-    """Returns the static inverse frequencies, float32[H // 2] (``dynamic``: before scaling)."""
+    """Returns the static inverse frequencies, float32[dim // 2] (``dynamic``: before scaling;
+    ``longrope``: with the short factors)."""
     exponents = np.arange(0, rope.dim, 2, dtype=np.float32) / np.float32(rope.dim)
     inv_freq = np.float32(1.0) / (np.float32(rope.theta) ** exponents)
     if rope.rope_type == "linear":
@@ -229,6 +290,8 @@ def inverse_frequencies(rope: RopeConfig) -> np.ndarray:
         return _llama3(rope, inv_freq)
     if rope.rope_type == "yarn":
         return _yarn(rope, exponents)
+    if rope.rope_type == "longrope":
+        return _longrope(rope, exponents, rope.short_factor)
     return inv_freq
 
 
@@ -239,7 +302,8 @@ def rope_cos_sin(rope: RopeConfig, positions: Array, dtype: jnp.dtype) -> tuple[
     ``max_position_embeddings``. transformers computes the same thing, but keeps the largest
     length seen in module state across calls; here each call starts afresh, so the two agree
     within one ``generate`` (whose positions only grow) and may differ after an earlier, longer
-    call on the same HF module.
+    call on the same HF module. ``longrope`` picks its long factors the same way, when
+    ``max(positions) + 1`` passes ``original_max_position_embeddings`` (see :func:`_longrope`).
 
     Args:
         rope: the settings (static).
@@ -247,12 +311,17 @@ def rope_cos_sin(rope: RopeConfig, positions: Array, dtype: jnp.dtype) -> tuple[
         dtype: the dtype of the returned tables.
 
     Returns:
-        ``(cos, sin)``, each dtype[B, T, H]: the half-width angles repeated twice, as HF's
+        ``(cos, sin)``, each dtype[B, T, dim]: the half-width angles repeated twice, as HF's
         ``rotate_half`` layout expects, and scaled by ``rope.attention_scaling``.
     """
     inv_freq = jnp.asarray(inverse_frequencies(rope))
     if rope.rope_type == "dynamic":
         inv_freq = _dynamic_inv_freq(rope, positions, inv_freq)
+    if rope.rope_type == "longrope":
+        exponents = np.arange(0, rope.dim, 2, dtype=np.float32) / np.float32(rope.dim)
+        long = jnp.asarray(_longrope(rope, exponents, rope.long_factor))
+        beyond = jnp.max(positions) + 1 > rope.original_max_position_embeddings
+        inv_freq = jnp.where(beyond, long, inv_freq)
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
     angles = jnp.concatenate([angles, angles], axis=-1)  # [B, T, H]
     scale = rope.attention_scaling
@@ -263,7 +332,12 @@ def rope_cos_sin(rope: RopeConfig, positions: Array, dtype: jnp.dtype) -> tuple[
 
 
 def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
-    """Rotates ``x`` (dtype[B, T, N, H]) by the tables (dtype[B, T, H]) in HF rotate_half style."""
+    """Rotates ``x`` (dtype[B, T, N, H]) by the tables (dtype[B, T, dim]) in HF rotate_half style;
+    with ``dim < H`` only the first ``dim`` features of each head turn."""
+    rotated_width = cos.shape[-1]
+    if rotated_width < x.shape[-1]:
+        turned = apply_rope(x[..., :rotated_width], cos, sin)
+        return jnp.concatenate([turned, x[..., rotated_width:]], axis=-1)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
@@ -271,6 +345,24 @@ def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
 
 def _float_or_none(value: Any) -> float | None:
     return None if value is None else float(value)
+
+
+def _floats_or_none(value: Any) -> tuple[float, ...] | None:
+    return None if value is None else tuple(float(v) for v in value)
+
+
+def _longrope(rope: RopeConfig, exponents: np.ndarray, factors: tuple[float, ...]) -> np.ndarray:
+    """``1 / (factors * theta ** (2i / dim))``, float32[dim // 2] (transformers' LongRoPE).
+
+    transformers chooses the long factors in a forward pass whose longest position id passes
+    ``original_max_position_embeddings``, else the short ones; Phi-3's ``generate`` also drops
+    its cache once the sequence grows past that length, recomputing every earlier key with the
+    long factors. genjax keeps its cache, so a ``generate`` call that crosses the length keeps
+    the short-factor keys of the earlier tokens (prompts that start past it, or calls that stay
+    within it, match transformers).
+    """
+    inv_freq = np.asarray(factors, np.float32) * (np.float32(rope.theta) ** exponents)
+    return (np.float32(1.0) / inv_freq).astype(np.float32)
 
 
 def _llama3(rope: RopeConfig, inv_freq: np.ndarray) -> np.ndarray:

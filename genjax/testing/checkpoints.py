@@ -31,6 +31,25 @@ _T5_V1_0 = {  # ReLU MLP, head tied to the embedding with the D ** -0.5 rescale
     "tie_word_embeddings": True,
     "decoder_start_token_id": 0,
 }
+_ROTARY = {  # the sizes every tiny rotary decoder shares
+    "vocab_size": 101,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+}
+_GEMMA = {
+    **_ROTARY,
+    "head_dim": 16,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "query_pre_attn_scalar": 12,
+    "sliding_window": 4,
+    "tie_word_embeddings": True,
+}
 _TINY = {
     "llama": {
         "model_type": "llama",
@@ -85,6 +104,58 @@ _TINY = {
         "sliding_window": None,
         "max_window_layers": 2,
         "tie_word_embeddings": False,
+    },
+    "qwen3": {
+        **_ROTARY,
+        "model_type": "qwen3",
+        "architectures": ["Qwen3ForCausalLM"],
+        "head_dim": 16,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+        "attention_bias": False,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": 2,
+    },
+    "olmo2": {
+        **_ROTARY,
+        "model_type": "olmo2",
+        "architectures": ["Olmo2ForCausalLM"],
+        "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
+        "attention_bias": False,
+    },
+    "phi3": {
+        **_ROTARY,
+        "model_type": "phi3",
+        "architectures": ["Phi3ForCausalLM"],
+        "original_max_position_embeddings": 8,
+        "partial_rotary_factor": 0.5,
+        "rope_parameters": {
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "short_factor": [1.0, 1.5],
+            "long_factor": [2.0, 4.0],
+        },
+        "sliding_window": None,
+    },
+    "gemma2": {
+        **_GEMMA,
+        "model_type": "gemma2",
+        "architectures": ["Gemma2ForCausalLM"],
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        "attn_logit_softcapping": 2.0,
+        "final_logit_softcapping": 3.0,
+    },
+    "gemma3_text": {
+        **_GEMMA,
+        "model_type": "gemma3_text",
+        "architectures": ["Gemma3ForCausalLM"],
+        "num_hidden_layers": 3,
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+        },
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+        "final_logit_softcapping": None,
     },
     "gpt2": {
         "model_type": "gpt2",
@@ -166,8 +237,9 @@ def write_random_checkpoint(
     Args:
         path: the folder (created if needed).
         model_type: a preset of :func:`tiny_config`: ``"llama"``, ``"mistral"``, ``"qwen2"``,
-            ``"gpt2"``, or the encoder-decoders ``"t5"`` (v1.0), ``"t5_v1_1"``, ``"bart"``,
-            ``"mbart"``, ``"marian"`` (whose names are always full: ``prefix`` is ignored).
+            ``"qwen3"``, ``"olmo2"``, ``"phi3"``, ``"gemma2"``, ``"gemma3_text"``, ``"gpt2"``, or
+            the encoder-decoders ``"t5"`` (v1.0), ``"t5_v1_1"``, ``"bart"``, ``"mbart"``,
+            ``"marian"`` (whose names are always full: ``prefix`` is ignored).
         seed: the numpy seed.
         dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``: the stored dtype.
         num_shards: more than one writes ``model-0000i-of-0000n.safetensors`` plus
@@ -225,29 +297,59 @@ def _random(rng: np.random.Generator, name: str, shape: tuple[int, ...]) -> np.n
     return rng.standard_normal(shape, dtype=np.float32) / np.sqrt(fan_in)
 
 
+_SANDWICH_NORMS = (
+    "input_layernorm",
+    "post_attention_layernorm",
+    "pre_feedforward_layernorm",
+    "post_feedforward_layernorm",
+)
+
+
 def _llama_shapes(config: dict[str, Any], model_type: str) -> dict[str, tuple[int, ...]]:
     width, vocab = config["hidden_size"], config["vocab_size"]
     heads = config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads") or heads
     head_dim = config.get("head_dim") or width // heads
     mlp = config["intermediate_size"]
-    o_bias = model_type == "llama" and config.get("attention_bias", False)
+    biased = ("llama", "qwen3", "olmo2", "gemma2", "gemma3_text")
+    o_bias = model_type in biased and config.get("attention_bias", False)
     qkv_bias = model_type == "qwen2" or o_bias
     mlp_bias = model_type == "llama" and config.get("mlp_bias", False)
+    norms = {
+        "olmo2": ("post_attention_layernorm", "post_feedforward_layernorm"),
+        "gemma2": _SANDWICH_NORMS,
+        "gemma3_text": _SANDWICH_NORMS,
+    }.get(model_type, ("input_layernorm", "post_attention_layernorm"))
+    qk_norms = {
+        "qwen3": (head_dim, head_dim),
+        "gemma3_text": (head_dim, head_dim),
+        "olmo2": (heads * head_dim, kv_heads * head_dim),
+    }.get(model_type)
     shapes = {"embed_tokens.weight": (vocab, width)}
     for i in range(config["num_hidden_layers"]):
         layer = f"layers.{i}."
-        projections = {
-            "self_attn.q_proj": (heads * head_dim, width, qkv_bias),
-            "self_attn.k_proj": (kv_heads * head_dim, width, qkv_bias),
-            "self_attn.v_proj": (kv_heads * head_dim, width, qkv_bias),
-            "self_attn.o_proj": (width, heads * head_dim, o_bias),
-            "mlp.gate_proj": (mlp, width, mlp_bias),
-            "mlp.up_proj": (mlp, width, mlp_bias),
-            "mlp.down_proj": (width, mlp, mlp_bias),
-        }
-        shapes[layer + "input_layernorm.weight"] = (width,)
-        shapes[layer + "post_attention_layernorm.weight"] = (width,)
+        if model_type == "phi3":
+            projections = {
+                "self_attn.qkv_proj": ((heads + 2 * kv_heads) * head_dim, width, False),
+                "self_attn.o_proj": (width, heads * head_dim, False),
+                "mlp.gate_up_proj": (2 * mlp, width, False),
+                "mlp.down_proj": (width, mlp, False),
+            }
+        else:
+            projections = {
+                "self_attn.q_proj": (heads * head_dim, width, qkv_bias),
+                "self_attn.k_proj": (kv_heads * head_dim, width, qkv_bias),
+                "self_attn.v_proj": (kv_heads * head_dim, width, qkv_bias),
+                "self_attn.o_proj": (width, heads * head_dim, o_bias),
+                "mlp.gate_proj": (mlp, width, mlp_bias),
+                "mlp.up_proj": (mlp, width, mlp_bias),
+                "mlp.down_proj": (width, mlp, mlp_bias),
+            }
+        for norm in norms:
+            shapes[f"{layer}{norm}.weight"] = (width,)
+        if qk_norms:
+            shapes[layer + "self_attn.q_norm.weight"] = (qk_norms[0],)
+            shapes[layer + "self_attn.k_norm.weight"] = (qk_norms[1],)
         for proj, (out, inp, bias) in projections.items():
             shapes[f"{layer}{proj}.weight"] = (out, inp)
             if bias:

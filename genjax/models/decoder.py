@@ -1,0 +1,203 @@
+"""The shared decoder core of the rotary architectures: one flax module tree, switched by config.
+
+Every rotary architecture genjax supports (Llama, Mistral, Qwen2/3, OLMo 2, Phi-3, Gemma 2/3) is
+this decoder with a :class:`~genjax.models.llama.LlamaConfig`; the per-architecture modules only
+read ``config.json`` into that config. The options, each a static config field:
+
+==========================  ===============================================================
+``qkv_bias``/``o_bias``     projection biases (Qwen2; Llama's ``attention_bias``)
+``fused_projections``       one ``qkv_proj`` and one ``gate_up_proj`` matrix (Phi-3), split
+                            in the layer: ``[q | k | v]`` and ``[gate | up]`` along outputs
+``qk_norm``                 RMSNorm of queries and keys before rope: ``"head"`` over each
+                            head's ``H`` features (Qwen3, Gemma 3), ``"projection"`` over the
+                            whole ``N*H`` / ``K*H`` projection (OLMo 2)
+``norm_layout``             ``"pre"`` (Llama), ``"post"`` (OLMo 2: norms on the attention and
+                            MLP outputs, before the residual add), ``"sandwich"`` (Gemma: both)
+``norm_offset``             ``1.0``: norms scale by ``1 + w`` (Gemma)
+``norm_upcast``             norms multiply their scale in float32 (OLMo 2, Gemma)
+``embed_scale``             embeddings times ``sqrt(D)`` rounded to the model dtype (Gemma)
+``attention_scale``         the score multiplier (Gemma: ``query_pre_attn_scalar ** -0.5``)
+``attn_softcap``            ``c * tanh(scores / c)`` before the mask (Gemma 2)
+``final_softcap``           the same on the logits (Gemma 2/3)
+``sliding_windows``         per layer window or None (Mistral, Qwen2/3, Phi-3, Gemma 2/3)
+``local_rope``              rope settings of the sliding layers (Gemma 3's local base)
+==========================  ===============================================================
+
+Parameter tree (HF name = path joined by dots, ``kernel``/``scale``/``embedding`` -> ``weight``,
+prefix ``model.`` except ``lm_head``; every ``kernel`` is the HF weight as stored, [out, in])::
+
+    embed_tokens/embedding                       [V, D]
+    layers/<i>/input_layernorm/scale             [D]        ("pre", "sandwich")
+    layers/<i>/self_attn/q_proj/kernel           [N*H, D]   (+ bias [N*H])
+    layers/<i>/self_attn/k_proj/kernel           [K*H, D]   (+ bias [K*H])
+    layers/<i>/self_attn/v_proj/kernel           [K*H, D]   (+ bias [K*H])
+    layers/<i>/self_attn/qkv_proj/kernel         [(N+2K)*H, D]  (instead, fused_projections)
+    layers/<i>/self_attn/q_norm/scale            [H] or [N*H]   (qk_norm)
+    layers/<i>/self_attn/k_norm/scale            [H] or [K*H]   (qk_norm)
+    layers/<i>/self_attn/o_proj/kernel           [D, N*H]   (+ bias [D])
+    layers/<i>/post_attention_layernorm/scale    [D]
+    layers/<i>/pre_feedforward_layernorm/scale   [D]        ("sandwich")
+    layers/<i>/post_feedforward_layernorm/scale  [D]        ("post", "sandwich")
+    layers/<i>/mlp/gate_proj/kernel              [F, D]     (+ bias [F])
+    layers/<i>/mlp/up_proj/kernel                [F, D]     (+ bias [F])
+    layers/<i>/mlp/gate_up_proj/kernel           [2F, D]    (instead, fused_projections)
+    layers/<i>/mlp/down_proj/kernel              [D, F]     (+ bias [D])
+    norm/scale                                   [D]
+    lm_head/kernel                               [V, D]     (absent when tie_word_embeddings)
+
+In the ``"pre"`` layout ``post_attention_layernorm`` is the norm before the MLP (its HF name);
+in the others it normalizes the attention output.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax.numpy as jnp
+import numpy as np
+
+from genjax.cache import KVCache, attention_bias
+from genjax.models.layers import ACTIVATIONS, Embed, RMSNorm, attention, dense
+from genjax.models.rope import apply_rope, rope_cos_sin
+
+NORM_LAYOUTS = ("pre", "post", "sandwich")
+QK_NORMS = (None, "head", "projection")
+
+
+def _norm(config: Any, name: str) -> RMSNorm:
+    return RMSNorm(
+        config.rms_norm_eps,
+        jnp.dtype(config.dtype),
+        offset=config.norm_offset,
+        upcast_scale=config.norm_upcast,
+        name=name,
+    )
+
+
+def _soft_cap(x, cap: float | None):
+    """``cap * tanh(x / cap)`` in ``x``'s dtype; ``x`` when ``cap`` is None."""
+    if cap is None:
+        return x
+    cap = jnp.asarray(cap, x.dtype)
+    return jnp.tanh(x / cap) * cap
+
+
+class _Attention(nn.Module):
+    config: Any
+    layer: int
+
+    @nn.compact
+    def __call__(self, x, cos, sin, bias, cache: KVCache):
+        c, dtype = self.config, jnp.dtype(self.config.dtype)
+        batch, length, _ = x.shape
+        q_width, kv_width = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        if c.fused_projections:
+            qkv = dense(q_width + 2 * kv_width, c.qkv_bias, dtype, "qkv_proj")(x)
+            q, k, v = jnp.split(qkv, [q_width, q_width + kv_width], axis=-1)
+        else:
+            q = dense(q_width, c.qkv_bias, dtype, "q_proj")(x)
+            k = dense(kv_width, c.qkv_bias, dtype, "k_proj")(x)
+            v = dense(kv_width, c.qkv_bias, dtype, "v_proj")(x)
+        if c.qk_norm == "projection":
+            q, k = _norm(c, "q_norm")(q), _norm(c, "k_norm")(k)
+        q = q.reshape(batch, length, c.num_heads, c.head_dim)
+        k = k.reshape(batch, length, c.num_kv_heads, c.head_dim)
+        v = v.reshape(batch, length, c.num_kv_heads, c.head_dim)
+        if c.qk_norm == "head":
+            q, k = _norm(c, "q_norm")(q), _norm(c, "k_norm")(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        keys, values, cache = cache.update_layer(self.layer, k, v)
+        scale = c.head_dim**-0.5 if c.attention_scale is None else c.attention_scale
+        out = attention(q, keys, values, bias, scale, softcap=c.attn_softcap)
+        return dense(c.hidden_size, c.o_bias, dtype, "o_proj")(out), cache
+
+
+class _MLP(nn.Module):
+    config: Any
+
+    @nn.compact
+    def __call__(self, x):
+        c, dtype = self.config, jnp.dtype(self.config.dtype)
+        if c.fused_projections:
+            fused = dense(2 * c.intermediate_size, c.mlp_bias, dtype, "gate_up_proj")(x)
+            gate, up = jnp.split(fused, 2, axis=-1)
+        else:
+            gate = dense(c.intermediate_size, c.mlp_bias, dtype, "gate_proj")(x)
+            up = dense(c.intermediate_size, c.mlp_bias, dtype, "up_proj")(x)
+        return dense(c.hidden_size, c.mlp_bias, dtype, "down_proj")(
+            ACTIVATIONS[c.hidden_act](gate) * up
+        )
+
+
+class _DecoderLayer(nn.Module):
+    config: Any
+    layer: int
+
+    @nn.compact
+    def __call__(self, x, cos, sin, bias, cache):
+        c = self.config
+        attend = _Attention(c, self.layer, name="self_attn")
+        mlp = _MLP(c, name="mlp")
+        if c.norm_layout == "pre":
+            h, cache = attend(_norm(c, "input_layernorm")(x), cos, sin, bias, cache)
+            x = x + h
+            return x + mlp(_norm(c, "post_attention_layernorm")(x)), cache
+        if c.norm_layout == "sandwich":
+            h, cache = attend(_norm(c, "input_layernorm")(x), cos, sin, bias, cache)
+            x = x + _norm(c, "post_attention_layernorm")(h)
+            h = mlp(_norm(c, "pre_feedforward_layernorm")(x))
+            return x + _norm(c, "post_feedforward_layernorm")(h), cache
+        h, cache = attend(x, cos, sin, bias, cache)  # "post"
+        x = x + _norm(c, "post_attention_layernorm")(h)
+        return x + _norm(c, "post_feedforward_layernorm")(mlp(x)), cache
+
+
+class _Layers(nn.Module):
+    config: Any
+
+    @nn.compact
+    def __call__(self, x, tables, biases, cache):
+        c = self.config
+        for i, window in enumerate(c.sliding_windows):
+            local = window is not None and c.local_rope is not None
+            cos, sin = tables["local" if local else "global"]
+            x, cache = _DecoderLayer(c, i, name=str(i))(x, cos, sin, biases[window], cache)
+        return x, cache
+
+
+class DecoderLM(nn.Module):
+    """The causal LM of the shared core: embed, the layers, the final norm, the output head.
+
+    ``__call__(tokens, positions, cache, attention_mask, logits_to_keep)`` follows the model
+    protocol of :mod:`genjax.models` and returns ``(float32[B, T or k, V] logits, cache)``.
+    """
+
+    config: Any
+
+    @nn.compact
+    def __call__(self, tokens, positions, cache, attention_mask, logits_to_keep=0):
+        c, dtype = self.config, jnp.dtype(self.config.dtype)
+        length = tokens.shape[1]
+        embed = Embed(c.vocab_size, c.hidden_size, dtype, name="embed_tokens")
+        x = embed(tokens)
+        if c.embed_scale:  # sqrt(D) rounded to the model dtype, as transformers' Gemma
+            x = x * jnp.asarray(np.float32(math.sqrt(c.hidden_size)), dtype)
+        tables = {"global": rope_cos_sin(c.rope, positions, dtype)}
+        if c.local_rope is not None:
+            tables["local"] = rope_cos_sin(c.local_rope, positions, dtype)
+        biases = {
+            window: attention_bias(attention_mask, cache.index, length, jnp.float32, window)
+            for window in set(c.sliding_windows)
+        }
+        x, cache = _Layers(c, name="layers")(x, tables, biases, cache)
+        if logits_to_keep:  # only the last positions' logits (prefill needs one)
+            x = x[:, -logits_to_keep:]
+        x = _norm(c, "norm")(x)
+        if c.tie_word_embeddings:
+            logits = embed.attend(x)
+        else:
+            logits = dense(c.vocab_size, False, dtype, "lm_head")(x)
+        logits = _soft_cap(logits, c.final_softcap)
+        return logits.astype(jnp.float32), cache.advance(length)

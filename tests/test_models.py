@@ -69,6 +69,8 @@ CASES = {
             "attention_bias": True,
         },
     ),
+    "olmo2": ("olmo2", {}),
+    "olmo2_bias": ("olmo2", {"attention_bias": True}),
     "gpt2": ("gpt2", {}),
     "gpt2_untied": (
         "gpt2",
@@ -128,7 +130,7 @@ def _stepwise(model, params, tokens, mask, prefill):
 # Loading
 
 
-@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3", "gpt2"])
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3", "olmo2", "gpt2"])
 def test_loading_round_trip(tmp_path, model_type):
     write_random_checkpoint(tmp_path, model_type)
     model, params = from_pretrained(tmp_path)
@@ -332,6 +334,9 @@ def test_missing_or_corrupt_files_are_named(tmp_path):
         ("gpt2", {"add_cross_attention": True}, ["add_cross_attention"]),
         ("gpt2", {"activation_function": "mish"}, ["activation_function='mish'"]),
         ("mistral", {"some_new_key": 1}, ["'some_new_key'", "ignore_config_keys"]),
+        ("qwen3", {"mlp_bias": True}, ["'mlp_bias'"]),
+        ("olmo2", {"partial_rotary_factor": 0.5}, ["partial_rotary_factor"]),
+        ("olmo2", {"attn_logit_softcapping": 5.0}, ["attn_logit_softcapping"]),
     ],
 )
 def test_unsupported_configs_are_named(model_type, overrides, names):
@@ -805,6 +810,8 @@ def _hf_cases():
                 "max_window_layers": 1,
             },
         ),
+        "olmo2": (tf.Olmo2Config, small),
+        "olmo2_bias": (tf.Olmo2Config, {**small, "attention_bias": True}),
         "gpt2": (tf.GPT2Config, gpt2),
         "gpt2_variants": (
             tf.GPT2Config,
@@ -831,6 +838,8 @@ PARITY_CASES = [
     "mistral_window",
     "qwen3",
     "qwen3_window_bias",
+    "olmo2",
+    "olmo2_bias",
     "gpt2",
     "gpt2_variants",
 ]

@@ -92,6 +92,7 @@ from genjax.models.loading import (
     load_params,
     save_params,
 )
+from genjax.models.olmo2 import Olmo2Model
 from genjax.models.rope import SUPPORTED_ROPE_TYPES, RopeConfig
 from genjax.models.t5 import T5Config, T5Model
 from genjax.typing import Array, PyTree
@@ -136,6 +137,7 @@ __all__ = [
     "LlamaConfig",
     "LlamaModel",
     "Model",
+    "Olmo2Model",
     "RopeConfig",
     "SUPPORTED_ROPE_TYPES",
     "T5Config",

@@ -24,6 +24,7 @@ from genjax.models import quantize as quantization
 from genjax.models.bart import BartModel
 from genjax.models.gpt2 import GPT2Model
 from genjax.models.llama import LlamaModel
+from genjax.models.olmo2 import Olmo2Model
 from genjax.models.t5 import T5Model
 from genjax.typing import PyTree
 
@@ -32,6 +33,7 @@ ARCHITECTURES = {
     "mistral": LlamaModel,
     "qwen2": LlamaModel,
     "qwen3": LlamaModel,
+    "olmo2": Olmo2Model,
     "gpt2": GPT2Model,
     "t5": T5Model,
     "mt5": T5Model,

@@ -71,6 +71,11 @@ CASES = {
     ),
     "olmo2": ("olmo2", {}),
     "olmo2_bias": ("olmo2", {"attention_bias": True}),
+    # longrope factors are chosen per call: these never cross original_max_position_embeddings
+    # between the prefill and the decode steps (long throughout, short throughout)
+    "phi3_longrope_long": ("phi3", {"original_max_position_embeddings": 2}),
+    "phi3_longrope_short": ("phi3", {"original_max_position_embeddings": 32}),
+    "phi3_window": ("phi3", {"rope_parameters": None, "sliding_window": 3}),
     "gpt2": ("gpt2", {}),
     "gpt2_untied": (
         "gpt2",
@@ -130,7 +135,9 @@ def _stepwise(model, params, tokens, mask, prefill):
 # Loading
 
 
-@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3", "olmo2", "gpt2"])
+@pytest.mark.parametrize(
+    "model_type", ["llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3", "gpt2"]
+)
 def test_loading_round_trip(tmp_path, model_type):
     write_random_checkpoint(tmp_path, model_type)
     model, params = from_pretrained(tmp_path)
@@ -148,9 +155,10 @@ def test_loading_round_trip(tmp_path, model_type):
         np.testing.assert_array_equal(params["wpe"]["embedding"], stored["transformer.wpe.weight"])
     else:
         layer = params["layers"]["1"]
+        k_proj = "qkv_proj" if model_type == "phi3" else "k_proj"  # Phi-3's is fused
         np.testing.assert_array_equal(
-            layer["self_attn"]["k_proj"]["kernel"],
-            stored["model.layers.1.self_attn.k_proj.weight"],
+            layer["self_attn"][k_proj]["kernel"],
+            stored[f"model.layers.1.self_attn.{k_proj}.weight"],
         )
         np.testing.assert_array_equal(
             layer["mlp"]["down_proj"]["kernel"], stored["model.layers.1.mlp.down_proj.weight"]
@@ -510,6 +518,19 @@ def test_qwen2_sliding_layers_follow_transformers():
         windows(**on, layer_types=["local", "full_attention", "full_attention"])
 
 
+def test_phi3_reads_legacy_longrope_and_partial_rotary():
+    phi3 = from_config(
+        tiny_config("phi3", rope_parameters=None, rope_scaling={"type": "su", **_FACTORS})
+    ).config
+    assert phi3.rope.rope_type == "longrope" and phi3.rope.dim == 4 and phi3.fused_projections
+    assert phi3.rope.attention_scaling == pytest.approx(2**0.5)  # sqrt(1 + ln 8 / ln 8)
+    with pytest.raises(CheckpointError, match="short_factor"):
+        from_config(tiny_config("phi3", partial_rotary_factor=1.0))  # 2 factors for 4 pairs
+
+
+_FACTORS = {"short_factor": [1.0, 1.0], "long_factor": [2.0, 2.0]}
+
+
 def test_legacy_rope_scaling_is_read():
     config = tiny_config(
         "llama",
@@ -763,6 +784,19 @@ def _hf_cases():
         "bos_token_id": 1,
         "eos_token_id": 2,
     }
+
+    def phi3_longrope(partial, count):
+        return {
+            "pad_token_id": None,  # Phi-3's default 32000 is outside the tiny vocabulary
+            "partial_rotary_factor": partial,
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "short_factor": [1.0 + 0.5 * i for i in range(count)],
+                "long_factor": [2.0 + i for i in range(count)],
+            },
+        }
+
     return {
         "llama_gqa_bias": (tf.LlamaConfig, {**small, "attention_bias": True, "mlp_bias": True}),
         "llama3_tied": (
@@ -812,6 +846,15 @@ def _hf_cases():
         ),
         "olmo2": (tf.Olmo2Config, small),
         "olmo2_bias": (tf.Olmo2Config, {**small, "attention_bias": True}),
+        "phi3_long_partial": (
+            tf.Phi3Config,
+            {**small, "original_max_position_embeddings": 8, **phi3_longrope(0.5, 2)},
+        ),
+        "phi3_short_partial": (
+            tf.Phi3Config,
+            {**small, "original_max_position_embeddings": 32, **phi3_longrope(0.75, 3)},
+        ),
+        "phi3_window": (tf.Phi3Config, {**small, "sliding_window": 4, "pad_token_id": None}),
         "gpt2": (tf.GPT2Config, gpt2),
         "gpt2_variants": (
             tf.GPT2Config,
@@ -840,6 +883,9 @@ PARITY_CASES = [
     "qwen3_window_bias",
     "olmo2",
     "olmo2_bias",
+    "phi3_long_partial",
+    "phi3_short_partial",
+    "phi3_window",
     "gpt2",
     "gpt2_variants",
 ]

@@ -93,6 +93,7 @@ from genjax.models.loading import (
     save_params,
 )
 from genjax.models.olmo2 import Olmo2Model
+from genjax.models.phi3 import Phi3Model
 from genjax.models.rope import SUPPORTED_ROPE_TYPES, RopeConfig
 from genjax.models.t5 import T5Config, T5Model
 from genjax.typing import Array, PyTree
@@ -138,6 +139,7 @@ __all__ = [
     "LlamaModel",
     "Model",
     "Olmo2Model",
+    "Phi3Model",
     "RopeConfig",
     "SUPPORTED_ROPE_TYPES",
     "T5Config",

@@ -105,7 +105,8 @@ def _set(value: Any) -> bool:
     return value is not None
 
 
-# Keys that change the math in ways genjax does not implement: (when to reject, why).
+# Keys that change the math in ways genjax does not implement: (when to reject, why). An
+# architecture that implements one passes it as ``implemented`` (Phi-3's partial rotary).
 REJECTED_KEYS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "quantization_config": (_set, "quantized checkpoints are not supported; use a float one"),
     "attn_logit_softcapping": (_set, "attention logit soft-capping is not implemented"),
@@ -126,6 +127,7 @@ def check_keys(
     handled: Iterable[str],
     ignored: Iterable[str] = (),
     ignore_config_keys: Iterable[str] = (),
+    implemented: Iterable[str] = (),
 ) -> None:
     """Raises unless every key of ``config`` is handled, ignored, or acceptable.
 
@@ -135,13 +137,14 @@ def check_keys(
         handled: the keys the architecture reads.
         ignored: the architecture's own ignored keys, besides ``IGNORED_KEYS``.
         ignore_config_keys: keys the caller vouches for (``from_pretrained(ignore_config_keys=)``).
+        implemented: keys of ``REJECTED_KEYS`` this architecture implements (not rejected).
 
     Raises:
         UnsupportedError: naming each rejected or unknown key.
     """
     vouched = set(ignore_config_keys)
     for key, (reject, reason) in REJECTED_KEYS.items():
-        if key in config and key not in vouched and reject(config[key]):
+        if key in config and key not in vouched | set(implemented) and reject(config[key]):
             raise UnsupportedError(f"config.json sets {key}={config[key]!r}: {reason}.")
     known = set(handled) | set(ignored) | IGNORED_KEYS | set(REJECTED_KEYS) | vouched
     unknown = sorted(set(config) - known)

@@ -25,6 +25,7 @@ from genjax.models.bart import BartModel
 from genjax.models.gpt2 import GPT2Model
 from genjax.models.llama import LlamaModel
 from genjax.models.olmo2 import Olmo2Model
+from genjax.models.phi3 import Phi3Model
 from genjax.models.t5 import T5Model
 from genjax.typing import PyTree
 
@@ -34,6 +35,7 @@ ARCHITECTURES = {
     "qwen2": LlamaModel,
     "qwen3": LlamaModel,
     "olmo2": Olmo2Model,
+    "phi3": Phi3Model,
     "gpt2": GPT2Model,
     "t5": T5Model,
     "mt5": T5Model,

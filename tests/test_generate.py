@@ -17,7 +17,18 @@ from genjax.errors import InputError, UnsupportedError
 from genjax.generation.prefill import prefill
 
 FIXTURES = Path(__file__).parent / "fixtures"
-ARCHS = ["llama", "llama3_tied", "qwen2", "mistral", "gpt2", "qwen3", "olmo2", "phi3"]
+ARCHS = [
+    "llama",
+    "llama3_tied",
+    "qwen2",
+    "mistral",
+    "gpt2",
+    "qwen3",
+    "olmo2",
+    "phi3",
+    "gemma2",
+    "gemma3",
+]
 
 
 @functools.cache

@@ -76,6 +76,8 @@ CASES = {
     "phi3_longrope_long": ("phi3", {"original_max_position_embeddings": 2}),
     "phi3_longrope_short": ("phi3", {"original_max_position_embeddings": 32}),
     "phi3_window": ("phi3", {"rope_parameters": None, "sliding_window": 3}),
+    "gemma2": ("gemma2", {}),
+    "gemma3": ("gemma3_text", {}),
     "gpt2": ("gpt2", {}),
     "gpt2_untied": (
         "gpt2",
@@ -136,7 +138,8 @@ def _stepwise(model, params, tokens, mask, prefill):
 
 
 @pytest.mark.parametrize(
-    "model_type", ["llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3", "gpt2"]
+    "model_type",
+    ["llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3", "gemma2", "gemma3_text", "gpt2"],
 )
 def test_loading_round_trip(tmp_path, model_type):
     write_random_checkpoint(tmp_path, model_type)
@@ -166,7 +169,8 @@ def test_loading_round_trip(tmp_path, model_type):
         np.testing.assert_array_equal(
             params["embed_tokens"]["embedding"], stored["model.embed_tokens.weight"]
         )
-        np.testing.assert_array_equal(params["lm_head"]["kernel"], stored["lm_head.weight"])
+        if "lm_head.weight" in stored:  # Gemma ties its head to the embedding
+            np.testing.assert_array_equal(params["lm_head"]["kernel"], stored["lm_head.weight"])
         if model_type == "qwen2":
             np.testing.assert_array_equal(
                 layer["self_attn"]["q_proj"]["bias"], stored["model.layers.1.self_attn.q_proj.bias"]
@@ -345,6 +349,8 @@ def test_missing_or_corrupt_files_are_named(tmp_path):
         ("qwen3", {"mlp_bias": True}, ["'mlp_bias'"]),
         ("olmo2", {"partial_rotary_factor": 0.5}, ["partial_rotary_factor"]),
         ("olmo2", {"attn_logit_softcapping": 5.0}, ["attn_logit_softcapping"]),
+        ("gemma3_text", {"use_bidirectional_attention": True}, ["use_bidirectional_attention"]),
+        ("gemma3_text", {"rope_parameters": {"rope_theta": 1.0}}, ["sliding_attention"]),
     ],
 )
 def test_unsupported_configs_are_named(model_type, overrides, names):
@@ -516,6 +522,29 @@ def test_qwen2_sliding_layers_follow_transformers():
     assert windows(**on, layer_types=layer_types).sliding_windows == (4, None, 4)
     with pytest.raises(CheckpointError, match="layer_types"):
         windows(**on, layer_types=["local", "full_attention", "full_attention"])
+
+
+def test_gemma_reads_its_layer_patterns_and_ropes():
+    gemma2 = from_config(tiny_config("gemma2", num_hidden_layers=4)).config
+    assert gemma2.sliding_windows == (4, None, 4, None) and gemma2.local_rope is None
+    assert (gemma2.attn_softcap, gemma2.final_softcap, gemma2.norm_offset) == (2.0, 3.0, 1.0)
+    gemma3 = from_config(
+        tiny_config(
+            "gemma3_text",
+            num_hidden_layers=6,
+            layer_types=None,
+            sliding_window_pattern=3,
+            rope_parameters=None,
+            rope_theta=5e5,
+            rope_local_base_freq=100.0,
+            rope_scaling={"rope_type": "linear", "factor": 8.0},
+            attn_logit_softcapping=50.0,  # Gemma 3's attention ignores it, as in transformers
+        )
+    ).config
+    assert gemma3.sliding_windows == (4, 4, None, 4, 4, None) and gemma3.attn_softcap is None
+    assert (gemma3.rope.theta, gemma3.rope.rope_type, gemma3.rope.factor) == (5e5, "linear", 8.0)
+    assert (gemma3.local_rope.theta, gemma3.local_rope.rope_type) == (100.0, "default")
+    assert gemma3.qk_norm == "head" and gemma3.attention_scale == 12**-0.5
 
 
 def test_phi3_reads_legacy_longrope_and_partial_rotary():
@@ -785,6 +814,8 @@ def _hf_cases():
         "eos_token_id": 2,
     }
 
+    gemma = {**small, "head_dim": 16, "query_pre_attn_scalar": 12, "sliding_window": 4}  # tied
+
     def phi3_longrope(partial, count):
         return {
             "pad_token_id": None,  # Phi-3's default 32000 is outside the tiny vocabulary
@@ -855,6 +886,23 @@ def _hf_cases():
             {**small, "original_max_position_embeddings": 32, **phi3_longrope(0.75, 3)},
         ),
         "phi3_window": (tf.Phi3Config, {**small, "sliding_window": 4, "pad_token_id": None}),
+        "gemma2": (
+            tf.Gemma2Config,
+            {**gemma, "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0},
+        ),
+        "gemma3": (
+            tf.Gemma3TextConfig,
+            {
+                **gemma,
+                "num_hidden_layers": 3,
+                "sliding_window_pattern": 3,
+                "final_logit_softcapping": 5.0,
+                "rope_parameters": {
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                    "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                },
+            },
+        ),
         "gpt2": (tf.GPT2Config, gpt2),
         "gpt2_variants": (
             tf.GPT2Config,
@@ -886,6 +934,8 @@ PARITY_CASES = [
     "phi3_long_partial",
     "phi3_short_partial",
     "phi3_window",
+    "gemma2",
+    "gemma3",
     "gpt2",
     "gpt2_variants",
 ]

@@ -83,6 +83,7 @@ import jax.numpy as jnp
 
 from genjax.cache import KVCache
 from genjax.models.bart import BartConfig, BartModel
+from genjax.models.gemma import GemmaModel
 from genjax.models.gpt2 import GPT2Config, GPT2Model
 from genjax.models.llama import LlamaConfig, LlamaModel
 from genjax.models.loading import (
@@ -135,6 +136,7 @@ __all__ = [
     "BartModel",
     "GPT2Config",
     "GPT2Model",
+    "GemmaModel",
     "LlamaConfig",
     "LlamaModel",
     "Model",

@@ -22,6 +22,7 @@ from genjax.errors import CheckpointError, UnsupportedError
 from genjax.models import gguf
 from genjax.models import quantize as quantization
 from genjax.models.bart import BartModel
+from genjax.models.gemma import GemmaModel
 from genjax.models.gpt2 import GPT2Model
 from genjax.models.llama import LlamaModel
 from genjax.models.olmo2 import Olmo2Model
@@ -36,6 +37,8 @@ ARCHITECTURES = {
     "qwen3": LlamaModel,
     "olmo2": Olmo2Model,
     "phi3": Phi3Model,
+    "gemma2": GemmaModel,
+    "gemma3_text": GemmaModel,
     "gpt2": GPT2Model,
     "t5": T5Model,
     "mt5": T5Model,

@@ -17,7 +17,7 @@ from genjax.decoding import beam
 from genjax.errors import GenerationConfigError, UnsupportedError
 
 FIXTURES = Path(__file__).parent / "fixtures"
-ARCHS = ["llama", "gpt2"]  # recorded in tests/fixtures/beam
+ARCHS = ["llama", "gpt2", "qwen3", "olmo2", "phi3", "gemma3"]  # recorded in tests/fixtures/beam
 LIVE_ARCHS = ["llama", "gpt2", "qwen2"]
 
 

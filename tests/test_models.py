@@ -555,6 +555,8 @@ def test_phi3_reads_legacy_longrope_and_partial_rotary():
     assert phi3.rope.attention_scaling == pytest.approx(2**0.5)  # sqrt(1 + ln 8 / ln 8)
     with pytest.raises(CheckpointError, match="short_factor"):
         from_config(tiny_config("phi3", partial_rotary_factor=1.0))  # 2 factors for 4 pairs
+    phi4_mini_keys = {"full_attn_mod": 1, "interpolate_factor": 1, "lm_head_bias": False}
+    assert from_config(tiny_config("phi3", mlp_bias=False, **phi4_mini_keys)).num_layers == 2
 
 
 _FACTORS = {"short_factor": [1.0, 1.0], "long_factor": [2.0, 2.0]}

@@ -15,8 +15,10 @@ stay within it, match transformers; a call that crosses it does not, from that s
 
 config.json keys: those of every rotary decoder (``llama.COMMON_KEYS``), ``sliding_window``
 (every layer, as Mistral) and ``partial_rotary_factor``. Ignored as in transformers:
-``resid_pdrop``, ``embd_pdrop`` (dropout), ``attention_bias`` (Phi-3 has no biases). A legacy
-``rope_scaling`` of type ``su`` or ``yarn`` is LongRoPE, as transformers reads it for Phi-3.
+``resid_pdrop``, ``embd_pdrop`` (dropout), ``attention_bias``, ``mlp_bias``, ``lm_head_bias``
+(Phi-3 has no biases), ``full_attn_mod``, ``interpolate_factor`` (remote-code keys it never
+reads). A legacy ``rope_scaling`` of type ``su`` or ``yarn`` is LongRoPE, as transformers reads
+it for Phi-3.
 """
 
 from __future__ import annotations
@@ -45,7 +47,17 @@ _DEFAULTS = {
     "sliding_window": None,
 }
 _HANDLED = (*COMMON_KEYS, "sliding_window", "partial_rotary_factor")
-_IGNORED = ("resid_pdrop", "embd_pdrop", "attention_bias")
+# Ignored as transformers' Phi3 ignores them: dropout, and keys of the remote-code Phi-3/Phi-4
+# configs (Phi-4-mini writes all four) that its modeling never reads.
+_IGNORED = (
+    "resid_pdrop",
+    "embd_pdrop",
+    "attention_bias",
+    "mlp_bias",
+    "lm_head_bias",
+    "full_attn_mod",
+    "interpolate_factor",
+)
 _LONGROPE_ALIASES = ("su", "yarn")  # transformers' Phi-3 reads both as longrope
 
 

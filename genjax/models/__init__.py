@@ -60,13 +60,16 @@ decoder ``apply`` with the shape contract above. :mod:`genjax.models.encoder_dec
 
 Built-in architectures
 ----------------------
-``LlamaModel`` (model_type llama, mistral, qwen2) and ``GPT2Model`` (gpt2); the
-encoder-decoders ``T5Model`` (t5, mt5) and ``BartModel`` (bart, mbart, marian). Their parameters are
-nested dicts whose paths mirror the HF state-dict names (``params["layers"]["0"]["self_attn"]
-["q_proj"]["kernel"]`` is ``model.layers.0.self_attn.q_proj.weight``, [out, in]); the modules
-``llama`` and ``gpt2`` list each tree and which ``config.json`` keys they handle, ignore or
-reject. ``from_pretrained`` also reads llama.cpp GGUF files (``gguf_file=``, or a ``.gguf``
-path): :mod:`genjax.models.gguf`.
+``LlamaModel`` (model_type llama, mistral, qwen2, qwen3) and its subclasses ``Olmo2Model``
+(olmo2), ``Phi3Model`` (phi3: Phi-3, Phi-4) and ``GemmaModel`` (gemma2, gemma3_text), one shared
+rotary decoder (:mod:`genjax.models.decoder`, a config flag per feature) read from each
+architecture's ``config.json``; ``GPT2Model`` (gpt2); the encoder-decoders ``T5Model`` (t5, mt5)
+and ``BartModel`` (bart, mbart, marian). Their parameters are nested dicts whose paths mirror the
+HF state-dict names (``params["layers"]["0"]["self_attn"]["q_proj"]["kernel"]`` is
+``model.layers.0.self_attn.q_proj.weight``, [out, in]); the modules ``decoder`` and ``gpt2`` list
+each tree, and ``llama``, ``olmo2``, ``phi3``, ``gemma`` and ``gpt2`` which ``config.json`` keys
+they handle, ignore or reject. ``from_pretrained`` also reads llama.cpp GGUF files
+(``gguf_file=``, or a ``.gguf`` path): :mod:`genjax.models.gguf`.
 
 Layer
 -----

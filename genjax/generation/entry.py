@@ -126,8 +126,12 @@ def generate(
         model: a model following the protocol of :mod:`genjax.models` (hashable; static).
         params: the model parameters (traced).
         input_ids: int[B, P] prompts, left-padded when their lengths differ.
-        config: a :class:`GenerationConfig`; None means ``GenerationConfig()``. Its traced values
-            may be per row (shape ``[B]``).
+        config: a :class:`GenerationConfig`, merged with the model's ``generation_config``
+            (the checkpoint's ``generation_config.json``, see ``from_pretrained``) as in
+            transformers v5: None means the model's config; a given config's unset (None)
+            fields are filled from the model's; then the library defaults; then
+            ``**config_overrides``. A model without one (``from_config``, a custom model) uses
+            ``GenerationConfig()``. Its traced values may be per row (shape ``[B]``).
         attention_mask: int or bool[B, P], 1 on real tokens. When None it is inferred as
             transformers does: ``input_ids != pad_token_id`` if the pad id occurs in the input
             and is not an EOS id, else all ones.
@@ -177,7 +181,10 @@ def generate(
             for powers of two from 16, an int ``n`` for multiples of ``n``, a sequence of bucket
             lengths, or a ``genjax.buckets`` policy. With ``max_cache_len`` only its
             granularity counts (the prefill chunk).
-        **config_overrides: generation config fields overriding ``config`` for this call.
+        **config_overrides: generation config fields overriding ``config`` for this call
+            (applied last, after the model's config and the defaults: ``do_sample=False``
+            makes a checkpoint that samples by default decode greedily, and a sampling value
+            set to None, e.g. ``top_k=None``, turns that processor off).
 
     Returns:
         A :class:`GenerateOutput`; ``sequences`` is int32[B*R, P+N]. With ``max_cache_len = M``

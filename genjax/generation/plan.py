@@ -60,9 +60,9 @@ from genjax.generation.inputs import (
     call_layout,
     check_assisted_extras,
     check_inputs,
-    effective_config,
     infer_attention_mask,
     num_new_tokens,
+    resolve_config,
     stop_string_table_for,
 )
 from genjax.generation.outputs import GenerateOutput
@@ -217,7 +217,7 @@ def prepare(model, params: PyTree, input_ids, config, request: CallRequest) -> P
         config and mode, the arrays, the mesh, the assistant, the lengths, the stopping rules
         and streamer, the memory.
     """
-    config, resolved, mode = _resolve(model, config, request)
+    lengths, resolved, mode = _resolve(model, config, request)
     input_ids, attention_mask, key = check_inputs(
         model, input_ids, request.attention_mask, request.key, resolved
     )
@@ -228,7 +228,7 @@ def prepare(model, params: PyTree, input_ids, config, request: CallRequest) -> P
         )
         check_assisted_extras(request.streamer, layout)
     prompt_length = input_ids.shape[1]
-    new_tokens = num_new_tokens(config, resolved, prompt_length, model)
+    new_tokens = num_new_tokens(lengths, resolved, prompt_length, model)
     policy = buckets.resolve(request.prompt_buckets)
     slots = cache_slots.plan(resolved, policy, prompt_length, new_tokens, mode is Mode.ASSISTED)
     if resolved.min_new_tokens is not None:  # transformers: min_new_tokens overrides min_length
@@ -269,16 +269,17 @@ def prepare(model, params: PyTree, input_ids, config, request: CallRequest) -> P
 
 
 def _resolve(model, config, request: CallRequest):
-    """``(config, resolved, mode)``: the call's config with the overrides, the same with
-    defaults filled in, and its loop, all checked (mode, values against the vocabulary, cache
-    options)."""
-    config = effective_config(config, dict(request.overrides))
-    resolved = config.with_defaults()
+    """``(lengths, resolved, mode)``: the call's length settings before the library defaults,
+    its config merged with the model's ``generation_config``, the defaults and the overrides
+    (:func:`~genjax.generation.inputs.resolve_config`), and its loop, all checked (mode, values
+    against the vocabulary, cache options)."""
+    default = getattr(model, "generation_config", None)
+    lengths, resolved = resolve_config(config, dict(request.overrides), default)
     mode = mode_of(resolved, request.assistant_model)
     check_mode(resolved, request.assistant_model, mode)
     validate_config(resolved, model.vocab_size)
     check_cache_options(resolved.cache_implementation, resolved.cache_config)
-    return config, resolved, mode
+    return lengths, resolved, mode
 
 
 def check_mode(config: GenerationConfig, assistant_model, mode: Mode) -> None:

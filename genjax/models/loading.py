@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from genjax.config import checkpoint_default
 from genjax.errors import CheckpointError, UnsupportedError
 from genjax.models import gguf
 from genjax.models import quantize as quantization
@@ -100,7 +101,10 @@ def from_pretrained(
 
     Returns:
         ``(model, params)``: a hashable model (see ``genjax.models.Model``) and a nested dict of
-        jax arrays of ``dtype`` (int8 kernels and float32 scales with ``quantize``).
+        jax arrays of ``dtype`` (int8 kernels and float32 scales with ``quantize``). The model
+        carries the folder's generation config as ``model.generation_config``
+        (``generation_config.json``, else derived from ``config.json``, as transformers loads it;
+        ``genjax.generate`` starts from it).
 
     Raises:
         CheckpointError: missing files, missing/unexpected/misshapen tensors, pickle-only
@@ -133,6 +137,8 @@ def from_pretrained(
         params = load_params(model, folder)
     if quantize is not None:
         params = quantization.quantize_params(model, params, quantize)
+    if hasattr(model, "with_generation_config"):  # generation_config.json, as transformers
+        model = model.with_generation_config(checkpoint_default(folder))
     return model, params
 
 

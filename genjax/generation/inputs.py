@@ -42,7 +42,8 @@ def effective_config(
             f"GenerationConfig.from_pretrained(path)."
         )
     if default is not None:
-        config, _ = config.updated(defaults_only=True, allow_custom_entries=True, **_filled(default))
+        filled = _filled(default)
+        config, _ = config.updated(defaults_only=True, allow_custom_entries=True, **filled)
     return _override(config, overrides)
 
 

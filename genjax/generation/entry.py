@@ -180,7 +180,7 @@ def generate(
         prompt_buckets: the prompt-length bucket policy (static; :mod:`genjax.buckets`): None
             for powers of two from 16, an int ``n`` for multiples of ``n``, a sequence of bucket
             lengths, or a ``genjax.buckets`` policy. With ``max_cache_len`` only its
-            granularity counts (the prefill chunk).
+            granularity counts (the prefill chunk, unless ``prefill_chunk_size`` is set).
         **config_overrides: generation config fields overriding ``config`` for this call
             (applied last, after the model's config and the defaults: ``do_sample=False``
             makes a checkpoint that samples by default decode greedily, and a sampling value
@@ -319,6 +319,7 @@ class _Call:
             self.plan.steps if new_slots is None else new_slots,
             self.pad_token_id,
             self.plan.quantized,
+            self.plan.prefill_chunk,
         )
 
     def constrain(self):

@@ -65,6 +65,7 @@ from genjax.generation.inputs import (
     resolve_config,
     stop_string_table_for,
 )
+from genjax.generation.options import check_options
 from genjax.generation.outputs import GenerateOutput
 from genjax.generation.prefill import is_quantized, special_ids
 from genjax.processors import Processor, as_processors, validate_config
@@ -142,6 +143,7 @@ class CallPlan:
     slots: cache_slots.FixedSlots | None  # the max_cache_len layout, or None
     layout: Layout | None  # the sharding layout, or None for one device
     quantized: bool  # int8 KV caches
+    prefill_chunk: int | None  # prefill_chunk_size: prompt slots per prefill step, or None
     num_return_sequences: int  # R
     num_beams: int  # M
     output_scores: bool
@@ -283,7 +285,9 @@ def _resolve(model, config, request: CallRequest):
 
 
 def check_mode(config: GenerationConfig, assistant_model, mode: Mode) -> None:
-    """Raises UnsupportedError for a mode (or a mode's option) genjax does not run."""
+    """Raises UnsupportedError for a mode (or a mode's option) genjax does not run, and for an
+    option it would otherwise ignore (:func:`genjax.generation.options.check_options`)."""
+    check_options(config, assistant_model, mode is Mode.ASSISTED)
     if mode is Mode.ASSISTED:
         assisted.check_config(config, assistant_model)
     elif mode is Mode.BEAMS:
@@ -330,6 +334,7 @@ def _plan(model, config, mode, shape, new_tokens, slots, layout, request) -> Cal
         slots=slots,
         layout=layout,
         quantized=is_quantized(config),
+        prefill_chunk=config.prefill_chunk_size,
         num_return_sequences=config.num_return_sequences,
         num_beams=config.num_beams,
         output_scores=bool(config.output_scores),

@@ -60,6 +60,7 @@ from genjax.decoding.sampling import (
     greedy_chooser,
     sampling_chooser,
 )
+from genjax.errors import InputError
 from genjax.generation import buckets
 from genjax.generation.outputs import GenerateOutput
 from genjax.generation.plan import CallPlan, CallRequest, Mode, PreparedCall, TracedInputs, prepare
@@ -193,7 +194,9 @@ def generate(
 
     Raises:
         InputError: malformed ``input_ids``, ``attention_mask`` or ``key``; ``stop_strings``
-            without a ``tokenizer``; ``P + N > max_cache_len``; a bad ``prompt_buckets``.
+            without a ``tokenizer``; ``P + N > max_cache_len``; a bad ``prompt_buckets``;
+            after the run, first-step logits holding NaN or Inf (broken weights: checked when
+            the arrays are concrete, see :func:`check_finite` for the cost).
         CacheMemoryError: an InputError: the KV caches would not fit in the devices' free
             memory (the message gives both figures; see :mod:`genjax.cache.memory`).
         TypeError: a stopping criterion that is not a hashable callable; a logits processor
@@ -233,6 +236,32 @@ def generate(
     out = call.finish(out)
     if streamer is not None:
         streamer.end()
+    return check_finite(out)
+
+
+def check_finite(out: GenerateOutput) -> GenerateOutput:
+    """``out`` without its ``first_logits_finite`` flag, after raising if the flag is False.
+
+    Called with concrete arrays, it reads the flag: the host waits for the compiled program to
+    finish (``generate`` then returns ready arrays rather than dispatching asynchronously) and
+    the program pays one ``isfinite`` reduction over the first step's ``[B, V]`` logits.
+    Inside a user's ``jax.jit`` (the flag is a tracer) nothing is checked.
+
+    Raises:
+        InputError: the model's first-step logits hold NaN or Inf (broken or overflowing
+            weights), so every token generated would be meaningless.
+    """
+    flag = out.first_logits_finite
+    out = out.replace(first_logits_finite=None)
+    if flag is None or isinstance(flag, jax.core.Tracer):
+        return out
+    if not bool(flag):
+        raise InputError(
+            "the model's logits for the first new token hold NaN or Inf: the weights (or the "
+            "activations, e.g. float16 overflow) are not finite, so every generated token "
+            "would be meaningless. Check the checkpoint with jax.tree.map(lambda x: "
+            "bool(jnp.isfinite(x).all()), params), or load it in float32 (dtype='float32')."
+        )
     return out
 
 
@@ -384,7 +413,12 @@ def _generate_sampling(call: _Call) -> GenerateOutput:
     if plan.slots is not None:
         sequences = plan.slots.sequences(state.tokens, traced.offset)
     return call.finish(
-        GenerateOutput(sequences=sequences, scores=state.scores, logits=state.raw_logits)
+        GenerateOutput(
+            sequences=sequences,
+            scores=state.scores,
+            logits=state.raw_logits,
+            first_logits_finite=_all_finite(logits),
+        )
     )
 
 
@@ -430,6 +464,7 @@ def _generate_beams(call: _Call) -> GenerateOutput:
             logits=state.raw_logits,
             sequences_scores=sequences_scores,
             beam_indices=beam_indices,
+            first_logits_finite=_all_finite(logits),
         )
     )
 
@@ -482,7 +517,13 @@ def _generate_assisted(call: _Call) -> GenerateOutput:
         scores=scores,
         logits=raw_logits,
         num_accepted_tokens=state.num_accepted,
+        first_logits_finite=_all_finite(logits),
     )
+
+
+def _all_finite(logits: Array) -> Array:
+    """bool[]: whether the first step's logits float32[B, T, V] (the last of T) are finite."""
+    return jnp.all(jnp.isfinite(logits[:, -1]))
 
 
 _LOOPS = {

@@ -169,3 +169,20 @@ def test_live_matches_the_recording(recorded):
     assert live_cases["tiny"] == cases["tiny"]
     for key, value in live.items():
         np.testing.assert_array_equal(value, arrays[key], err_msg=key)
+
+
+def test_a_gguf_file_carries_its_special_token_ids(tmp_path):
+    """As transformers (from_model_config of the GGUF-derived config): BOS/EOS/pad ids."""
+    from safetensors.numpy import load_file
+
+    from genjax.testing import write_gguf, write_random_checkpoint
+
+    config = write_random_checkpoint(tmp_path / "hf", "llama")
+    tensors = load_file(tmp_path / "hf" / "model.safetensors")
+    tokens = {"tokens": [f"t{i}" for i in range(config["vocab_size"])], "bos_token_id": 1}
+    tokens.update(eos_token_id=7, padding_token_id=0)
+    path = write_gguf(tmp_path / "m.gguf", config, tensors, tokenizer=tokens)
+    model, _ = genjax.models.from_pretrained(tmp_path, gguf_file="m.gguf")
+    got = model.generation_config
+    assert (got.bos_token_id, got.eos_token_id, got.pad_token_id) == (1, 7, 0), got
+    assert os.path.isfile(path)

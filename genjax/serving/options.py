@@ -1,10 +1,10 @@
 """Per-request generation options: what the engine supports, checked in the caller's thread.
 
-A request's config is the manager's config, replaced by the request's ``generation_config`` when
-given, then updated by its keyword overrides. The engine runs, per row: greedy or sampling with
-``temperature``, ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``; ``max_new_tokens``
-(or ``max_length``), ``min_new_tokens``, EOS ids (a list), ``stop_strings`` (matched on the
-host with the tokenizer) and a ``seed``. Any other field set to a non-default value raises
+A request's config is its ``generation_config`` with unset fields from the manager's (itself
+filled from the model's ``generation_config``), then updated by its keyword overrides. The
+engine runs, per row: greedy or sampling with ``temperature``, ``top_k``, ``top_p``,
+``min_p``, ``repetition_penalty``; ``max_new_tokens`` (or ``max_length``), ``min_new_tokens``,
+EOS ids (a list), ``stop_strings`` (matched on the host with the tokenizer) and a ``seed``. Any other field set to a non-default value raises
 :class:`~genjax.errors.UnsupportedError` naming it.
 """
 

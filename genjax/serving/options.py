@@ -4,8 +4,9 @@ A request's config is its ``generation_config`` with unset fields from the manag
 filled from the model's ``generation_config``), then updated by its keyword overrides. The
 engine runs, per row: greedy or sampling with ``temperature``, ``top_k``, ``top_p``,
 ``min_p``, ``repetition_penalty``; ``max_new_tokens`` (or ``max_length``), ``min_new_tokens``,
-EOS ids (a list), ``stop_strings`` (matched on the host with the tokenizer) and a ``seed``. Any other field set to a non-default value raises
-:class:`~genjax.errors.UnsupportedError` naming it.
+EOS ids (a list), ``stop_strings`` (matched on the host with the tokenizer) and a ``seed``.
+Any other field set to a non-default value raises :class:`~genjax.errors.UnsupportedError`
+naming it.
 """
 
 from __future__ import annotations

@@ -146,6 +146,17 @@ class FakeManager:
         self.shape = SimpleNamespace(max_length=64)
         self.generation_config = genjax.GenerationConfig(max_new_tokens=4)
         self.handlers, self.added, self.cancelled, self.fail = [], [], [], fail
+        self._arrivals = threading.Condition()
+
+    async def requests_added(self, count: int) -> None:
+        """Returns once ``count`` requests have reached ``add_request`` (the server tokenizes in
+        a worker thread, so arrival is an event, not a number of event-loop turns)."""
+
+        def wait():
+            with self._arrivals:
+                assert self._arrivals.wait_for(lambda: len(self.added) >= count, timeout=60)
+
+        await asyncio.to_thread(wait)
 
     def is_running(self):
         return True
@@ -157,7 +168,9 @@ class FakeManager:
         if self.fail:
             self.fail = False
             raise RuntimeError("an internal fault")
-        self.added.append(request_id)
+        with self._arrivals:
+            self.added.append(request_id)
+            self._arrivals.notify_all()
         return request_id
 
     def cancel_request(self, request_id):
@@ -206,20 +219,14 @@ def test_a_full_queue_answers_429_with_retry_after(tokenizer):
         first = asyncio.create_task(
             client.completions.create(model="fake", prompt="a", max_tokens=2)
         )
-        for _ in range(1000):  # the first request reaches the engine within a few loop turns
-            if manager.added:
-                break
-            await asyncio.sleep(0)
+        await manager.requests_added(1)
         with pytest.raises(openai.RateLimitError) as error:
             await client.completions.create(model="fake", prompt="b", max_tokens=2)
         manager.finish(manager.added[0], tokenizer.encode(" ok"))
         done = await asyncio.wait_for(first, 30)
         later = client.completions.create(model="fake", prompt="c", max_tokens=2)
         task = asyncio.create_task(later)
-        for _ in range(1000):
-            if len(manager.added) == 2:
-                break
-            await asyncio.sleep(0)
+        await manager.requests_added(2)
         manager.finish(manager.added[1], tokenizer.encode("!"))
         return error.value, done, await asyncio.wait_for(task, 30)
 
@@ -254,10 +261,7 @@ def test_an_internal_fault_is_a_500_and_the_server_keeps_serving(tokenizer):
             await client.completions.create(model="fake", prompt="a", max_tokens=2)
         models = await client.models.list()
         task = asyncio.create_task(client.completions.create(model="fake", prompt="a"))
-        for _ in range(1000):
-            if manager.added:
-                break
-            await asyncio.sleep(0)
+        await manager.requests_added(1)
         manager.finish(manager.added[0], tokenizer.encode("fine"))
         return error.value, models, await asyncio.wait_for(task, 30)
 
@@ -385,10 +389,11 @@ def model_and_params():
 def _greedy_reference(model_and_params, tokenizer, ids: list[int], new: int) -> str:
     """``genjax.generate`` greedy on one prompt; the new text up to EOS, special tokens off."""
     model, params = model_and_params
-    config = genjax.GenerationConfig.from_pretrained(bundled.path()).replace(
-        do_sample=False, temperature=None, top_p=None, top_k=None, max_new_tokens=new
+    config = genjax.GenerationConfig.from_pretrained(bundled.path())
+    # Greedy as an override, as transformers takes it: the file's sampling values stay inert.
+    out = genjax.generate(
+        model, params, np.asarray([ids], np.int32), max_new_tokens=new, do_sample=False
     )
-    out = genjax.generate(model, params, np.asarray([ids], np.int32), config)
     tokens = np.asarray(out.sequences)[0, len(ids) :].tolist()
     if config.eos_token_id in tokens:
         tokens = tokens[: tokens.index(config.eos_token_id)]

@@ -12,7 +12,6 @@ Every test starts with JAX's in-memory caches cleared (``fresh_programs``), so w
 does not depend on which tests ran before it: each builds the programs it needs itself.
 """
 
-import contextlib
 import functools
 import json
 import re
@@ -27,18 +26,8 @@ import pytest
 import genjax
 from genjax import GenerationConfig, buckets
 from genjax.errors import InputError, UnsupportedError
+from genjax.testing import count_compiles as compiles
 from genjax.testing import write_random_checkpoint
-
-_COMPILED: list[str] | None = None  # names of the programs compiled while counting
-
-
-def _on_event(event, duration, **kwargs):
-    if _COMPILED is not None and event == "/jax/core/compile/backend_compile_duration":
-        _COMPILED.append(kwargs.get("fun_name", "?"))
-
-
-jax.monitoring.register_event_duration_secs_listener(_on_event)
-
 
 pytestmark = pytest.mark.usefixtures("fast_compiles")  # LLVM at -O0: see conftest.py
 
@@ -47,17 +36,6 @@ pytestmark = pytest.mark.usefixtures("fast_compiles")  # LLVM at -O0: see confte
 def fresh_programs():
     """Drops every compiled program of this process, so a test's compile counts are its own."""
     jax.clear_caches()
-
-
-@contextlib.contextmanager
-def compiles():
-    """Yields the list of XLA programs compiled inside the block (``jit(name)`` strings)."""
-    global _COMPILED
-    previous, _COMPILED = _COMPILED, []
-    try:
-        yield _COMPILED
-    finally:
-        _COMPILED = previous
 
 
 GREEDY = GenerationConfig(max_new_tokens=12, pad_token_id=0, output_scores=True)

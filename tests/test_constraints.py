@@ -3,7 +3,6 @@ model, through greedy decoding, sampling, beams, per-row constraints and ``max_c
 device tables against each other and against the hand-applied ``allowed_tokens_fn`` mask; one
 compiled program for patterns of the same padded table size; the combinations that raise."""
 
-import contextlib
 import json
 import re
 
@@ -16,28 +15,7 @@ import pytest
 import genjax
 from genjax import GenerationConfig, constraints
 from genjax.errors import InputError, UnsupportedError
-
-_COMPILED: list[str] | None = None  # programs compiled while counting (as in test_compile.py)
-
-
-def _on_event(event, duration, **kwargs):
-    if _COMPILED is not None and event == "/jax/core/compile/backend_compile_duration":
-        _COMPILED.append(kwargs.get("fun_name", "?"))
-
-
-jax.monitoring.register_event_duration_secs_listener(_on_event)
-
-
-@contextlib.contextmanager
-def compiles():
-    """Yields the list of XLA programs compiled inside the block."""
-    global _COMPILED
-    previous, _COMPILED = _COMPILED, []
-    try:
-        yield _COMPILED
-    finally:
-        _COMPILED = previous
-
+from genjax.testing import count_compiles as compiles
 
 pytestmark = pytest.mark.usefixtures("fast_compiles")  # LLVM at -O0: see conftest.py
 
@@ -108,6 +86,8 @@ SCHEMAS = [
 def bundled():
     path = genjax.io.bundled.path()
     model, params = genjax.models.from_pretrained(path)
+    # Without the bundled file's sampling defaults: each test's config says greedy or sampling.
+    model = model.with_generation_config(None)
     return model, params, genjax.tokenizer.from_pretrained(path)
 
 

@@ -10,7 +10,6 @@ requests arrive together under ``pause()``, and the scheduler frees a request's 
 final output is published. Timeouts only bound a broken run.
 """
 
-import contextlib
 import dataclasses
 import functools
 import tempfile
@@ -36,29 +35,10 @@ from genjax.serving import (
     init_state,
 )
 from genjax.serving.blocks import block_hashes
+from genjax.testing import count_compiles as compiles
 from genjax.testing import write_random_checkpoint
 
 pytestmark = pytest.mark.usefixtures("fast_compiles")
-
-_COMPILED: list[str] | None = None
-
-
-def _on_event(event, duration, **kwargs):
-    if _COMPILED is not None and event == "/jax/core/compile/backend_compile_duration":
-        _COMPILED.append(kwargs.get("fun_name", "?"))
-
-
-jax.monitoring.register_event_duration_secs_listener(_on_event)
-
-
-@contextlib.contextmanager
-def compiles():
-    global _COMPILED
-    previous, _COMPILED = _COMPILED, []
-    try:
-        yield _COMPILED
-    finally:
-        _COMPILED = previous
 
 
 # 13 usable blocks of 4 slots: three requests growing past ~17 tokens each force a preemption.

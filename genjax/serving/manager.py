@@ -43,7 +43,7 @@ from genjax.errors import InputError
 from genjax.generation.inputs import effective_config
 from genjax.serving.engine import EngineShape, compile_step, init_state
 from genjax.serving.metrics import ITL_EDGES, TTFT_EDGES, Histogram
-from genjax.serving.options import build_request
+from genjax.serving.options import build_request, request_config
 from genjax.serving.scheduler import RequestState, RequestStatus, Scheduler
 
 __all__ = [
@@ -153,10 +153,8 @@ class ContinuousBatchingManager:
 
     def __init__(self, model, params, generation_config=None, cb_config=None, tokenizer=None):
         self.model, self.params, self.tokenizer = model, params, tokenizer
-        # As generate does: the model's own generation config fills what the manager's leaves unset.
-        self.generation_config = effective_config(
-            generation_config, {}, getattr(model, "generation_config", None)
-        )
+        default = getattr(model, "generation_config", None)  # fills what the manager's leaves unset
+        self.generation_config = effective_config(generation_config, {}, default)
         self.cb_config = cb_config or ContinuousBatchingConfig()
         self.shape = self.cb_config.engine_shape()
         self._step = compile_step(model, self.shape.max_steps)
@@ -287,15 +285,9 @@ class ContinuousBatchingManager:
             UnsupportedError, InputError, GenerationConfigError: see
             :func:`genjax.serving.options.build_request`; also InputError for a duplicate id.
         """
-        config = self.generation_config
-        if generation_config is not None:
-            config = effective_config(generation_config, {}, self.generation_config)
         if max_new_tokens is not None:
             config_overrides["max_new_tokens"] = max_new_tokens
-        if config_overrides:
-            config, unused = config.updated(**config_overrides)
-            if unused:
-                raise TypeError(f"add_request got unknown config fields {sorted(unused)}.")
+        config = request_config(self.generation_config, generation_config, config_overrides)
         if request_id is None:
             request_id = f"req_{next(self._ids)}"
         with self._cond:

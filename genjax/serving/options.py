@@ -16,6 +16,7 @@ import numpy as np
 from genjax.config import GenerationConfig
 from genjax.config.fields import DEFAULT_GENERATION_PARAMS, FIELD_NAMES, METADATA_FIELDS
 from genjax.errors import InputError, UnsupportedError
+from genjax.generation.inputs import effective_config
 from genjax.processors import validate_config
 from genjax.serving.engine import EngineShape, RowSettings
 from genjax.serving.scheduler import RequestState
@@ -103,6 +104,21 @@ def _row(config: GenerationConfig, eos: tuple[int, ...], seed: int, shape: Engin
         eos_token_ids=ids,
         seed=np.asarray([seed], np.int32),
     )
+
+
+def request_config(
+    default: GenerationConfig, config: GenerationConfig | None, overrides: dict
+) -> GenerationConfig:
+    """A request's config: ``config``'s unset fields from the manager's ``default`` (as
+    ``genjax.generate`` fills them from the model's), then the keyword ``overrides``."""
+    if config is not None:
+        config = effective_config(config, {}, default)
+    config = default if config is None else config
+    if overrides:
+        config, unused = config.updated(**overrides)
+        if unused:
+            raise TypeError(f"add_request got unknown config fields {sorted(unused)}.")
+    return config
 
 
 def build_request(

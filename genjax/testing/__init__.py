@@ -7,8 +7,10 @@ Layer:
 
 from __future__ import annotations
 
+import contextlib
 import math
 
+import jax
 import numpy as np
 
 from genjax.testing.checkpoints import tiny_config, write_random_checkpoint
@@ -17,6 +19,7 @@ from genjax.testing.gguf import write_gguf
 __all__ = [
     "TINY_CORPUS",
     "chi_square_p_value",
+    "count_compiles",
     "left_padded_batch",
     "tiny_bpe_tokenizer",
     "tiny_config",
@@ -96,3 +99,36 @@ def tiny_bpe_tokenizer(corpus=TINY_CORPUS, vocab_size: int = 300):
     )
     backend.train_from_iterator(list(corpus), trainer)
     return backend
+
+
+_COMPILE_LISTS: list[list[str]] = []  # one list per open count_compiles block
+
+
+def _on_compile(event: str, duration: float, **kwargs) -> None:
+    if _COMPILE_LISTS and event == "/jax/core/compile/backend_compile_duration":
+        _COMPILE_LISTS[-1].append(kwargs.get("fun_name", "?"))
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_compile)
+
+
+@contextlib.contextmanager
+def count_compiles():
+    """Yields the list of XLA programs compiled inside the block (``"jit(name)"`` strings), from
+    JAX's monitoring events: one backend compile event per program, so an empty list means no
+    XLA program at all was built ("a second call compiles nothing").
+
+    Example:
+        >>> f = jax.jit(lambda x: x * 3)
+        >>> with count_compiles() as compiled:
+        ...     _ = f(1.0)
+        ...     _ = f(2.0)
+        >>> compiled
+        ['jit(<lambda>)']
+    """
+    compiled: list[str] = []
+    _COMPILE_LISTS.append(compiled)
+    try:
+        yield compiled
+    finally:
+        _COMPILE_LISTS.remove(compiled)

@@ -39,15 +39,17 @@ def main(argv: list[str] | None = None) -> dict:
     genjax.generate(model, params, ids, config, key=jax.random.key(0), streamer=streamer)
 
     print("\n2. a left-padded batch, greedy, under jax.jit:")
-    greedy = config.replace(do_sample=False, temperature=None, top_k=None, top_p=None)
+    # do_sample=False on top of the model's generation config, as transformers'
+    # model.generate(do_sample=False): the file's sampling values are then not used.
+    greedy = jax.jit(functools.partial(genjax.generate, model, do_sample=False))
     batch = tok(["import os\n", "class Stack:\n    def push(self, item):"])
-    generate = jax.jit(functools.partial(genjax.generate, model))
-    out = generate(params, batch["input_ids"], greedy, attention_mask=batch["attention_mask"])
+    out = greedy(params, batch["input_ids"], config, attention_mask=batch["attention_mask"])
     texts = tok.batch_decode(out.sequences, skip_special_tokens=True)
     for text in texts:
         print("---\n" + text)
 
     print("---\n3. new sampling values and key, same compiled program:")
+    generate = jax.jit(functools.partial(genjax.generate, model))
     sampled = config.replace(temperature=0.6)
     ids, mask = batch["input_ids"], batch["attention_mask"]
     first = generate(params, ids, sampled, attention_mask=mask, key=jax.random.key(1))

@@ -33,7 +33,8 @@ def pair(tmp_path_factory):
     """A 2-layer random Llama target and a draft: the same weights plus noise, so that it
     agrees with the target often but not always."""
     folder = tmp_path_factory.mktemp("assisted")
-    write_random_checkpoint(folder / "target", "llama", seed=0)
+    # No EOS in config.json: the model's generation config would stop rows (as transformers).
+    write_random_checkpoint(folder / "target", "llama", seed=0, eos_token_id=None)
     model, params = genjax.models.from_pretrained(str(folder / "target"))
     noise = jax.tree.map(
         lambda x, k: x + 0.35 * jnp.std(x) * jax.random.normal(k, x.shape, x.dtype),
@@ -252,8 +253,11 @@ VOCAB = 8
 def small_pair(tmp_path_factory):
     """A target and a different draft over 8 tokens, so sampled continuations can be counted."""
     folder = tmp_path_factory.mktemp("assisted_small")
-    write_random_checkpoint(folder / "t", "llama", seed=0, vocab_size=VOCAB)
-    write_random_checkpoint(folder / "d", "llama", seed=3, vocab_size=VOCAB, num_hidden_layers=1)
+    # No EOS in config.json: the counted continuations must not stop (token 2 is no EOS).
+    write_random_checkpoint(folder / "t", "llama", seed=0, vocab_size=VOCAB, eos_token_id=None)
+    write_random_checkpoint(
+        folder / "d", "llama", seed=3, vocab_size=VOCAB, num_hidden_layers=1, eos_token_id=None
+    )
     target = genjax.models.from_pretrained(str(folder / "t"))
     return target, genjax.models.from_pretrained(str(folder / "d"))
 
@@ -405,23 +409,18 @@ def test_bundled_pair_greedy_equals_plain_greedy():
     tok = genjax.tokenizer.from_pretrained(target_path)
     batch = tok(["def fibonacci(n):\n", "import os\nimport sys\n\nclass "])
     ids, mask = batch["input_ids"], batch["attention_mask"]
-    config = GenerationConfig.from_pretrained(target_path).replace(
-        max_new_tokens=24,
-        do_sample=False,
-        temperature=None,
-        top_k=None,
-        top_p=None,
-        num_assistant_tokens=4,
-    )
-    plain = genjax.generate(model, params, ids, config, attention_mask=mask)
+    # The model's generation_config.json is the base (as in transformers); do_sample=False on
+    # top makes it greedy.
+    config = dict(max_new_tokens=24, do_sample=False, num_assistant_tokens=4)
+    plain = genjax.generate(model, params, ids, attention_mask=mask, **config)
     out = genjax.generate(
         model,
         params,
         ids,
-        config,
         attention_mask=mask,
         assistant_model=draft,
         assistant_params=draft_params,
+        **config,
     )
     np.testing.assert_array_equal(out.sequences, plain.sequences)
     assert np.asarray(out.num_accepted_tokens).sum() > 0

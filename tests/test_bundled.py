@@ -32,16 +32,15 @@ def _greedy(name):
     folder = genjax.io.bundled.path(name)
     model, params = genjax.models.from_pretrained(folder)
     tok = T.from_pretrained(folder)
-    # Greedy, as the recording: the sampling values do not apply (unset, so no warning).
-    config = genjax.GenerationConfig.from_pretrained(folder)
-    config = config.replace(do_sample=False, temperature=None, top_k=None, top_p=None)
+    # Called as the recording calls transformers: the model's generation_config.json is the
+    # base (its repetition_penalty applies) and do_sample=False on top makes it greedy.
     batch = tok(PROMPTS)
     out = genjax.generate(
         model,
         params,
         batch["input_ids"],
-        config,
         attention_mask=batch["attention_mask"],
+        do_sample=False,
         max_new_tokens=MAX_NEW_TOKENS,
         output_scores=True,
     )

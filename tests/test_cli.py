@@ -277,7 +277,9 @@ def test_prompt_too_long_errors_advise_something_possible(folder, loaded, capsys
     batch = tok(["hello " * 6])
     config = genjax.GenerationConfig(max_length=3, eos_token_id=2, pad_token_id=0)
     with pytest.raises(genjax.errors.InputError) as info:
-        genjax.generate(model, params, batch["input_ids"], config)
+        # max_new_tokens=None: else the model's generation_config.json sets it, and it wins
+        # over max_length (as in transformers).
+        genjax.generate(model, params, batch["input_ids"], config, max_new_tokens=None)
     length = batch["input_ids"].shape[1]
     assert f"raise max_length above {length}" in str(info.value)
 

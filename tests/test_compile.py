@@ -56,7 +56,9 @@ def _setup():
     import tempfile
 
     path = tempfile.mkdtemp(prefix="genjax-compile-")
-    write_random_checkpoint(path, "llama", num_hidden_layers=2)
+    # No EOS in config.json (the model's generation config would stop rows early, as in
+    # transformers): the resumed call below continues the reference's rows.
+    write_random_checkpoint(path, "llama", num_hidden_layers=2, eos_token_id=None)
     model, params = genjax.models.from_pretrained(path)
     ids = np.random.default_rng(0).integers(1, model.vocab_size, (2, 9)).astype(np.int32)
     mask = np.ones_like(ids)

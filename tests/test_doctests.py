@@ -40,6 +40,9 @@ MODULES = ["genjax"] + sorted(
 def doctest_globals() -> dict:
     path = genjax.io.bundled.path("genjax-tiny")
     model, params = genjax.models.from_pretrained(path)
+    # Without the checkpoint's sampling file, so that `config` means what it says (greedy); the
+    # merge with a checkpoint's generation config is tested in test_model_generation_config.py.
+    model = model.with_generation_config(None)
     tok = genjax.tokenizer.from_pretrained(path)
     batch = tok(["def f():", "import os"])
     return {

@@ -141,6 +141,9 @@ def test_new_processor_values_compile_nothing():
 )
 def test_bad_processor_settings_raise_before_tracing(change, error, words):
     model, params, ids, mask = _model("llama")
+    # Without the checkpoint's generation config: its EOS id (config.json's) would fill an
+    # eos_token_id=None, as in transformers.
+    model = model.with_generation_config(None)
     config = GenerationConfig(max_new_tokens=2, pad_token_id=0, eos_token_id=2).replace(**change)
     with pytest.raises(error) as info:
         genjax.generate(model, params, ids, config, attention_mask=mask)

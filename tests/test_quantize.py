@@ -202,6 +202,7 @@ def test_greedy_generate_mostly_agrees_with_float32(tiny):
     flip needs a near tie that the ~1% logit error breaks, so 90% leaves margin while a wrong
     scale (logits off by tens of percent) fails it."""
     model, params, qparams = tiny["llama"]
+    model = model.with_generation_config(None)  # no EOS from config.json: every step decodes
     prompt = SHAPE[1] - NEW
     ids = _ids(model.vocab_size, (SHAPE[0], prompt))
     config = genjax.GenerationConfig(max_new_tokens=NEW, do_sample=False, pad_token_id=0)

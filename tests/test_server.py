@@ -389,10 +389,11 @@ def model_and_params():
 def _greedy_reference(model_and_params, tokenizer, ids: list[int], new: int) -> str:
     """``genjax.generate`` greedy on one prompt; the new text up to EOS, special tokens off."""
     model, params = model_and_params
-    config = genjax.GenerationConfig.from_pretrained(bundled.path()).replace(
-        do_sample=False, temperature=None, top_p=None, top_k=None, max_new_tokens=new
+    config = genjax.GenerationConfig.from_pretrained(bundled.path())
+    # Greedy as an override, as transformers takes it: the file's sampling values stay inert.
+    out = genjax.generate(
+        model, params, np.asarray([ids], np.int32), max_new_tokens=new, do_sample=False
     )
-    out = genjax.generate(model, params, np.asarray([ids], np.int32), config)
     tokens = np.asarray(out.sequences)[0, len(ids) :].tolist()
     if config.eos_token_id in tokens:
         tokens = tokens[: tokens.index(config.eos_token_id)]

@@ -64,7 +64,9 @@ class _CharTokenizer:
 @functools.cache
 def _model():
     path = tempfile.mkdtemp(prefix="genjax-serving-")
-    write_random_checkpoint(path, "llama", num_hidden_layers=2)
+    # No EOS in config.json: each request names its own EOS ids (the model's would apply to
+    # the engine and to the generate reference alike, as test_model_generation_config checks).
+    write_random_checkpoint(path, "llama", num_hidden_layers=2, eos_token_id=None)
     return genjax.models.from_pretrained(path)
 
 

@@ -10,8 +10,9 @@ bucket and each ``N`` compiles a program. With ``max_cache_len = M`` (the config
            padding  | the prompt (P) | the new tokens    | pad, never written
            (masked) |                | (N)               |
 
-* The token buffer and the cache hold ``S = M + C - 1`` slots, ``C`` being the chunk: the
-  prompt-bucket policy's granularity (16 by default; see :mod:`genjax.buckets`).
+* The token buffer and the cache hold ``S = M + C - 1`` slots, ``C`` being the chunk:
+  ``prefill_chunk_size`` when set, else the prompt-bucket policy's granularity (16 by
+  default; see :mod:`genjax.buckets`).
 * The prompt is left-padded with ``o = (-P) mod C`` masked slots, so it ends at ``e = o + P``,
   a multiple of ``C``.
 * The prefill runs the prompt through the model ``C`` slots at a time, in a ``lax.while_loop``
@@ -46,7 +47,7 @@ import numpy as np
 from genjax.errors import InputError, UnsupportedError
 from genjax.typing import Array
 
-__all__ = ["FixedSlots", "pad_prompt", "plan"]
+__all__ = ["FixedSlots", "pad_prompt", "plan", "prefill_chunks"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,27 +104,11 @@ class FixedSlots:
         length = tokens.shape[1]
         positions = jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0)  # transformers v5's rule
         cache_mask = jnp.where(jnp.arange(length)[None, :] >= prompt_end, 1, mask)
-        extra = {"logits_to_keep": 1} if keep_one else {}
-
-        def run_chunk(k, cache):  # slots k*C .. k*C + C - 1 -> float32[B, V], cache
-            piece = [
-                jax.lax.dynamic_slice_in_dim(x, k * self.chunk, self.chunk, axis=1)
-                for x in (tokens, positions)
-            ]  # int32[B, C] each
-            logits, cache = model.apply(params, *piece, cache, cache_mask, **extra)
-            return logits[:, -1].astype(jnp.float32), cache
-
-        first = jnp.zeros((), jnp.int32)
-        shape = jax.eval_shape(run_chunk, first, cache)[0]
-
-        def body(carry):
-            k, cache, _ = carry
-            logits, cache = run_chunk(k, cache)
-            return k + 1, cache, logits
-
-        carry = (first, cache, jnp.zeros(shape.shape, shape.dtype))
         chunks = prompt_end // self.chunk
-        _, cache, logits = jax.lax.while_loop(lambda c: c[0] < chunks, body, carry)
+        logits, cache = prefill_chunks(
+            model, params, tokens, positions, cache_mask, cache, self.chunk, chunks,
+            keep_one=keep_one,
+        )  # fmt: skip
         return logits, cache, cache_mask
 
     def sequences(self, tokens: Array, offset: Array) -> Array:
@@ -136,7 +121,8 @@ def plan(config, policy, prompt_length: int, num_new_tokens: int, assisted: bool
 
     Args:
         config: the resolved :class:`~genjax.GenerationConfig` of the call.
-        policy: the call's :class:`~genjax.buckets.BucketPolicy` (gives the chunk).
+        policy: the call's :class:`~genjax.buckets.BucketPolicy` (gives the chunk unless
+            ``config.prefill_chunk_size`` is set).
         prompt_length: ``P``, the width of ``input_ids``.
         num_new_tokens: ``N``, from ``max_new_tokens`` or ``max_length``.
         assisted: whether the call is assisted generation.
@@ -166,7 +152,53 @@ def plan(config, policy, prompt_length: int, num_new_tokens: int, assisted: bool
             f"{prompt_length + num_new_tokens} exceeds max_cache_len={size}: {fix}, or raise "
             f"max_cache_len (which compiles a new program)."
         )
-    return FixedSlots(size, policy.granularity)
+    return FixedSlots(size, config.prefill_chunk_size or policy.granularity)
+
+
+def prefill_chunks(
+    model, params, tokens, positions, mask, cache, chunk: int, num_chunks, *, keep_one: bool
+):
+    """Runs slots ``0 .. num_chunks * chunk - 1`` through ``model``, ``chunk`` slots at a time
+    (a ``lax.while_loop``), into ``cache`` from its index 0: the chunked prefill of the
+    ``max_cache_len`` layout and of ``prefill_chunk_size``. Each chunk attends to the slots
+    before it through the cache, so the result equals one pass over all the slots.
+
+    Args:
+        model: the model (static); ``model.apply`` writes ``chunk`` slots at ``cache.index``.
+        params: its parameters.
+        tokens: int32[B, T] with ``T >= num_chunks * chunk``.
+        positions: int32[B, T], the position ids of ``tokens``.
+        mask: int32[B, S], the attention mask over every slot of ``cache`` (``S`` slots).
+        cache: an empty cache (float or quantized), index 0.
+        chunk: ``C`` (static).
+        num_chunks: int32[] or int, at least 1 (may be traced).
+        keep_one: whether ``model.apply`` takes ``logits_to_keep`` (then only the last
+            position's logits are computed).
+
+    Returns:
+        ``(logits float32[B, V], cache)``: the logits at slot ``num_chunks * chunk - 1`` and
+        the cache holding the slots before it (index ``num_chunks * chunk``).
+    """
+    extra = {"logits_to_keep": 1} if keep_one else {}
+
+    def run_chunk(k, cache):  # slots k*C .. k*C + C - 1 -> float32[B, V], cache
+        piece = [
+            jax.lax.dynamic_slice_in_dim(x, k * chunk, chunk, axis=1) for x in (tokens, positions)
+        ]  # int32[B, C] each
+        logits, cache = model.apply(params, *piece, cache, mask, **extra)
+        return logits[:, -1].astype(jnp.float32), cache
+
+    first = jnp.zeros((), jnp.int32)
+    shape = jax.eval_shape(run_chunk, first, cache)[0]
+
+    def body(carry):
+        k, cache, _ = carry
+        logits, cache = run_chunk(k, cache)
+        return k + 1, cache, logits
+
+    carry = (first, cache, jnp.zeros(shape.shape, shape.dtype))
+    _, cache, logits = jax.lax.while_loop(lambda c: c[0] < num_chunks, body, carry)
+    return logits, cache
 
 
 def pad_prompt(

@@ -42,6 +42,9 @@ def run(args) -> int:
     config = options.generation_config(folder, args)
     tokenizer = tokenizers.from_pretrained(folder)
     model, params = models.from_pretrained(folder, dtype=args.dtype)
+    # `config` is already the folder's generation config with the flags on top; the model must not
+    # fill back what a flag unset (--greedy drops the file's sampling values).
+    model = model.with_generation_config(None)
     resolved = config.with_defaults()
     copies = resolved.num_return_sequences
     runner = Runner(model, params, config, tokenizer, options.seed_key(args.seed), args.chat)

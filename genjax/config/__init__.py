@@ -43,9 +43,11 @@ Differences from transformers, on purpose:
 
 Layer:
     Floor 2. Imports only :mod:`genjax.errors`; ``fields`` declares the fields, ``checks``
-    validates them, ``files`` reads and writes JSON, ``generation_config`` is the class.
+    validates them, ``files`` reads and writes JSON, ``generation_config`` is the class,
+    ``checkpoint`` finds the config a checkpoint folder gives its model.
 """
 
+from genjax.config.checkpoint import checkpoint_default
 from genjax.config.fields import (
     DEFAULT_GENERATION_PARAMS,
     NEUTRAL_VALUES,
@@ -62,4 +64,5 @@ __all__ = [
     "TRANSFORMERS_VERSION",
     "GenerationConfig",
     "GenerationMode",
+    "checkpoint_default",
 ]

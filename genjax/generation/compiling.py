@@ -147,7 +147,7 @@ def warmup(
                 f"compile ahead of time: a streamed call compiles its program the first time). "
                 f"Drop {name}= from the warm-up."
             )
-    config = effective_config(config, {})
+    config = effective_config(config, {}, getattr(model, "generation_config", None))
     fixed = generate_kwargs.get("max_cache_len", config.max_cache_len)
     buckets.resolve(prompt_buckets)  # a bad policy fails before anything is traced
     if key is None:

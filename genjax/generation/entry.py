@@ -60,6 +60,7 @@ from genjax.decoding.sampling import (
     greedy_chooser,
     sampling_chooser,
 )
+from genjax.errors import InputError
 from genjax.generation import buckets
 from genjax.generation.outputs import GenerateOutput
 from genjax.generation.plan import CallPlan, CallRequest, Mode, PreparedCall, TracedInputs, prepare
@@ -127,8 +128,12 @@ def generate(
         model: a model following the protocol of :mod:`genjax.models` (hashable; static).
         params: the model parameters (traced).
         input_ids: int[B, P] prompts, left-padded when their lengths differ.
-        config: a :class:`GenerationConfig`; None means ``GenerationConfig()``. Its traced values
-            may be per row (shape ``[B]``).
+        config: a :class:`GenerationConfig`, merged with the model's ``generation_config``
+            (the checkpoint's ``generation_config.json``, see ``from_pretrained``) as in
+            transformers v5: None means the model's config; a given config's unset (None)
+            fields are filled from the model's; then the library defaults; then
+            ``**config_overrides``. A model without one (``from_config``, a custom model) uses
+            ``GenerationConfig()``. Its traced values may be per row (shape ``[B]``).
         attention_mask: int or bool[B, P], 1 on real tokens. When None it is inferred as
             transformers does: ``input_ids != pad_token_id`` if the pad id occurs in the input
             and is not an EOS id, else all ones.
@@ -177,13 +182,16 @@ def generate(
         prompt_buckets: the prompt-length bucket policy (static; :mod:`genjax.buckets`): None
             for powers of two from 16, an int ``n`` for multiples of ``n``, a sequence of bucket
             lengths, or a ``genjax.buckets`` policy. With ``max_cache_len`` only its
-            granularity counts (the prefill chunk).
+            granularity counts (the prefill chunk, unless ``prefill_chunk_size`` is set).
         constraint: structured output (:mod:`genjax.constraints`): a ``Constraint`` from
             ``regex``, ``json_schema``, ``json_object`` or ``choice`` for every row, or a list
             of one per input row. The automaton's tables are traced (patterns whose tables pad
             to the same size share one program; its format and sizes are static). Greedy,
             sampling and beams; not assisted generation.
-        **config_overrides: generation config fields overriding ``config`` for this call.
+        **config_overrides: generation config fields overriding ``config`` for this call
+            (applied last, after the model's config and the defaults: ``do_sample=False``
+            makes a checkpoint that samples by default decode greedily, and a sampling value
+            set to None, e.g. ``top_k=None``, turns that processor off).
 
     Returns:
         A :class:`GenerateOutput`; ``sequences`` is int32[B*R, P+N]. With ``max_cache_len = M``
@@ -192,7 +200,9 @@ def generate(
 
     Raises:
         InputError: malformed ``input_ids``, ``attention_mask`` or ``key``; ``stop_strings``
-            without a ``tokenizer``; ``P + N > max_cache_len``; a bad ``prompt_buckets``.
+            without a ``tokenizer``; ``P + N > max_cache_len``; a bad ``prompt_buckets``;
+            after the run, first-step logits holding NaN or Inf (broken weights: checked when
+            the arrays are concrete, see :func:`check_finite` for the cost).
         CacheMemoryError: an InputError: the KV caches would not fit in the devices' free
             memory (the message gives both figures; see :mod:`genjax.cache.memory`).
         TypeError: a stopping criterion that is not a hashable callable; a logits processor
@@ -234,6 +244,32 @@ def generate(
     out = call.finish(out)
     if streamer is not None:
         streamer.end()
+    return check_finite(out)
+
+
+def check_finite(out: GenerateOutput) -> GenerateOutput:
+    """``out`` without its ``first_logits_finite`` flag, after raising if the flag is False.
+
+    Called with concrete arrays, it reads the flag: the host waits for the compiled program to
+    finish (``generate`` then returns ready arrays rather than dispatching asynchronously) and
+    the program pays one ``isfinite`` reduction over the first step's ``[B, V]`` logits.
+    Inside a user's ``jax.jit`` (the flag is a tracer) nothing is checked.
+
+    Raises:
+        InputError: the model's first-step logits hold NaN or Inf (broken or overflowing
+            weights), so every token generated would be meaningless.
+    """
+    flag = out.first_logits_finite
+    out = out.replace(first_logits_finite=None)
+    if flag is None or isinstance(flag, jax.core.Tracer):
+        return out
+    if not bool(flag):
+        raise InputError(
+            "the model's logits for the first new token hold NaN or Inf: the weights (or the "
+            "activations, e.g. float16 overflow) are not finite, so every generated token "
+            "would be meaningless. Check the checkpoint with jax.tree.map(lambda x: "
+            "bool(jnp.isfinite(x).all()), params), or load it in float32 (dtype='float32')."
+        )
     return out
 
 
@@ -320,6 +356,7 @@ class _Call:
             self.plan.steps if new_slots is None else new_slots,
             self.pad_token_id,
             self.plan.quantized,
+            self.plan.prefill_chunk,
         )
 
     def constrain(self):
@@ -386,7 +423,12 @@ def _generate_sampling(call: _Call) -> GenerateOutput:
     if plan.slots is not None:
         sequences = plan.slots.sequences(state.tokens, traced.offset)
     return call.finish(
-        GenerateOutput(sequences=sequences, scores=state.scores, logits=state.raw_logits)
+        GenerateOutput(
+            sequences=sequences,
+            scores=state.scores,
+            logits=state.raw_logits,
+            first_logits_finite=_all_finite(logits),
+        )
     )
 
 
@@ -436,6 +478,7 @@ def _generate_beams(call: _Call) -> GenerateOutput:
             logits=state.raw_logits,
             sequences_scores=sequences_scores,
             beam_indices=beam_indices,
+            first_logits_finite=_all_finite(logits),
         )
     )
 
@@ -488,7 +531,13 @@ def _generate_assisted(call: _Call) -> GenerateOutput:
         scores=scores,
         logits=raw_logits,
         num_accepted_tokens=state.num_accepted,
+        first_logits_finite=_all_finite(logits),
     )
+
+
+def _all_finite(logits: Array) -> Array:
+    """bool[]: whether the first step's logits float32[B, T, V] (the last of T) are finite."""
+    return jnp.all(jnp.isfinite(logits[:, -1]))
 
 
 _LOOPS = {

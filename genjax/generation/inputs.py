@@ -6,6 +6,7 @@ are prepared with numpy when they are concrete, so a new prompt shape compiles n
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import jax
@@ -13,13 +14,25 @@ import jax.numpy as jnp
 import numpy as np
 
 from genjax.config import GenerationConfig
+from genjax.config.fields import FIELD_NAMES, METADATA_FIELDS
 from genjax.errors import InputError, ShardingError, UnsupportedError
 from genjax.sharding import Layout, context_layout, layout_for
 from genjax.stopping import stop_string_table
 from genjax.typing import Array
 
 
-def effective_config(config: GenerationConfig | None, overrides: dict) -> GenerationConfig:
+def effective_config(
+    config: GenerationConfig | None, overrides: dict, default: GenerationConfig | None = None
+) -> GenerationConfig:
+    """The call's config before the library defaults, merged as transformers v5's
+    ``_prepare_generation_config`` merges it.
+
+    ``config`` (None: ``GenerationConfig()``) keeps its set fields; its unset (None) fields and
+    the custom keys it lacks come from ``default``, the model's ``generation_config``; then
+    ``overrides`` (``generate``'s ``**config_overrides``) are put on top. So ``do_sample=False``
+    given by the caller wins over a checkpoint's ``do_sample: true``, while the checkpoint's
+    ``repetition_penalty`` and EOS ids still apply.
+    """
     if config is None:
         config = GenerationConfig()
     elif not isinstance(config, GenerationConfig):
@@ -28,14 +41,54 @@ def effective_config(config: GenerationConfig | None, overrides: dict) -> Genera
             f"{type(config).__name__}. Build one with GenerationConfig(...) or "
             f"GenerationConfig.from_pretrained(path)."
         )
-    if overrides:
-        config, unused = config.updated(**overrides)
-        if unused:
-            raise TypeError(
-                f"generate() got unexpected keyword arguments {sorted(unused)}: they are not "
-                f"GenerationConfig fields. Check their spelling against GenerationConfig."
-            )
+    if default is not None:
+        filled = _filled(default)
+        config, _ = config.updated(defaults_only=True, allow_custom_entries=True, **filled)
+    return _override(config, overrides)
+
+
+@dataclasses.dataclass(frozen=True)
+class Lengths:
+    """The length settings of a call before the library default (``max_length=20``), for
+    transformers' length rules (:func:`num_new_tokens`)."""
+
+    max_length: int | None
+    max_new_tokens: int | None
+
+
+def resolve_config(config, overrides: dict, default=None) -> tuple[Lengths, GenerationConfig]:
+    """``(lengths, resolved)``: the call's config in transformers v5's order: the caller's
+    ``config``, its unset fields from the model's ``default``, then the library defaults
+    (``with_defaults``), then ``overrides`` on top. As in transformers, an override of None
+    stays None (``top_k=None`` turns top-k off), and the "ignored flag" warnings count only
+    what each step set (``do_sample=False`` as an override silences the checkpoint's
+    ``temperature``)."""
+    base = effective_config(config, {}, default)
+    resolved = _override(base.with_defaults(), overrides)
+    lengths = Lengths(
+        overrides.get("max_length", base.max_length),
+        overrides.get("max_new_tokens", base.max_new_tokens),
+    )
+    return lengths, resolved
+
+
+def _override(config: GenerationConfig, overrides: dict) -> GenerationConfig:
+    if not overrides:
+        return config
+    config, unused = config.updated(**overrides)
+    if unused:
+        raise TypeError(
+            f"generate() got unexpected keyword arguments {sorted(unused)}: they are not "
+            f"GenerationConfig fields. Check their spelling against GenerationConfig."
+        )
     return config
+
+
+def _filled(config: GenerationConfig) -> dict:
+    """The set fields and custom keys of ``config`` (its values as they are, arrays kept)."""
+    values = {name: getattr(config, name) for name in FIELD_NAMES if name not in METADATA_FIELDS}
+    values = {k: v for k, v in values.items() if v is not None}
+    return {**values, **dict(config.extra)}
 
 
 def check_inputs(model, input_ids, attention_mask, key, config):
@@ -158,7 +211,7 @@ def local_values(x) -> np.ndarray:
     return np.asarray(x)
 
 
-def num_new_tokens(config, resolved, prompt_length: int, model) -> int:
+def num_new_tokens(config: Lengths, resolved, prompt_length: int, model) -> int:
     """N, by transformers' rules: ``max_new_tokens`` wins; else ``max_length - P`` when
     ``max_length`` was set; else 20 new tokens, capped by ``max_position_embeddings``."""
     limit = getattr(model, "max_position_embeddings", None)
@@ -167,7 +220,7 @@ def num_new_tokens(config, resolved, prompt_length: int, model) -> int:
     elif config.max_length is not None:
         new = config.max_length - prompt_length
     else:
-        new = resolved.max_length
+        new = resolved.max_length if resolved.max_length is not None else 20
         if limit is not None:
             new = min(new, limit - prompt_length)
     if new < 1:

@@ -37,6 +37,9 @@ class GenerateOutput:
     # int32[B]: assisted generation only; candidate tokens accepted and committed per row
     # (divide by the new tokens for the acceptance rate).
     num_accepted_tokens: Array | None = None
+    # bool[]: whether every logit of the first step was finite; set by the compiled program and
+    # checked by ``generate`` on the host (which raises for NaN/Inf and returns None here).
+    first_logits_finite: Array | None = None
 
 
 def compute_transition_scores(

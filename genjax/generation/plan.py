@@ -61,11 +61,12 @@ from genjax.generation.inputs import (
     call_layout,
     check_assisted_extras,
     check_inputs,
-    effective_config,
     infer_attention_mask,
     num_new_tokens,
+    resolve_config,
     stop_string_table_for,
 )
+from genjax.generation.options import check_options
 from genjax.generation.outputs import GenerateOutput
 from genjax.generation.prefill import is_quantized, special_ids
 from genjax.processors import Processor, as_processors, validate_config
@@ -144,6 +145,7 @@ class CallPlan:
     slots: cache_slots.FixedSlots | None  # the max_cache_len layout, or None
     layout: Layout | None  # the sharding layout, or None for one device
     quantized: bool  # int8 KV caches
+    prefill_chunk: int | None  # prefill_chunk_size: prompt slots per prefill step, or None
     num_return_sequences: int  # R
     num_beams: int  # M
     output_scores: bool
@@ -229,7 +231,7 @@ def prepare(model, params: PyTree, input_ids, config, request: CallRequest) -> P
             "(model.encode, model.init_cache, model.apply), but the decoding loops do not "
             "drive them."
         )
-    config, resolved, mode = _resolve(model, config, request)
+    lengths, resolved, mode = _resolve(model, config, request)
     input_ids, attention_mask, key = check_inputs(
         model, input_ids, request.attention_mask, request.key, resolved
     )
@@ -240,7 +242,7 @@ def prepare(model, params: PyTree, input_ids, config, request: CallRequest) -> P
         )
         check_assisted_extras(request.streamer, layout)
     prompt_length = input_ids.shape[1]
-    new_tokens = num_new_tokens(config, resolved, prompt_length, model)
+    new_tokens = num_new_tokens(lengths, resolved, prompt_length, model)
     policy = buckets.resolve(request.prompt_buckets)
     slots = cache_slots.plan(resolved, policy, prompt_length, new_tokens, mode is Mode.ASSISTED)
     if resolved.min_new_tokens is not None:  # transformers: min_new_tokens overrides min_length
@@ -282,20 +284,23 @@ def prepare(model, params: PyTree, input_ids, config, request: CallRequest) -> P
 
 
 def _resolve(model, config, request: CallRequest):
-    """``(config, resolved, mode)``: the call's config with the overrides, the same with
-    defaults filled in, and its loop, all checked (mode, values against the vocabulary, cache
-    options)."""
-    config = effective_config(config, dict(request.overrides))
-    resolved = config.with_defaults()
+    """``(lengths, resolved, mode)``: the call's length settings before the library defaults,
+    its config merged with the model's ``generation_config``, the defaults and the overrides
+    (:func:`~genjax.generation.inputs.resolve_config`), and its loop, all checked (mode, values
+    against the vocabulary, cache options)."""
+    default = getattr(model, "generation_config", None)
+    lengths, resolved = resolve_config(config, dict(request.overrides), default)
     mode = mode_of(resolved, request.assistant_model)
     check_mode(resolved, request.assistant_model, mode)
     validate_config(resolved, model.vocab_size)
     check_cache_options(resolved.cache_implementation, resolved.cache_config)
-    return config, resolved, mode
+    return lengths, resolved, mode
 
 
 def check_mode(config: GenerationConfig, assistant_model, mode: Mode) -> None:
-    """Raises UnsupportedError for a mode (or a mode's option) genjax does not run."""
+    """Raises UnsupportedError for a mode (or a mode's option) genjax does not run, and for an
+    option it would otherwise ignore (:func:`genjax.generation.options.check_options`)."""
+    check_options(config, assistant_model, mode is Mode.ASSISTED)
     if mode is Mode.ASSISTED:
         assisted.check_config(config, assistant_model)
     elif mode is Mode.BEAMS:
@@ -342,6 +347,7 @@ def _plan(model, config, mode, shape, new_tokens, slots, layout, request) -> Cal
         slots=slots,
         layout=layout,
         quantized=is_quantized(config),
+        prefill_chunk=config.prefill_chunk_size,
         num_return_sequences=config.num_return_sequences,
         num_beams=config.num_beams,
         output_scores=bool(config.output_scores),

@@ -13,6 +13,7 @@ import inspect
 import jax.numpy as jnp
 
 from genjax.cache.quantized import init_cache
+from genjax.cache.slots import prefill_chunks
 from genjax.config import GenerationConfig
 from genjax.processors import LogitsContext
 from genjax.stopping import start_timer, stopping_rules
@@ -51,7 +52,14 @@ def start_stopping(config, eos_token_ids, criteria, stop_strings, offset, input_
 
 
 def prefill(
-    model, params, input_ids, attention_mask, max_new_tokens: int, pad_token_id, quantized=False
+    model,
+    params,
+    input_ids,
+    attention_mask,
+    max_new_tokens: int,
+    pad_token_id,
+    quantized=False,
+    chunk: int | None = None,
 ):
     """Runs the prompt through the model and returns a cache sized for all ``S = P + N`` slots
     (int8 codes when ``quantized``, static: see :mod:`genjax.cache.quantized`).
@@ -59,13 +67,17 @@ def prefill(
     The prompt goes into a cache of its own ``P`` slots, which then grows to ``S``
     (``with_length``): the prefill's attention reads the ``P`` prompt slots rather than all
     ``S``, so its cost does not grow with ``max_new_tokens`` (the empty slots it skips are masked
-    out either way, so the result is the same).
+    out either way, so the result is the same). With ``chunk`` (``prefill_chunk_size``, static)
+    the prompt goes through the model ``chunk`` slots at a time
+    (:func:`genjax.cache.slots.prefill_chunks`, the ``max_cache_len`` path's loop), the last
+    chunk holding the ``P mod chunk`` slots left: the activations of one chunk at a time instead
+    of ``P``, the same logits and cache.
 
     Returns:
         ``(logits float32[B, 1 or P, V], cache, cache_mask int32[B, S], tokens int32[B, S])``
-        (one row of logits when the model takes ``logits_to_keep``; callers use the last):
-        ``cache_mask`` marks real prompt tokens and every new slot; ``tokens`` is the prompt
-        followed by ``pad_token_id`` in the new slots.
+        (one row of logits when the model takes ``logits_to_keep`` or ``chunk`` is set; callers
+        use the last): ``cache_mask`` marks real prompt tokens and every new slot; ``tokens`` is
+        the prompt followed by ``pad_token_id`` in the new slots.
     """
     batch, prompt_length = input_ids.shape
     # Position ids as transformers v5 computes them: count real tokens; padding gets 0.
@@ -73,7 +85,11 @@ def prefill(
     new_slots = jnp.ones((batch, max_new_tokens), jnp.int32)
     cache_mask = jnp.concatenate([attention_mask, new_slots], axis=1)
     cache = init_cache(model, batch, prompt_length, quantized)
-    if accepts_logits_to_keep(model):  # the last position's logits only: [B, 1, V]
+    if chunk is not None and chunk < prompt_length:
+        logits, cache = _prefill_in_chunks(
+            model, params, input_ids, positions, attention_mask, cache, chunk
+        )
+    elif accepts_logits_to_keep(model):  # the last position's logits only: [B, 1, V]
         logits, cache = model.apply(
             params, input_ids, positions, cache, attention_mask, logits_to_keep=1
         )
@@ -82,6 +98,22 @@ def prefill(
     cache = cache.with_length(prompt_length + max_new_tokens)
     tokens = jnp.concatenate([input_ids, new_slots * pad_token_id], axis=1)
     return logits, cache, cache_mask, tokens
+
+
+def _prefill_in_chunks(model, params, input_ids, positions, attention_mask, cache, chunk: int):
+    """``(logits float32[B, 1, V], cache)``: the ``P // chunk`` full chunks in a loop, then the
+    ``P mod chunk`` slots left in one more call (as ``torch.split``'s shorter last chunk)."""
+    keep_one = accepts_logits_to_keep(model)
+    full, rest = divmod(input_ids.shape[1], chunk)
+    logits, cache = prefill_chunks(
+        model, params, input_ids, positions, attention_mask, cache, chunk, full, keep_one=keep_one
+    )
+    if rest:
+        extra = {"logits_to_keep": 1} if keep_one else {}
+        tail = [x[:, full * chunk :] for x in (input_ids, positions)]
+        logits, cache = model.apply(params, *tail, cache, attention_mask, **extra)
+        logits = logits[:, -1].astype(jnp.float32)
+    return logits[:, None], cache
 
 
 def is_quantized(config: GenerationConfig) -> bool:

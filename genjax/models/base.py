@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -42,6 +43,32 @@ class ModelBase:
     ) -> ModelBase:
         """Builds the model from an HF ``config.json`` dict (see the config class's ``from_hf``)."""
         return cls(cls.config_class.from_hf(config, dtype, ignore_config_keys))
+
+    @property
+    def generation_config(self) -> Any:
+        """The checkpoint's :class:`~genjax.GenerationConfig` (``generation_config.json``, else
+        derived from ``config.json``), or None for a model built without one (``from_config``).
+
+        ``genjax.generate`` starts from it as transformers v5 does: ``config=None`` means this
+        config, a given config's unset fields are filled from it. It is not part of the model's
+        equality or hash (it changes traced values and host-side planning, never the model's
+        structure), so models differing only in it share compiled programs.
+        ``dataclasses.replace`` drops it; attach one with :meth:`with_generation_config`.
+        """
+        return self.__dict__.get("_generation_config")
+
+    def with_generation_config(self, generation_config: Any) -> ModelBase:
+        """A copy of the model carrying ``generation_config`` (a ``GenerationConfig`` or None).
+
+        Example:
+            >>> tuned = model.with_generation_config(GenerationConfig(max_new_tokens=8))
+            ... # doctest: +SKIP
+            >>> tuned == model, tuned.generation_config.max_new_tokens  # doctest: +SKIP
+            (True, 8)
+        """
+        model = copy.copy(self)
+        object.__setattr__(model, "_generation_config", generation_config)
+        return model
 
     @property
     def max_position_embeddings(self) -> int | None:

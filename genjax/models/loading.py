@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from genjax.config import GenerationConfig, checkpoint_default
 from genjax.errors import CheckpointError, UnsupportedError
 from genjax.models import gguf
 from genjax.models import quantize as quantization
@@ -120,7 +121,10 @@ def from_pretrained(
 
     Returns:
         ``(model, params)``: a hashable model (see ``genjax.models.Model``) and a nested dict of
-        jax arrays of ``dtype`` (int8 kernels and float32 scales with ``quantize``).
+        jax arrays of ``dtype`` (int8 kernels and float32 scales with ``quantize``). The model
+        carries the folder's generation config as ``model.generation_config``
+        (``generation_config.json``, else derived from ``config.json``, as transformers loads it;
+        ``genjax.generate`` starts from it).
 
     Raises:
         CheckpointError: missing files, missing/unexpected/misshapen tensors, pickle-only
@@ -143,7 +147,7 @@ def from_pretrained(
         model, params = gguf.load(gguf_path, dtype, tuple(ignore_config_keys))
         if quantize is not None:
             params = quantization.quantize_params(model, params, quantize)
-        return model, params
+        return model.with_generation_config(_gguf_generation_config(gguf_path)), params
     folder = _resolve(name_or_path, revision, local_files_only, cache_dir, token)
     reader = next((read for _, is_format, read in _FOLDER_FORMATS if is_format(folder)), None)
     if reader is not None:
@@ -153,7 +157,17 @@ def from_pretrained(
         params = load_params(model, folder)
     if quantize is not None:
         params = quantization.quantize_params(model, params, quantize)
+    if hasattr(model, "with_generation_config"):  # generation_config.json, as transformers
+        model = model.with_generation_config(checkpoint_default(folder))
     return model, params
+
+
+def _gguf_generation_config(path) -> GenerationConfig:
+    """A GGUF file's generation config: its BOS/EOS/pad ids, as transformers derives it."""
+    reader = gguf.open_file(path)
+    keys = [f"tokenizer.ggml.{name}_token_id" for name in ("bos", "eos", "padding")]
+    found = {key: reader.fields[key].contents() for key in keys if key in reader.fields}
+    return GenerationConfig.from_model_config(gguf.generation_defaults(found))
 
 
 FolderReader = Callable[[str, np.dtype, tuple[str, ...]], tuple[Any, PyTree]]

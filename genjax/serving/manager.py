@@ -40,9 +40,10 @@ import jax
 
 from genjax.config import GenerationConfig
 from genjax.errors import InputError
+from genjax.generation.inputs import effective_config
 from genjax.serving.engine import EngineShape, compile_step, init_state
 from genjax.serving.metrics import ITL_EDGES, TTFT_EDGES, Histogram
-from genjax.serving.options import build_request
+from genjax.serving.options import build_request, request_config
 from genjax.serving.scheduler import RequestState, RequestStatus, Scheduler
 
 __all__ = [
@@ -152,7 +153,8 @@ class ContinuousBatchingManager:
 
     def __init__(self, model, params, generation_config=None, cb_config=None, tokenizer=None):
         self.model, self.params, self.tokenizer = model, params, tokenizer
-        self.generation_config = generation_config or GenerationConfig()
+        default = getattr(model, "generation_config", None)  # fills what the manager's leaves unset
+        self.generation_config = effective_config(generation_config, {}, default)
         self.cb_config = cb_config or ContinuousBatchingConfig()
         self.shape = self.cb_config.engine_shape()
         self._step = compile_step(model, self.shape.max_steps)
@@ -274,7 +276,8 @@ class ContinuousBatchingManager:
             request_id: a unique id; None makes one (``req_<n>``).
             max_new_tokens: overrides the config's.
             streaming: publish a partial output after each step that gave it tokens.
-            generation_config: replaces the manager's config for this request.
+            generation_config: this request's config; its unset fields come from the
+                manager's.
             seed: the sampling seed (``jax.random.key(seed)``); None draws one.
             **config_overrides: config fields for this request.
 
@@ -282,13 +285,9 @@ class ContinuousBatchingManager:
             UnsupportedError, InputError, GenerationConfigError: see
             :func:`genjax.serving.options.build_request`; also InputError for a duplicate id.
         """
-        config = generation_config or self.generation_config
         if max_new_tokens is not None:
             config_overrides["max_new_tokens"] = max_new_tokens
-        if config_overrides:
-            config, unused = config.updated(**config_overrides)
-            if unused:
-                raise TypeError(f"add_request got unknown config fields {sorted(unused)}.")
+        config = request_config(self.generation_config, generation_config, config_overrides)
         if request_id is None:
             request_id = f"req_{next(self._ids)}"
         with self._cond:
@@ -542,7 +541,8 @@ def init_continuous_batching(
     Args:
         model: a genjax decoder-only model (static: it shapes the compiled step).
         params: its parameters (traced).
-        generation_config: the default config of requests; None: ``GenerationConfig()``.
+        generation_config: the default config of requests; its unset fields (all of them for
+            None) come from ``model.generation_config``, as ``genjax.generate`` fills them.
         continuous_batching_config: the engine's static sizes.
         tokenizer: decodes new tokens for ``stop_strings``.
 

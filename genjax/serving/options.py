@@ -1,11 +1,12 @@
 """Per-request generation options: what the engine supports, checked in the caller's thread.
 
-A request's config is the manager's config, replaced by the request's ``generation_config`` when
-given, then updated by its keyword overrides. The engine runs, per row: greedy or sampling with
-``temperature``, ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``; ``max_new_tokens``
-(or ``max_length``), ``min_new_tokens``, EOS ids (a list), ``stop_strings`` (matched on the
-host with the tokenizer) and a ``seed``. Any other field set to a non-default value raises
-:class:`~genjax.errors.UnsupportedError` naming it.
+A request's config is its ``generation_config`` with unset fields from the manager's (itself
+filled from the model's ``generation_config``), then updated by its keyword overrides. The
+engine runs, per row: greedy or sampling with ``temperature``, ``top_k``, ``top_p``,
+``min_p``, ``repetition_penalty``; ``max_new_tokens`` (or ``max_length``), ``min_new_tokens``,
+EOS ids (a list), ``stop_strings`` (matched on the host with the tokenizer) and a ``seed``.
+Any other field set to a non-default value raises :class:`~genjax.errors.UnsupportedError`
+naming it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import numpy as np
 from genjax.config import GenerationConfig
 from genjax.config.fields import DEFAULT_GENERATION_PARAMS, FIELD_NAMES, METADATA_FIELDS
 from genjax.errors import InputError, UnsupportedError
+from genjax.generation.inputs import effective_config
 from genjax.processors import validate_config
 from genjax.serving.engine import EngineShape, RowSettings
 from genjax.serving.scheduler import RequestState
@@ -102,6 +104,21 @@ def _row(config: GenerationConfig, eos: tuple[int, ...], seed: int, shape: Engin
         eos_token_ids=ids,
         seed=np.asarray([seed], np.int32),
     )
+
+
+def request_config(
+    default: GenerationConfig, config: GenerationConfig | None, overrides: dict
+) -> GenerationConfig:
+    """A request's config: ``config``'s unset fields from the manager's ``default`` (as
+    ``genjax.generate`` fills them from the model's), then the keyword ``overrides``."""
+    if config is not None:
+        config = effective_config(config, {}, default)
+    config = default if config is None else config
+    if overrides:
+        config, unused = config.updated(**overrides)
+        if unused:
+            raise TypeError(f"add_request got unknown config fields {sorted(unused)}.")
+    return config
 
 
 def build_request(

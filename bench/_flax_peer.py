@@ -186,7 +186,7 @@ def _check_llama(config) -> None:
 class FlaxRunner(_peers.Runner):
     """transformers 4.46 Flax generate under ``jax.jit`` on jax's default device."""
 
-    def __init__(self, folder: str, lib: str = LIB):
+    def __init__(self, folder: str, lib: str = LIB, dtype: str = "float32"):
         super().__init__()
         import jax
         import transformers

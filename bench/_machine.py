@@ -128,10 +128,39 @@ def environment() -> dict:
         platform=platform.platform(),
         machine=platform.machine(),
         processor=_cpu_model(),
+        cpu_extensions=cpu_extensions(),
         cpu_count=os.cpu_count(),
         usable_cpus=cpu_count(),
         git_commit=_git_commit(),
     )
+
+
+EXTENSIONS = {
+    "avx2": "AVX2",
+    "fma": "FMA",
+    "avx512f": "AVX-512",
+    "avx512_vnni": "AVX-512 VNNI",
+    "avx_vnni": "AVX-VNNI",
+    "avx512_bf16": "AVX-512 BF16",
+    "avx512_fp16": "AVX-512 FP16",
+    "amx_tile": "AMX",
+    "amx_bf16": "AMX BF16",
+    "amx_int8": "AMX INT8",
+}
+"""The /proc/cpuinfo flags that decide which kernels the libraries can use, with their names."""
+
+
+def cpu_extensions() -> list[str]:
+    """The vector and matrix extensions of :data:`EXTENSIONS` this CPU reports (Linux only)."""
+    try:
+        with open("/proc/cpuinfo") as file:
+            for line in file:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return [name for flag, name in EXTENSIONS.items() if flag in flags]
+    except OSError:
+        pass
+    return []
 
 
 def _cpu_model() -> str:

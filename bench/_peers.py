@@ -29,6 +29,32 @@ DEFAULT_LIBS = ("genjax", "torch", "torch-static")  # flax446 needs its own venv
 TORCH_LIBS = ("torch", "torch-static")
 FLAX_LIB = "flax446"  # transformers 4.46.3 Flax, in another interpreter (bench/_flax_peer.py)
 PAD_TOKEN_ID = 0
+DTYPES = ("float32", "bfloat16", "int8")
+"""Weight dtypes a column can run: ``int8`` is genjax's weight-only int8 (``quantize="int8"``);
+transformers has no CPU int8 weight-only path without extra packages, so it gets no int8
+column."""
+
+
+def column(lib: str, dtype: str = "float32") -> str:
+    """The name of a library's column at a dtype: ``lib`` for float32, else ``lib:dtype``."""
+    return lib if dtype == "float32" else f"{lib}:{dtype}"
+
+
+def split_column(name: str) -> tuple[str, str]:
+    """``(lib, dtype)`` of a column name (the inverse of :func:`column`)."""
+    lib, _, dtype = name.partition(":")
+    return lib, dtype or "float32"
+
+
+def columns(libs: list[str], dtypes: list[str]) -> list[str]:
+    """Every column to run: each library at each dtype it has, dtype by dtype."""
+    return [
+        column(lib, dtype)
+        for dtype in dtypes
+        for lib in libs
+        if not (dtype == "int8" and lib != "genjax")
+        and not (dtype != "float32" and lib == FLAX_LIB)
+    ]
 
 
 def genjax_config(genjax, fields: dict, new_tokens: int):
@@ -60,8 +86,9 @@ class Peer:
     """The parent's handle on one worker process; ``call`` sends an op and waits for its reply."""
 
     def __init__(self, lib: str, folder: str | None, python: str | None = None):
-        """Starts the worker; ``python`` is the Flax venv's interpreter, used for ``flax446``
-        only (that worker is a subprocess of that interpreter, see ``_flax_peer.start``)."""
+        """Starts the worker for column ``lib`` (a library, or ``library:dtype``); ``python`` is
+        the Flax venv's interpreter, used for ``flax446`` only (that worker is a subprocess of
+        that interpreter, see ``_flax_peer.start``)."""
         self.lib = lib
         if lib == FLAX_LIB:
             import _flax_peer
@@ -112,8 +139,9 @@ class Peer:
         self._conn.close()
 
 
-def serve(conn, lib: str, folder: str | None) -> None:
-    """The worker's main loop: answer ops from the parent until ``close``."""
+def serve(conn, name: str, folder: str | None) -> None:
+    """The worker's main loop for column ``name``: answer ops from the parent until ``close``."""
+    lib, dtype = split_column(name)
     if lib in ("genjax", FLAX_LIB):  # leave accelerator memory to the other workers
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     runner = floor = None
@@ -123,7 +151,7 @@ def serve(conn, lib: str, folder: str | None) -> None:
             return
         try:
             if op == "load":
-                runner = _runner_class(lib)(folder, lib)
+                runner = _runner_class(lib)(folder, lib, dtype)
                 result = runner.info()
             elif op == "device_bandwidth":
                 result = _machine.device_bandwidth()
@@ -261,16 +289,21 @@ def _check_shape(shape, ids: np.ndarray, new_tokens: int, lib: str) -> None:
 
 
 class GenjaxRunner(Runner):
-    """genjax on jax's default device, loaded with ``genjax.models.from_pretrained``."""
+    """genjax on jax's default device, loaded with ``genjax.models.from_pretrained``: float32,
+    bfloat16, or float32 activations with weight-only int8 (``quantize="int8"``)."""
 
-    def __init__(self, folder: str, lib: str = "genjax"):
+    def __init__(self, folder: str, lib: str = "genjax", dtype: str = "float32"):
         super().__init__()
         import jax
 
         import genjax
 
         self._genjax, self._jax = genjax, jax
-        self.model, self.params = genjax.models.from_pretrained(folder)
+        if dtype == "int8":
+            loaded = genjax.models.from_pretrained(folder, quantize="int8")
+        else:
+            loaded = genjax.models.from_pretrained(folder, dtype=dtype)
+        self.model, self.params = loaded
 
     def device_name(self) -> str:
         device = self._jax.devices()[0]
@@ -300,7 +333,7 @@ class GenjaxRunner(Runner):
 class TorchRunner(Runner):
     """transformers PyTorch on CUDA if available, else the CPU with all usable threads."""
 
-    def __init__(self, folder: str, lib: str = "torch"):
+    def __init__(self, folder: str, lib: str = "torch", dtype: str = "float32"):
         super().__init__()
         import torch
         import transformers
@@ -311,7 +344,9 @@ class TorchRunner(Runner):
         self._torch = torch
         self.static = lib == "torch-static"
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            folder, dtype=getattr(torch, dtype)
+        )
         self.model = model.to(self.device).eval()
         self.model.generation_config.eos_token_id = None  # never stop early
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 
-from _peers import FLAX_LIB, TORCH_LIBS
+from _peers import FLAX_LIB, TORCH_LIBS, column, split_column
 
 
 def summarize(raw: dict, batch: int, new_tokens: int) -> dict:
@@ -59,6 +59,32 @@ def ratio(libs: dict, against: tuple[str, ...] = TORCH_LIBS) -> dict | None:
         return None
     best = max(peers, key=lambda lib: speed(peers[lib]))
     return dict(value=speed(genjax) / speed(peers[best]), against=best)
+
+
+def dtype_ratios(libs: dict) -> dict:
+    """For each narrow genjax column (``genjax:bfloat16``, ``genjax:int8``): its speed over
+    genjax float32's (``vs_float32``) and over the best transformers column at the same dtype
+    (``vs_torch``, with ``against``); a value is None when its peer was not measured."""
+
+    def measured(name: str):
+        return libs.get(name, {}).get("summary")
+
+    out = {}
+    for name in libs:
+        lib, dtype = split_column(name)
+        if lib != "genjax" or dtype == "float32" or not measured(name):
+            continue
+        mine = speed(measured(name))
+        base = measured("genjax")
+        peers = {column(t, dtype): measured(column(t, dtype)) for t in TORCH_LIBS}
+        peers = {peer: summary for peer, summary in peers.items() if summary}
+        best = max(peers, key=lambda peer: speed(peers[peer])) if peers else None
+        out[name] = dict(
+            vs_float32=mine / speed(base) if base else None,
+            vs_torch=mine / speed(peers[best]) if best else None,
+            against=best,
+        )
+    return out
 
 
 def bandwidth_fractions(case: dict, checkpoint: dict, bandwidth: dict) -> dict | None:
@@ -124,7 +150,7 @@ def _range(measured: dict | None) -> str:
 
 COLUMNS = (
     ("case", 11, "<"),
-    ("library", 12, "<"),
+    ("library", 21, "<"),
     ("new tok/s", 20, ">"),
     ("ms/step", 20, ">"),
     ("TTFT ms", 20, ">"),
@@ -182,12 +208,19 @@ def _case_lines(name: str, case: dict, flax: bool = False) -> list[str]:
         label = name if index == 0 else ""
         if "error" in result:
             error = result["error"]
-            lines.append(f"{label:<11}  {lib:<12}  {error['kind']}: {_short(error['message'])}")
+            lines.append(f"{label:<11}  {lib:<21}  {error['kind']}: {_short(error['message'])}")
             continue
         summary = result["summary"]
         versus = versus_flax = ""
         if lib == "genjax" and case.get("ratio"):
             versus = f"{case['ratio']['value']:.2f}x {case['ratio']['against']}"
+        narrow = case.get("dtype_ratios", {}).get(lib)
+        if narrow:
+            versus = "; ".join(
+                f"{narrow[key]:.2f}x {label}"
+                for key, label in (("vs_float32", "genjax"), ("vs_torch", narrow["against"]))
+                if narrow[key] is not None
+            )
         if lib == "genjax" and case.get("ratio_flax446"):
             versus_flax = f"{case['ratio_flax446']['value']:.2f}x"
         cells = [

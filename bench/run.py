@@ -8,9 +8,15 @@ decoding reaches; ``--json`` writes every number and the environment.
 
 Run:  python bench/run.py [--quick] [--json out.json] [--shapes gpt2 smollm]
                           [--cases greedy_b1 ...] [--runs 3] [--libs genjax torch torch-static]
-                          [--flax-python PATH]
+                          [--flax-python PATH] [--dtypes float32 bfloat16 int8]
 Needs the `parity` extra (torch, transformers); `--libs ... flax446` also needs the venv that
-bench/setup_flax_peer.sh makes. See bench/README.md for the columns.
+bench/setup_flax_peer.sh makes. ``--dtypes`` adds a column per library and dtype
+(``genjax:bfloat16``, ``torch:bfloat16``, ``genjax:int8`` for weight-only int8; transformers has
+no int8 column) and
+compares each narrow genjax column with genjax float32 and with transformers at the same dtype.
+The header names the CPU and its vector extensions (AVX2, AVX-512, AVX-512 BF16, AMX): results
+differ between the CPU kinds this project runs on, so record each run under its CPU's name.
+See bench/README.md for the columns.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import _cases  # noqa: E402
 import _flax_peer  # noqa: E402
 import _machine  # noqa: E402
 import _report  # noqa: E402
-from _peers import DEFAULT_LIBS, FLAX_LIB, LIBS, Peer, PeerError  # noqa: E402
+from _peers import DEFAULT_LIBS, DTYPES, FLAX_LIB, LIBS, Peer, PeerError, columns  # noqa: E402
 
 NEW_TOKENS = 128
 QUICK_LAYERS = 2
@@ -62,6 +68,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"python of the {FLAX_LIB} venv (default ${_flax_peer.PYTHON_ENV}, else "
         ".flax-peer-venv/bin/python)",
     )
+    parser.add_argument(
+        "--dtypes",
+        nargs="+",
+        choices=DTYPES,
+        default=["float32"],
+        help="weight dtypes to run (default float32); int8 = genjax's weight-only int8",
+    )
     parser.add_argument("--runs", type=int, default=None, help="measured runs (default 3)")
     parser.add_argument("--new-tokens", type=int, default=None, help="default 128")
     parser.add_argument("--layers", type=int, default=None, help="default: the full depth")
@@ -75,6 +88,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.layers = QUICK_LAYERS
     if args.runs < 1 or args.new_tokens < 2 or (args.layers is not None and args.layers < 1):
         parser.error("--runs and --layers must be at least 1, --new-tokens at least 2")
+    args.columns = columns(args.libs, args.dtypes)
     args.flax_python = _flax_peer.python_path(args.flax_python)
     args.flax_versions = None
     if FLAX_LIB in args.libs:
@@ -158,8 +172,8 @@ def run_case(case: _cases.Case, shape_name: str, folder: str, checkpoint: dict, 
     floor, once per round. Errors become ``{"error": ...}`` entries, never a crash."""
     new_tokens = case.tokens(args.new_tokens)
     ids = _cases.prompt_ids(case, checkpoint["vocab_size"])
-    results = {lib: {} for lib in args.libs}
-    peers = {lib: Peer(lib, folder, args.flax_python) for lib in args.libs}
+    results = {name: {} for name in args.columns}
+    peers = {name: Peer(name, folder, args.flax_python) for name in args.columns}
     floor = None
     try:
         live = _load(peers, results)
@@ -185,6 +199,7 @@ def run_case(case: _cases.Case, shape_name: str, folder: str, checkpoint: dict, 
         libs=results,
         ratio=_report.ratio(results),
         ratio_flax446=_report.ratio(results, against=(FLAX_LIB,)),
+        dtype_ratios=_report.dtype_ratios(results),
     )
     if floor and floor.ms:
         outcome["matmul_floor"] = _report.floor_shares(floor.ms, results)
@@ -281,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
             new_tokens=args.new_tokens,
             layers=args.layers,
             libs=args.libs,
+            dtypes=args.dtypes,
         ),
     )
     if args.flax_versions:
@@ -325,6 +341,7 @@ def _print_header(report: dict) -> None:
     versions = ", ".join(f"{k} {v}" for k, v in env["versions"].items() if v)
     print(f"{versions}; python {env['python']}")
     print(f"{env['platform']}; {env['processor']}; {env['usable_cpus']} usable CPUs")
+    print(f"CPU vector extensions: {', '.join(env['cpu_extensions']) or 'none found'}")
     print(
         f"prompt 32 (prefill512: 512), {settings['new_tokens']} new tokens, "
         f"median (min-max) of {settings['runs']} run(s); ratio = genjax / best torch speed"

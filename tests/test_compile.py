@@ -92,7 +92,7 @@ def test_warmup_compiles_ahead_so_the_first_calls_compile_nothing():
         (2, 40, 63),
     ]
     # The two prompt lengths share one max_cache_len program.
-    assert during == ["jit(_generate_jit)"]
+    assert during == ["jit(_generate)"]
     assert fixed[1].compiled.as_text() == fixed[0].compiled.as_text()
     args, _ = bucketed[0].compiled.args_info
     assert args[2].shape == (2, 24) and fixed[0].compiled.args_info[0][2].shape == (2, 63)
@@ -133,7 +133,7 @@ def test_max_cache_len_serves_new_lengths_and_buckets_with_one_program():
     sequences, _ = _reference()
     with compiles() as first:
         _generate(ids, mask, max_cache_len=MAX_CACHE_LEN)
-    assert first.count("jit(_generate_jit)") == 1  # built here (and small input conversions)
+    assert first.count("jit(_generate)") == 1  # built here (and small input conversions)
     longer = sequences[:, :18]  # 18 tokens: bucket 32 without max_cache_len
     longer_mask = np.concatenate([mask, np.ones((2, 9), np.int32)], axis=1)
     with compiles() as compiled:

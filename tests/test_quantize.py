@@ -149,35 +149,58 @@ def test_one_row_int8_product_converts_in_place_inside_a_loop():
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's fusion of one-row products")
-def test_one_row_int8_product_reads_activations_computed_once():
-    """The fused one-row int8 product holds only the matrix's conversion and the product: the
-    cheap elementwise ops that make its activations (here a norm-like scale and a GELU-like
-    multiply) run once before it, not once per output inside its loop (GPT-2's int8 MLP
-    down-projection was 2.3x slower that way)."""
+@pytest.mark.parametrize(
+    "narrow, scaled, dtype",
+    [("s8", True, jnp.float32), ("bf16", False, jnp.bfloat16)],
+    ids=["int8", "bfloat16"],
+)
+def test_one_row_narrow_product_reads_activations_computed_once(narrow, scaled, dtype):
+    """The fused one-row product of int8 (or bfloat16) weights holds only the matrix's conversion
+    and the product, so it reads the narrow matrix: the cheap elementwise ops that make its
+    activations (here a norm-like scale and a GELU-like multiply) run once before it, not once
+    per output inside its loop (GPT-2's int8 MLP down-projection was 2.3x slower that way), and
+    no widened copy of the matrix is written (bfloat16's plain one-row product did that)."""
     out_features, in_features = 768, 3072
-    weight = jnp.ones((out_features, in_features), jnp.int8)
-    scale = jnp.ones((out_features,), jnp.float32)
-    gain = jnp.full((in_features,), 0.5, jnp.float32)
+    weight = jnp.ones((out_features, in_features), {"s8": jnp.int8, "bf16": jnp.bfloat16}[narrow])
+    scale = jnp.ones((out_features,), jnp.float32) if scaled else None
+    gain = jnp.full((in_features,), 0.5, dtype)
 
     def loop(x, weight, scale):
         def step(_, x):
             activations = (x * gain + 1.0) * (x - 2.0)  # cheap ops, fusible into the product
-            y = genjax.models.layers.linear(activations, weight, scale, jnp.float32)
+            y = genjax.models.layers.linear(activations, weight, scale, dtype)
             return x + jnp.tanh(jnp.tile(y, 4))
 
         return jax.lax.fori_loop(0, 4, step, x)
 
-    x = jnp.ones((1, 1, in_features), jnp.float32)
+    x = jnp.ones((1, 1, in_features), dtype)
     text = jax.jit(loop).lower(x, weight, scale).compile().as_text()
     products = [
         body
         for body in re.findall(r"\n(%fused_computation[^\n]*\{.*?\n\})", text, re.S)
-        if " dot(" in body and "s8[" in body
+        if " dot(" in body and f"{narrow}[{out_features},{in_features}]" in body
     ]
-    assert products, "no fused one-row int8 product found"
+    assert products, f"no fused one-row {narrow} product found"
     for body in products:
         ops = set(re.findall(r"= \w+\[[\d,]*\]\{[\d,]*\} ([\w-]+)\(", body))
         assert ops <= {"parameter", "convert", "transpose", "copy", "bitcast", "dot"}, ops
+
+
+def test_one_row_bfloat16_product_rounds_the_float32_sum_once():
+    """The widened one-row bfloat16 product is the float32 sum of the exact products, rounded to
+    bfloat16 once (as the plain bfloat16 product accumulated in float32), and agrees with the
+    plain product that two rows take."""
+    rng = np.random.default_rng(0)
+    weight = jnp.asarray(rng.standard_normal((96, 256)), jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((2, 256)), jnp.bfloat16)
+    linear = jax.jit(genjax.models.layers.linear, static_argnums=3)
+    one_row = np.asarray(linear(x[:1], weight, None, jnp.bfloat16), np.float32)
+    two_rows = np.asarray(linear(x, weight, None, jnp.bfloat16), np.float32)
+    wide = np.asarray(x, np.float64)[:1] @ np.asarray(weight, np.float64).T
+    half_step = np.abs(wide) * 2.0**-8 + 1e-5  # bfloat16 keeps 8 significant bits
+    assert np.all(np.abs(one_row - wide) <= half_step)
+    assert np.all(np.abs(one_row - two_rows[:1]) <= 2 * half_step)
+    assert np.abs(one_row - two_rows[:1]).mean() < 1e-3  # nearly always the same rounding
 
 
 def test_logits_stay_close_to_float32(tiny):
@@ -213,6 +236,29 @@ def test_greedy_generate_mostly_agrees_with_float32(tiny):
     np.testing.assert_array_equal(_forward(model, qparams, seqs)[:, window].argmax(-1), new)
     agreement = np.mean(_forward(model, params, seqs)[:, window].argmax(-1) == new)
     assert agreement >= 0.9, agreement
+
+
+def test_several_rows_of_int8_compile_with_library_dots(tiny):
+    """generate compiles int8 params at several rows with LIBRARY_DOT_OPTIONS, and XLA still
+    knows them (its program holds YNNPACK fusions: a renamed option would drop them silently);
+    one row keeps the fused one-row product, float params the plain program. The greedy test
+    above checks the library-dot program's tokens against the plain full forward."""
+    from genjax.generation.entry import lower_program
+    from genjax.generation.plan import CallRequest, prepare
+
+    model, params, qparams = tiny["llama"]
+    config = genjax.GenerationConfig(max_new_tokens=2, do_sample=False, pad_token_id=0)
+
+    def plan_and_program(params, rows):
+        ids = _ids(model.vocab_size, (rows, 8))
+        call = prepare(model, params, ids, config, CallRequest())
+        return call.plan.library_dots, lower_program(call)
+
+    dots, lowered = plan_and_program(qparams, 2)
+    assert dots and "__ynn_fusion" in lowered.compile().as_text()
+    assert not plan_and_program(qparams, 1)[0]
+    assert not plan_and_program(params, 2)[0]
+    assert Q.library_dots(qparams, 2) and not Q.library_dots(qparams, 1)
 
 
 def test_unsupported_modes_and_double_quantization_raise(tiny, tmp_path):

@@ -259,13 +259,13 @@ def _lowered_with_stream(model, params, ids, config, stream_id):
     """The program generate compiles for a streamer (no bucket padding here)."""
     import dataclasses
 
-    from genjax.generation.entry import _generate_jit
+    from genjax.generation.entry import program
     from genjax.generation.plan import CallRequest, prepare
 
     mask = jnp.ones(ids.shape, jnp.int32)
     call = prepare(model, params, ids, config, CallRequest(attention_mask=mask))
     plan = dataclasses.replace(call.plan, streaming=True)
-    return _generate_jit(plan, *call.arguments(stream_id)).sequences
+    return program(plan)(plan, *call.arguments(stream_id)).sequences
 
 
 def test_concurrent_streams_each_get_their_own_tokens(setup):

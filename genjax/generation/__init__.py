@@ -14,7 +14,7 @@ policies; ``compiling`` :func:`warmup` (it plans each call as ``generate`` does,
 and compiles the same program) and the persistent compile cache; ``pmap`` the ``jax.pmap``
 form. The call flow::
 
-    generate ─> plan.prepare ─> PreparedCall ─> entry._generate_jit(plan, params, arrays...)
+    generate ─> plan.prepare ─> PreparedCall ─> entry.program(plan)(plan, params, arrays...)
     warmup   ─> plan.prepare ─> PreparedCall ─> entry.lower_program(call).compile()
 
 Layer:

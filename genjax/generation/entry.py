@@ -44,7 +44,6 @@ Differences from transformers forced by static shapes: outputs always hold ``N``
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Sequence
 
 import jax
@@ -71,6 +70,7 @@ from genjax.generation.prefill import (
     special_ids,
     start_stopping,
 )
+from genjax.models.quantize import LIBRARY_DOT_OPTIONS
 from genjax.processors import Processor, from_config
 from genjax.stopping import StopCriterion, StoppingRules
 from genjax.streaming import stream_to, token_hook
@@ -238,7 +238,7 @@ def generate(
     )
     call = prepare(model, params, input_ids, config, request)
     with stream_to(streamer, call.prompt_ids) as stream_id:  # puts the prompt; None: no streamer
-        out = _generate_jit(call.plan, *call.arguments(stream_id))  # see lower_program
+        out = program(call.plan)(call.plan, *call.arguments(stream_id))  # see lower_program
         if stream_id is not None:
             out = jax.block_until_ready(out)  # every token has reached the streamer
     out = call.finish(out)
@@ -277,11 +277,18 @@ def lower_program(call: PreparedCall) -> jax.stages.Lowered:
     """The program ``generate`` runs for ``call``, lowered: ``.compile()`` fills the same cache
     ``generate`` looks in (used by :func:`genjax.warmup`). Without a streamer: a streamed call
     compiles its program the first time."""
-    return _generate_jit.lower(call.plan, *call.arguments())
+    return program(call.plan).lower(call.plan, *call.arguments())
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _generate_jit(
+def program(plan: CallPlan):
+    """The jitted function that runs ``plan``: compiled with the library-dot options when the
+    plan asks for them (int8 params at several rows, :data:`~genjax.models.quantize.
+    LIBRARY_DOT_OPTIONS`). Inside a user's ``jax.jit`` the user's compile decides: pass those
+    options as its ``compiler_options`` to get the same kernels."""
+    return _generate_library_dots if plan.library_dots else _generate_jit
+
+
+def _generate(
     plan: CallPlan, params: PyTree, input_ids: Array, attention_mask: Array, traced: TracedInputs
 ) -> GenerateOutput:
     """The compiled body of ``generate``: start the stopping rules, then run the plan's loop.
@@ -312,6 +319,10 @@ def _generate_jit(
         stopping=stopping,
     )
     return _LOOPS[plan.mode](call)
+
+
+_generate_jit = jax.jit(_generate, static_argnums=0)
+_generate_library_dots = jax.jit(_generate, static_argnums=0, compiler_options=LIBRARY_DOT_OPTIONS)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,7 +9,7 @@ body's one static argument), and the arrays that program traces. ``generate`` ru
       └─ prepare(model, params, ids, config, CallRequest) ─┘
            PreparedCall
              .plan        CallPlan (static)  ─┐
-             .arguments() params, input_ids,  ├─> _generate_jit(plan, params, ids, mask, traced)
+             .arguments() params, input_ids,  ├─> program(plan)(plan, params, ids, ...)
                           attention_mask,     │    generate: called; warmup: lower().compile()
                           TracedInputs        ┘
              .finish(out) removes the bucket padding from ``sequences`` (host)
@@ -69,6 +69,7 @@ from genjax.generation.inputs import (
 from genjax.generation.options import check_options
 from genjax.generation.outputs import GenerateOutput
 from genjax.generation.prefill import is_quantized, special_ids
+from genjax.models.quantize import library_dots
 from genjax.processors import Processor, as_processors, validate_config
 from genjax.sharding import Layout
 from genjax.stopping import StopCriterion, StopStringTable, as_criteria
@@ -155,6 +156,8 @@ class CallPlan:
     assistant: Any  # the draft model, or None (also for prompt lookup)
     streaming: bool  # a streamer receives the tokens (a host callback is compiled)
     caches: tuple[CacheRequest, ...]  # the KV caches the program allocates
+    # Compile with genjax.models.quantize.LIBRARY_DOT_OPTIONS: int8 params, several decode rows
+    library_dots: bool = False
 
     @property
     def cache_new_slots(self) -> int:
@@ -264,6 +267,7 @@ def prepare(model, params: PyTree, input_ids, config, request: CallRequest) -> P
         bounds = jax.device_put(np.array([prompt_end, prompt_end + new_tokens], np.int32))
         resolved = resolved.replace(max_new_tokens=None, max_length=None)
     plan = _plan(model, resolved, mode, ids.shape, new_tokens, slots, layout, request)
+    plan = dataclasses.replace(plan, library_dots=library_dots(params, _decode_rows(plan, ids)))
     check_fits(list(plan.caches), layout)
     if request.mesh is not None:  # concrete arrays only; inside a user's jit constraints place
         params = layout.place_params(params)
@@ -281,6 +285,14 @@ def prepare(model, params: PyTree, input_ids, config, request: CallRequest) -> P
     return PreparedCall(
         plan, params, ids, mask, traced, input_ids, prompt_length, new_tokens, offset, policy
     )
+
+
+def _decode_rows(plan: CallPlan, ids) -> int:
+    """The activation rows of a decode step's products: a row per prompt, beam and returned
+    sequence; one per prompt in an assisted call, whose draft decodes one row at a time."""
+    if plan.mode is Mode.ASSISTED:
+        return ids.shape[0]
+    return ids.shape[0] * max(plan.num_beams, plan.num_return_sequences)
 
 
 def _resolve(model, config, request: CallRequest):

@@ -205,17 +205,25 @@ def linear(x: Array, weight: Array, scale: Array | None, dtype: jnp.dtype) -> Ar
     """``x @ weight.T`` for x [..., in] and weight [out, in]; returns dtype[..., out].
 
     Float weights in float32 give the plain product. Below float32 (bfloat16, float16) the product
-    accumulates in float32 and is rounded to ``dtype`` once, after the sum: on a mesh the partial
-    sums of a row-parallel layer (split on its input features) are then added in float32 too, so
-    tensor-parallel and one-device runs round the same sums (a bfloat16 all-reduce rounds each
-    partial sum and moves logits by a bfloat16 step, enough to flip near-tied greedy tokens).
+    accumulates in float32 and is rounded to ``dtype`` once, after the sum (one row on a CPU:
+    ``_one_row_widened``): on a mesh the partial sums of a row-parallel layer (split on its input
+    features) are then added in float32 too, so tensor-parallel and one-device runs round the
+    same sums (a bfloat16 all-reduce rounds each partial sum and moves logits by a bfloat16 step,
+    enough to flip near-tied greedy tokens).
 
     An int8 ``weight`` with ``scale`` float32[out] computes ``(x @ weight.T) * scale``, the int8
     values converted to ``dtype`` (exactly: int8 fits every float dtype) where they are used and
-    the product accumulated in float32.
+    the product accumulated in float32. One row is written so that XLA:CPU fuses the conversion
+    into the product; several rows as a plain product, which reads int8 when the program is
+    compiled with ``quantize.LIBRARY_DOT_OPTIONS`` (``generate`` does so for int8 params at
+    several rows).
     """
     x = x.astype(dtype)
     if scale is not None:
+        if math.prod(x.shape[:-1]) > 1:  # see quantize.LIBRARY_DOT_OPTIONS
+            x, weight = _keep_in_loop(x, weight)
+            y = _rows_times_transposed(x, weight.astype(dtype), jnp.float32)
+            return (y * scale).astype(dtype)
         x = _materialized(x)
         x, weight = _keep_in_loop(x, weight)
         # Written as a product with the transposed matrix, not as a dot_general contracting the
@@ -224,9 +232,37 @@ def linear(x: Array, weight: Array, scale: Array | None, dtype: jnp.dtype) -> Ar
         # whole matrix to memory first.
         y = jnp.matmul(x, weight.astype(dtype).T, preferred_element_type=jnp.float32)
         return (y * scale).astype(dtype)
-    wide = jnp.finfo(dtype).bits >= 32
-    y = _rows_times_transposed(x, weight.astype(dtype), None if wide else jnp.float32)
-    return y.astype(dtype)
+    weight = weight.astype(dtype)
+    if jnp.finfo(dtype).bits >= 32:
+        return _rows_times_transposed(x, weight, None).astype(dtype)
+    if math.prod(x.shape[:-1]) == 1:
+        y = jax.lax.platform_dependent(
+            x, weight, cpu=_one_row_widened, default=_rows_times_transposed_accumulating
+        )
+        return y.astype(dtype)
+    return _rows_times_transposed_accumulating(x, weight).astype(dtype)
+
+
+def _rows_times_transposed_accumulating(x: Array, weight: Array) -> Array:
+    """float32 ``x @ weight.T`` of narrow float operands, accumulated in float32."""
+    return _rows_times_transposed(x, weight, jnp.float32)
+
+
+def _one_row_widened(x: Array, weight: Array) -> Array:
+    """float32 ``x @ weight.T`` for one row of narrow floats x [..., in] (one row in all) and a
+    narrow weight [out, in], for the CPU.
+
+    XLA:CPU's bfloat16 product of one row runs at about 0.4-0.9x the float32 one, though it reads
+    half the bytes: it widens the whole matrix first. Widened here (exactly: every bfloat16 and
+    float16 value is a float32 value) and written as int8 weights are (``x @ weight.T`` after
+    ``_materialized`` and ``_keep_in_loop``), the conversion fuses into the one-row product,
+    which then reads the narrow matrix once: 1.4-2.8x float32 at 1 row (``bench/dtype_rows.py``).
+    Same sums as the narrow product, in float32, up to their order. Several rows keep the plain
+    narrow product, which is the faster one there.
+    """
+    x = _materialized(x.astype(jnp.float32))
+    x, weight = _keep_in_loop(x, weight)
+    return jnp.matmul(x, weight.astype(jnp.float32).T)
 
 
 SWAPPED_MAX_ROWS = 16

@@ -113,6 +113,28 @@ def dequantize_weight(q: Array, scale: Array, axis: int = 1, dtype: Any = jnp.fl
     return (q.astype(jnp.float32) * jnp.expand_dims(scale, axis)).astype(dtype)
 
 
+LIBRARY_DOT_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"}
+"""XLA:CPU compiler options under which int8 products of several rows read int8.
+
+Without them XLA:CPU converts an int8 matrix multiplied by several rows to a float copy in
+memory first and then multiplies: 1 + 4 + 4 bytes per weight instead of 1, so int8 weights
+decoded at batch 8 at about half float32's speed. With them XLA hands each product, its
+int8-to-float conversion included, to XNNPACK's YNNPACK kernels, which convert the matrix in
+tiles as they pack it: exact (every int8 value is a float), and measured end to end at about 1.5x
+float32 at 8 and 32 rows (``bench/run.py --dtypes``; figures in ``bench/README.md``). They make
+the fused one-row int8 product slow, so ``generate`` compiles with them only when every product
+has several rows (:func:`library_dots`). XLA marks the option experimental: a future XLA may
+rename it, which ``tests/test_quantize.py`` would notice.
+"""
+
+
+def library_dots(params: PyTree, rows: int) -> bool:
+    """True when a program over ``params`` whose decode steps multiply ``rows`` activation rows
+    should compile with :data:`LIBRARY_DOT_OPTIONS`: int8 params, several rows, on the CPU
+    (other backends do not know the option)."""
+    return rows > 1 and jax.default_backend() == "cpu" and is_quantized(params)
+
+
 def is_quantized(params: PyTree) -> bool:
     """True when ``params`` holds quantized leaves (``kernel_scale`` or ``embedding_scale``)."""
     return any(

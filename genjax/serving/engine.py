@@ -48,6 +48,7 @@ from flax import struct
 
 from genjax.cache import PagedKVCache
 from genjax.decoding.sampling import sample
+from genjax.models.quantize import LIBRARY_DOT_OPTIONS
 from genjax.processors import (
     LogitsContext,
     chain,
@@ -375,11 +376,14 @@ def engine_step(
 
 
 @functools.cache
-def compile_step(model, max_steps: int):
+def compile_step(model, max_steps: int, library_dots: bool = False):
     """The jitted :func:`engine_step` for ``model`` with ``K = max_steps`` (both static), the
-    state donated: ``step(params, state, work) -> (state, output)``."""
+    state donated: ``step(params, state, work) -> (state, output)``; compiled with
+    :data:`~genjax.models.quantize.LIBRARY_DOT_OPTIONS` when ``library_dots`` (int8 params:
+    :func:`~genjax.models.quantize.library_dots`)."""
 
     def step(params, state, work):
         return engine_step(model, params, state, work, max_steps=max_steps)
 
-    return jax.jit(step, donate_argnums=1)
+    options = LIBRARY_DOT_OPTIONS if library_dots else None
+    return jax.jit(step, donate_argnums=1, compiler_options=options)

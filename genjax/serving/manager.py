@@ -41,6 +41,7 @@ import jax
 from genjax.config import GenerationConfig
 from genjax.errors import InputError
 from genjax.generation.inputs import effective_config
+from genjax.models.quantize import library_dots
 from genjax.serving.engine import EngineShape, compile_step, init_state
 from genjax.serving.metrics import ITL_EDGES, TTFT_EDGES, Histogram
 from genjax.serving.options import build_request, request_config
@@ -157,7 +158,8 @@ class ContinuousBatchingManager:
         self.generation_config = effective_config(generation_config, {}, default)
         self.cb_config = cb_config or ContinuousBatchingConfig()
         self.shape = self.cb_config.engine_shape()
-        self._step = compile_step(model, self.shape.max_steps)
+        dots = library_dots(params, self.shape.max_batch_size)
+        self._step = compile_step(model, self.shape.max_steps, dots)
         self._state = None
         self._scheduler = Scheduler(self.shape, tokenizer, self.cb_config.prefix_caching)
         self._inbox: queue.Queue = queue.Queue()  # ("add", request) or ("cancel", request_id)

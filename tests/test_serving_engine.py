@@ -164,11 +164,12 @@ def test_step_alone_prefills_chooses_and_decodes_a_hand_checked_request():
     model, params = _model()
     shape = CB.engine_shape()
     state = init_state(model, shape)
-    step = compile_step(model, shape.max_steps)
+    step = compile_step(model, shape.max_steps, shape.max_top_logprobs)
     prompt = _prompt(3, 3)
     tables = np.zeros((3, shape.max_blocks_per_row), np.int32)
     tables[1, :2] = [9, 4]  # slot 1 holds positions 0..7 in blocks 9 and 4
-    row = RowSettings.empty(1, shape.max_eos).replace(max_new_tokens=np.asarray([4], np.int32))
+    row = RowSettings.empty(1, shape.max_eos, shape.max_bias)
+    row = row.replace(max_new_tokens=np.asarray([4], np.int32))
     chunk = np.zeros((shape.chunk,), np.int32)
     chunk[:3] = prompt
     work = StepInput(

@@ -319,9 +319,12 @@ def test_draining_answers_503_with_retry_after(tokenizer):
 class _Server:
     def __init__(self, process, url, pump):
         self.process, self.url, self.pump = process, url, pump
+        self.clients: list[openai.OpenAI] = []  # closed at teardown: no socket left to the GC
 
     def client(self, **kwargs) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url, api_key=KEY, max_retries=0, timeout=120, **kwargs)
+        client = openai.OpenAI(base_url=self.url, api_key=KEY, max_retries=0, timeout=120, **kwargs)
+        self.clients.append(client)
+        return client
 
     def metrics(self) -> dict[str, float]:
         text = httpx.get(self.url.removesuffix("/v1") + "/metrics", timeout=30).text
@@ -408,6 +411,8 @@ def server(tmp_path_factory):
             running.process.wait(timeout=60)
         running.pump.join(timeout=60)
         running.process.stdout.close()
+        for client in running.clients:
+            client.close()
 
 
 @pytest.fixture(scope="module")

@@ -189,7 +189,7 @@ class Scored:
     """Chosen tokens with their log-probabilities (:func:`token_logprobs`)."""
 
     logprobs: Array  # float32[B]: the chosen token's raw log-probability
-    top_ids: Array  # int32[B, L]: the L most likely tokens, most likely first
+    top_ids: Array  # int32[B, L]: the L most likely tokens, most likely first (-1: none)
     top_logprobs: Array  # float32[B, L]: their raw log-probabilities
 
 
@@ -210,8 +210,11 @@ def token_logprobs(logits: Array, token: Array, want: Array, top: int) -> Scored
     def compute(logits):
         logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
         chosen = jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
-        values, ids = jax.lax.top_k(logp, top) if top else (logp[:, :0], logp[:, :0])
-        return Scored(chosen, ids.astype(jnp.int32), values)
+        k = min(top, logp.shape[-1])  # a vocabulary smaller than L: pad with (-1, -inf)
+        values, ids = jax.lax.top_k(logp, k) if k else (logp[:, :0], logp[:, :0])
+        ids = jnp.pad(ids.astype(jnp.int32), ((0, 0), (0, top - k)), constant_values=-1)
+        values = jnp.pad(values, ((0, 0), (0, top - k)), constant_values=-jnp.inf)
+        return Scored(chosen, ids, values)
 
     return jax.lax.cond(jnp.any(want >= 0), compute, lambda _: _no_scores(batch, top), logits)
 
@@ -261,9 +264,13 @@ def choose_tokens(
         prompt_end=prompt_lengths[:, None],
         first_valid=jnp.zeros((batch,), jnp.int32),
     )
+    # The bias and OpenAI's penalties run under lax.cond: steps where no row uses them skip
+    # their [B, V] passes.
     scores = logits
     if settings.bias_ids.shape[-1]:
-        scores = logit_bias(settings.bias_ids, settings.bias_values)(scores, context)
+        bias = logit_bias(settings.bias_ids, settings.bias_values)
+        biased = jnp.any(settings.bias_ids >= 0)
+        scores = jax.lax.cond(biased, lambda s: bias(s, context), lambda s: s, scores)
     scores = repetition_penalty(settings.repetition_penalty)(scores, context)
     ids = settings.eos_token_ids  # [B, E]
     is_eos = jnp.any(jnp.arange(vocab)[None, :, None] == ids[:, None, :], axis=-1)  # [B, V]

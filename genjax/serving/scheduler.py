@@ -297,9 +297,8 @@ class Scheduler:
                 logprob, ids, values = (np.asarray(x)[index] for x in scored)
                 k = request.num_logprobs
                 request.logprobs.append(float(logprob))
-                request.top_logprobs.append(
-                    list(zip(ids[:k].tolist(), values[:k].tolist(), strict=True))
-                )
+                pairs = zip(ids[:k].tolist(), values[:k].tolist(), strict=True)
+                request.top_logprobs.append([(t, v) for t, v in pairs if t >= 0])
             count = updates.get(id(request), (request, 0))[1]
             updates[id(request)] = (request, count + 1)
             self._check_end(request, token)

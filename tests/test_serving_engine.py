@@ -224,9 +224,9 @@ def test_engine_greedy_equals_generate_alone_across_a_mixed_workload(manager):
         dict(max_new_tokens=12),
         dict(max_new_tokens=6, repetition_penalty=1.3),
         dict(max_new_tokens=10, eos_token_id=list(eos)),
-        dict(max_new_tokens=11),
+        dict(max_new_tokens=11, logprobs=1),
         dict(max_new_tokens=10, eos_token_id=list(eos), min_new_tokens=5),
-        dict(max_new_tokens=9),
+        dict(max_new_tokens=9, logprobs=2),
         dict(max_new_tokens=12, repetition_penalty=1.3),
     ]
     ids = ["mixed-0"]
@@ -243,6 +243,10 @@ def test_engine_greedy_equals_generate_alone_across_a_mixed_workload(manager):
     outputs = [first_out] + [manager.get_result(i, timeout=300) for i in ids[1:]]
     for prompt, spec, out in zip(prompts, specs, outputs, strict=True):
         eos_ids = tuple(spec.get("eos_token_id", ())) or None
+        if "logprobs" in spec:  # plain greedy: each token is its raw distribution's argmax
+            assert [top[0][0] for top in out.top_logprobs] == out.generated_tokens
+            assert [top[0][1] for top in out.top_logprobs] == out.logprobs
+            assert {len(top) for top in out.top_logprobs} == {spec["logprobs"]}
         want = _reference(
             tuple(prompt), spec.get("repetition_penalty"), eos_ids, spec.get("min_new_tokens")
         )[: spec["max_new_tokens"]]

@@ -125,6 +125,47 @@ def test_repetition_penalty_ignores_left_padding_and_future_slots():
     np.testing.assert_allclose(got, expected, rtol=1e-6)
 
 
+def test_count_penalties_subtract_openais_terms_over_generated_tokens_only():
+    # Slots 0-2 the prompt, 3-5 generated, 6-7 not yet written: only 3-5 count.
+    tokens = np.asarray([[4, 4, 4, 4, 7, 4, 9, 9], [1, 2, 3, 5, 5, 5, 6, 6]])
+    ctx = _context(tokens, length=6, prompt_end=3)
+    scores = _logits(3, batch=2)
+    counts = np.zeros((2, VOCAB))
+    counts[0, 4], counts[0, 7], counts[1, 5] = 2, 1, 3
+    traces = []
+
+    @jax.jit
+    def process(x, p, f):
+        traces.append(1)
+        both = P.count_penalties(p, f)(x, ctx)
+        return both, P.chain(P.presence_penalty(p), P.frequency_penalty(f))(x, ctx)
+
+    for presence, frequency in [([0.5, -1.0], [0.25, 2.0]), ([2.0, 0.0], [-2.0, 0.1])]:
+        presence, frequency = np.asarray(presence), np.asarray(frequency)
+        both, chained = process(scores, presence, frequency)
+        want = scores - presence[:, None] * (counts > 0) - frequency[:, None] * counts
+        np.testing.assert_allclose(both, want, rtol=1e-6)
+        np.testing.assert_allclose(chained, want, rtol=1e-6)
+    assert len(traces) == 1  # new strengths compile nothing
+
+
+def test_logit_bias_equals_sequence_bias_of_single_tokens_and_takes_per_row_ids():
+    scores = jnp.asarray(_logits(4, batch=2))
+    ctx = _context([[1, 2], [3, 4]])
+
+    @jax.jit
+    def process(x):
+        single = P.sequence_bias([[[5], -100.0], [[2], 3.5]])(x, ctx)
+        flat = P.logit_bias([5, 2, -1], [-100.0, 3.5, 9.0])(x)
+        rows = P.logit_bias([[5, 2], [0, -1]], [[-100.0, 3.5], [1.0, 7.0]])(x)
+        return single, flat, rows
+
+    single, flat, rows = process(scores)
+    np.testing.assert_array_equal(flat, single)
+    np.testing.assert_array_equal(rows[0], single[0])
+    np.testing.assert_array_equal(rows[1], np.asarray(scores[1]) + np.eye(VOCAB)[0])
+
+
 def test_min_length_and_min_new_tokens_block_eos_until_reached():
     x = _logits(4, batch=1)
     eos = jnp.array([2, 5])

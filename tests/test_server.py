@@ -23,6 +23,7 @@ import time
 from types import SimpleNamespace
 
 import httpx
+import jax
 import numpy as np
 import openai
 import pytest
@@ -30,12 +31,14 @@ import pytest
 import genjax
 from genjax.io import bundled
 from genjax.io import tokenizer as tokenizers
+from genjax.serving.logprobs import TokenTexts
 from genjax.serving.protocol import (
     APIError,
     ChatRequest,
     CompletionRequest,
     StopText,
     derive_seed,
+    engine_options,
     generation_options,
     parse_request,
 )
@@ -102,11 +105,14 @@ def test_parse_request_names_the_bad_field(body, param):
         ({"max_completion_tokens": 0}, "max_completion_tokens"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"stop": ""}, "stop"),
-        ({"logit_bias": {"5": 1.0}}, "logit_bias"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
-        ({"frequency_penalty": -0.5}, "frequency_penalty"),
-        ({"logprobs": True}, "logprobs"),
-        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"logit_bias": {"5": 100.5}}, "logit_bias"),
+        ({"logit_bias": {"4096": 1.0}}, "logit_bias"),  # outside the vocabulary
+        ({"logit_bias": {"-5": 1.0}}, "logit_bias"),
+        ({"logit_bias": {str(i): 1.0 for i in range(301)}}, "logit_bias"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -2.01}, "frequency_penalty"),
+        ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
     ],
 )
@@ -114,8 +120,30 @@ def test_generation_options_refuses_by_name(extra, param):
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **extra}
     request = parse_request(ChatRequest, body)
     with pytest.raises(APIError) as error:
-        generation_options(request, genjax.GenerationConfig(), max_n=8)
-    assert error.value.param == param
+        generation_options(request, genjax.GenerationConfig(), max_n=8, vocab_size=4096)
+        engine_options(request)
+    assert error.value.status == 400 and error.value.param == param
+
+
+def test_openai_penalties_bias_and_logprobs_map_onto_the_engine():
+    base = genjax.GenerationConfig(sequence_bias=[[[7], 1.0], [[8], 2.0]])
+    body = {"model": "m", "prompt": "x", "logprobs": 3, "frequency_penalty": -1.5}
+    body["logit_bias"] = {"8": -100, "12": 5.5}
+    request = parse_request(CompletionRequest, body)
+    config, *_ = generation_options(request, base, max_n=8, vocab_size=4096)
+    assert config.sequence_bias == (((7,), 1.0), ((8,), -100.0), ((12,), 5.5))
+    assert engine_options(request) == {
+        "presence_penalty": 0.0, "frequency_penalty": -1.5, "logprobs": 3
+    }  # fmt: skip
+    for logprobs in (-1, 6):
+        with pytest.raises(APIError, match="logprobs must be between 0 and 5"):
+            engine_options(parse_request(CompletionRequest, {**body, "logprobs": logprobs}))
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    assert engine_options(parse_request(ChatRequest, {**chat, "logprobs": True}))["logprobs"] == 0
+    assert engine_options(parse_request(ChatRequest, chat))["logprobs"] is None
+    with pytest.raises(APIError) as error:  # completions name it logprobs, not top_logprobs
+        parse_request(CompletionRequest, {**body, "top_logprobs": 2})
+    assert error.value.param == "top_logprobs"
 
 
 def test_generation_options_maps_openai_names_onto_the_config():
@@ -142,8 +170,9 @@ class FakeManager:
     """The manager's public surface; requests stay running until ``finish`` is called."""
 
     def __init__(self, fail: bool = False):
-        self.cb_config = SimpleNamespace(max_batch_size=1)
+        self.cb_config = SimpleNamespace(max_batch_size=1, max_logit_bias=300, max_top_logprobs=20)
         self.shape = SimpleNamespace(max_length=64)
+        self.model = SimpleNamespace(vocab_size=4096)
         self.generation_config = genjax.GenerationConfig(max_new_tokens=4)
         self.handlers, self.added, self.cancelled, self.fail = [], [], [], fail
         self._arrivals = threading.Condition()
@@ -290,9 +319,12 @@ def test_draining_answers_503_with_retry_after(tokenizer):
 class _Server:
     def __init__(self, process, url, pump):
         self.process, self.url, self.pump = process, url, pump
+        self.clients: list[openai.OpenAI] = []  # closed at teardown: no socket left to the GC
 
     def client(self, **kwargs) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url, api_key=KEY, max_retries=0, timeout=120, **kwargs)
+        client = openai.OpenAI(base_url=self.url, api_key=KEY, max_retries=0, timeout=120, **kwargs)
+        self.clients.append(client)
+        return client
 
     def metrics(self) -> dict[str, float]:
         text = httpx.get(self.url.removesuffix("/v1") + "/metrics", timeout=30).text
@@ -379,6 +411,8 @@ def server(tmp_path_factory):
             running.process.wait(timeout=60)
         running.pump.join(timeout=60)
         running.process.stdout.close()
+        for client in running.clients:
+            client.close()
 
 
 @pytest.fixture(scope="module")
@@ -386,17 +420,49 @@ def model_and_params():
     return genjax.models.from_pretrained(bundled.path())
 
 
-def _greedy_reference(model_and_params, tokenizer, ids: list[int], new: int) -> str:
-    """``genjax.generate`` greedy on one prompt; the new text up to EOS, special tokens off."""
+REFERENCE_TOKENS = 24
+LOGPROB_TOKENS = 10
+PENALTIES = {"presence_penalty": 0.6, "frequency_penalty": 0.9}
+CHAT = [{"role": "user", "content": "Write a function that adds two numbers."}]
+
+
+@pytest.fixture(scope="module")
+def scored_reference(model_and_params, tokenizer):
+    """One greedy ``genjax.generate`` call with the raw logits kept, for three rows: PROMPTS[0],
+    the chat prompt, and PROMPTS[0] with OpenAI's penalties (per-row processor values). Greedy
+    as an override, as transformers takes it: the checkpoint's sampling values stay inert.
+
+    Returns, per row, ``(tokens, log_softmax of the raw logits float[N, V])``."""
     model, params = model_and_params
-    config = genjax.GenerationConfig.from_pretrained(bundled.path())
-    # Greedy as an override, as transformers takes it: the file's sampling values stay inert.
-    out = genjax.generate(
-        model, params, np.asarray([ids], np.int32), max_new_tokens=new, do_sample=False
+    rows = [tokenizer.encode(PROMPTS[0]), tokenizer.apply_chat_template(CHAT, True)]
+    rows.append(rows[0])
+    batch = tokenizer.pad(rows)
+    penalties = genjax.processors.count_penalties(
+        presence=[0.0, 0.0, PENALTIES["presence_penalty"]],
+        frequency=[0.0, 0.0, PENALTIES["frequency_penalty"]],
     )
-    tokens = np.asarray(out.sequences)[0, len(ids) :].tolist()
-    if config.eos_token_id in tokens:
-        tokens = tokens[: tokens.index(config.eos_token_id)]
+    out = genjax.generate(
+        model,
+        params,
+        batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        max_new_tokens=REFERENCE_TOKENS,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        logits_processor=[penalties],
+    )
+    new = np.asarray(out.sequences)[:, batch["input_ids"].shape[1] :]
+    logp = np.asarray(jax.nn.log_softmax(out.logits, axis=-1))
+    return [(new[i].tolist(), logp[i]) for i in range(3)]
+
+
+def _greedy_text(tokenizer, tokens: list[int], new: int) -> str:
+    """The text of the first ``new`` reference tokens up to EOS, special tokens off."""
+    eos = genjax.GenerationConfig.from_pretrained(bundled.path()).eos_token_id
+    tokens = tokens[:new]
+    if eos in tokens:
+        tokens = tokens[: tokens.index(eos)]
     return tokenizer.decode(tokens, skip_special_tokens=True)
 
 
@@ -406,24 +472,24 @@ def test_models_list(server):
     assert server.client().models.retrieve(MODEL).id == MODEL
 
 
-def test_greedy_completion_equals_generate(server, tokenizer, model_and_params):
+def test_greedy_completion_equals_generate(server, tokenizer, scored_reference):
     answer = server.client().completions.create(
         model=MODEL, prompt=PROMPTS[0], max_tokens=24, temperature=0
     )
     ids = tokenizer.encode(PROMPTS[0])
-    expected = _greedy_reference(model_and_params, tokenizer, ids, 24)
+    expected = _greedy_text(tokenizer, scored_reference[0][0], 24)
     assert answer.choices[0].text == expected
     assert answer.usage.prompt_tokens == len(ids) and answer.usage.completion_tokens <= 24
     assert answer.choices[0].finish_reason in ("stop", "length")
 
 
-def test_greedy_chat_equals_generate_with_the_chat_template(server, tokenizer, model_and_params):
-    messages = [{"role": "user", "content": "Write a function that adds two numbers."}]
+def test_greedy_chat_equals_generate_with_the_chat_template(server, tokenizer, scored_reference):
+    messages = CHAT
     answer = server.client().chat.completions.create(
         model=MODEL, messages=messages, max_completion_tokens=20, temperature=0
     )
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    expected = _greedy_reference(model_and_params, tokenizer, ids, 20)
+    expected = _greedy_text(tokenizer, scored_reference[1][0], 20)
     assert answer.choices[0].message.content == expected
     assert answer.choices[0].message.role == "assistant"
     assert answer.usage.prompt_tokens == len(ids)
@@ -501,10 +567,15 @@ def test_error_statuses(server):
     bad = _status(lambda: client.completions.create(model=MODEL, prompt="x", temperature=-1))
     assert bad.status_code == 400 and bad.body["param"] == "temperature"
     for field, value in [
-        ("logit_bias", {"5": 2}),
-        ("presence_penalty", 0.5),
-        ("frequency_penalty", 0.5),
-        ("logprobs", 2),
+        ("logit_bias", {"5": 101}),
+        ("logit_bias", {"999999": 1}),
+        ("presence_penalty", -2.5),
+        ("frequency_penalty", 2.5),
+        ("logprobs", 6),
+        ("top_logprobs", 2),  # a chat field
+        ("echo", True),
+        ("best_of", 2),
+        ("suffix", "x"),
         ("made_up_field", 1),
     ]:
         error = _status(
@@ -516,7 +587,8 @@ def test_error_statuses(server):
     chat = lambda **kw: client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "x"}], **kw
     )
-    assert _status(lambda: chat(logprobs=True, top_logprobs=2)).body["param"] == "logprobs"
+    assert _status(lambda: chat(logprobs=True, top_logprobs=21)).body["param"] == "top_logprobs"
+    assert _status(lambda: chat(top_logprobs=2)).body["param"] == "top_logprobs"
     too_long = _status(lambda: client.completions.create(model=MODEL, prompt="a " * CONTEXT))
     assert too_long.status_code == 400 and too_long.body["code"] == "context_length_exceeded"
     wrong_key = server.client()
@@ -524,6 +596,75 @@ def test_error_statuses(server):
     assert isinstance(_status(lambda: wrong_key.models.list()), openai.AuthenticationError)
     missing = _status(lambda: client.completions.create(model="gpt-4o", prompt="x"))
     assert isinstance(missing, openai.NotFoundError) and missing.body["param"] == "model"
+
+
+def _check_logprobs(tokens, logprobs, want, top=None, top_ids=None):
+    """Server entries (token texts, values, and top entries as (text, value) lists) equal the
+    reference row ``want`` = (tokens, logp) on their length (an early EOS ends the server's)."""
+    ids, logp = want
+    texts = TokenTexts(tokenizers.from_pretrained(bundled.path()))
+    count = len(tokens)
+    assert 0 < count <= len(ids)
+    assert tokens == [texts(t)[0] for t in ids[:count]]
+    np.testing.assert_allclose(logprobs, logp[np.arange(count), ids[:count]], atol=1e-4)
+    if top is not None:
+        best = np.argsort(-logp[:count], axis=-1)[:, :top_ids]
+        assert [[t for t, _ in row] for row in top] == [[texts(i)[0] for i in r] for r in best]
+        values = np.take_along_axis(logp[:count], best, -1)
+        np.testing.assert_allclose([[v for _, v in row] for row in top], values, atol=1e-4)
+
+
+def test_completion_logprobs_equal_generate_streamed_or_not(server, scored_reference):
+    client = server.client()
+    kwargs = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": LOGPROB_TOKENS}
+    answer = client.completions.create(temperature=0, logprobs=2, **kwargs)
+    lp = answer.choices[0].logprobs
+    _check_logprobs(lp.tokens, lp.token_logprobs, scored_reference[0])
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert top[token] == value and len(top) in (2, 3)  # the chosen token always, + top 2
+    assert lp.text_offset == np.cumsum([0] + [len(t) for t in lp.tokens[:-1]]).tolist()
+    assert answer.usage.completion_tokens == len(lp.tokens)
+    chunks = list(client.completions.create(temperature=0, logprobs=2, stream=True, **kwargs))
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs is not None]
+    assert sum((s.tokens for s in streamed), []) == lp.tokens
+    assert sum((s.token_logprobs for s in streamed), []) == lp.token_logprobs
+    assert sum((s.text_offset for s in streamed), []) == lp.text_offset
+    # The penalties change the greedy text, exactly as generate's processors change it.
+    penalized = client.completions.create(temperature=0, logprobs=0, **kwargs, **PENALTIES)
+    lp = penalized.choices[0].logprobs
+    _check_logprobs(lp.tokens, lp.token_logprobs, scored_reference[2])
+    assert scored_reference[2][0] != scored_reference[0][0]
+    assert all(len(top) == 1 for top in lp.top_logprobs)
+
+
+def test_chat_logprobs_equal_generate_streamed_or_not(server, scored_reference):
+    kwargs = {"model": MODEL, "messages": CHAT, "max_completion_tokens": LOGPROB_TOKENS}
+    kwargs.update(temperature=0, logprobs=True)
+    answer = server.client().chat.completions.create(top_logprobs=3, **kwargs)
+    content = answer.choices[0].logprobs.content
+    top = [[(t.token, t.logprob) for t in c.top_logprobs] for c in content]
+    tokens = [c.token for c in content]
+    _check_logprobs(tokens, [c.logprob for c in content], scored_reference[1], top, 3)
+    assert all(bytes(c.bytes).decode(errors="replace") == c.token for c in content)
+    chunks = list(server.client().chat.completions.create(stream=True, top_logprobs=3, **kwargs))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in
+                c.choices[0].logprobs.content]  # fmt: skip
+    assert [(e.token, e.logprob, e.top_logprobs) for e in streamed] == [
+        (e.token, e.logprob, e.top_logprobs) for e in content
+    ]
+    plain = server.client().chat.completions.create(**{**kwargs, "logprobs": False})
+    assert plain.choices[0].logprobs is None
+
+
+def test_logit_bias_bans_and_forces_tokens(server, tokenizer, scored_reference):
+    client = server.client()
+    kwargs = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0}
+    first = scored_reference[0][0][0]
+    banned = client.completions.create(logit_bias={str(first): -100}, logprobs=0, **kwargs)
+    assert banned.choices[0].logprobs.tokens[0] != TokenTexts(tokenizer)(first)[0]
+    forced = tokenizer.encode(" zebra")[0]
+    answer = client.completions.create(logit_bias={str(forced): 100}, **kwargs)
+    assert answer.choices[0].text == tokenizer.decode([forced] * 6)
 
 
 @pytest.mark.parametrize(

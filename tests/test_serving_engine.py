@@ -164,11 +164,12 @@ def test_step_alone_prefills_chooses_and_decodes_a_hand_checked_request():
     model, params = _model()
     shape = CB.engine_shape()
     state = init_state(model, shape)
-    step = compile_step(model, shape.max_steps)
+    step = compile_step(model, shape.max_steps, shape.max_top_logprobs)
     prompt = _prompt(3, 3)
     tables = np.zeros((3, shape.max_blocks_per_row), np.int32)
     tables[1, :2] = [9, 4]  # slot 1 holds positions 0..7 in blocks 9 and 4
-    row = RowSettings.empty(1, shape.max_eos).replace(max_new_tokens=np.asarray([4], np.int32))
+    row = RowSettings.empty(1, shape.max_eos, shape.max_bias)
+    row = row.replace(max_new_tokens=np.asarray([4], np.int32))
     chunk = np.zeros((shape.chunk,), np.int32)
     chunk[:3] = prompt
     work = StepInput(
@@ -223,9 +224,9 @@ def test_engine_greedy_equals_generate_alone_across_a_mixed_workload(manager):
         dict(max_new_tokens=12),
         dict(max_new_tokens=6, repetition_penalty=1.3),
         dict(max_new_tokens=10, eos_token_id=list(eos)),
-        dict(max_new_tokens=11),
+        dict(max_new_tokens=11, logprobs=1),
         dict(max_new_tokens=10, eos_token_id=list(eos), min_new_tokens=5),
-        dict(max_new_tokens=9),
+        dict(max_new_tokens=9, logprobs=2),
         dict(max_new_tokens=12, repetition_penalty=1.3),
     ]
     ids = ["mixed-0"]
@@ -242,6 +243,10 @@ def test_engine_greedy_equals_generate_alone_across_a_mixed_workload(manager):
     outputs = [first_out] + [manager.get_result(i, timeout=300) for i in ids[1:]]
     for prompt, spec, out in zip(prompts, specs, outputs, strict=True):
         eos_ids = tuple(spec.get("eos_token_id", ())) or None
+        if "logprobs" in spec:  # plain greedy: each token is its raw distribution's argmax
+            assert [top[0][0] for top in out.top_logprobs] == out.generated_tokens
+            assert [top[0][1] for top in out.top_logprobs] == out.logprobs
+            assert {len(top) for top in out.top_logprobs} == {spec["logprobs"]}
         want = _reference(
             tuple(prompt), spec.get("repetition_penalty"), eos_ids, spec.get("min_new_tokens")
         )[: spec["max_new_tokens"]]
@@ -438,6 +443,9 @@ def test_no_compilation_after_warmup_over_a_random_workload(manager):
                 spec.update(do_sample=True, temperature=0.8, top_p=0.9, top_k=20, min_p=0.05)
             if i % 3 == 0:
                 spec.update(repetition_penalty=1.2, eos_token_id=[5, 6], min_new_tokens=2)
+            if i % 2 == 0:
+                spec.update(presence_penalty=0.1 * i, frequency_penalty=-0.2, logprobs=i % 4)
+                spec.update(sequence_bias=[[[int(rng.integers(3, 50))], float(i)]])
             ids.append(
                 manager.add_request(_prompt(50 + i, int(rng.integers(1, 30))), seed=i, **spec)
             )
@@ -452,6 +460,12 @@ def test_add_request_rejects_what_the_engine_cannot_run(manager):
         manager.add_request([3, 4], no_repeat_ngram_size=2)
     with pytest.raises(UnsupportedError, match="not supported in continuous batching"):
         manager.add_request([3, 4], num_beams=2)
+    with pytest.raises(UnsupportedError, match="sequence_bias with multi-token"):
+        manager.add_request([3, 4], sequence_bias=[[[5], 1.0], [[6, 7], 2.0]])
+    with pytest.raises(InputError, match="max_top_logprobs"):
+        manager.add_request([3, 4], logprobs=CB.max_top_logprobs + 1)
+    with pytest.raises(InputError, match="presence_penalty must be finite"):
+        manager.add_request([3, 4], presence_penalty=float("nan"))
     with pytest.raises(InputError, match="outside the vocabulary"):
         manager.add_request([3, model.vocab_size])
     with pytest.raises(InputError, match="can never fit"):
@@ -505,6 +519,46 @@ def test_sampled_requests_equal_generate_with_the_same_seed(manager):
     want = np.asarray(ref.sequences)[0, len(prompt) :].tolist()
     rid = manager.add_request(prompt, generation_config=config, seed=3)
     assert manager.get_result(rid, timeout=120).generated_tokens == want
+
+
+def test_bias_penalties_and_logprobs_equal_generate_with_the_same_processors(manager):
+    model, params = _model()
+    prompt = _prompt(120, 6)
+    plain = _reference(tuple(prompt))
+    # Ban the plain run's first token, favour another; OpenAI's penalties as generate's extra
+    # processors (where the engine applies them); raw logprobs from generate's output_logits.
+    bias = [[[plain[0]], -100.0], [[plain[2]], 1.0], [[9], -1.0]]
+    config = GenerationConfig(max_new_tokens=REF_NEW, pad_token_id=0, sequence_bias=bias)
+    ref = genjax.generate(
+        model,
+        params,
+        np.asarray([prompt], np.int32),
+        config.replace(output_logits=True, return_dict_in_generate=True),
+        logits_processor=[genjax.processors.count_penalties(presence=0.5, frequency=0.3)],
+    )
+    want = np.asarray(ref.sequences)[0, len(prompt) :].tolist()
+    logp = np.asarray(jax.nn.log_softmax(ref.logits[0], axis=-1))  # [N, V]
+    rid = manager.add_request(
+        prompt,
+        generation_config=config,
+        presence_penalty=0.5,
+        frequency_penalty=0.3,
+        logprobs=3,
+        streaming=True,
+    )
+    out = manager.get_result(rid, timeout=120)
+    assert out.generated_tokens == want and want != plain and plain[0] not in want
+    np.testing.assert_allclose(out.logprobs, logp[np.arange(REF_NEW), want], atol=2e-5)
+    top = np.argsort(-logp, axis=-1)[:, :3]
+    assert [[i for i, _ in row] for row in out.top_logprobs] == top.tolist()
+    got = np.asarray([[v for _, v in row] for row in out.top_logprobs])
+    np.testing.assert_allclose(got, np.take_along_axis(logp, top, -1), atol=2e-5)
+    # Streamed outputs carry the log-probabilities of the tokens they hold, and only then.
+    for partial in manager.request_id_iter(rid, timeout=60):
+        assert partial.logprobs == out.logprobs[: len(partial.generated_tokens)]
+    # Without the penalties the biased run falls into a loop (the penalties are honoured).
+    unpenalized = manager.get_result(manager.add_request(prompt, generation_config=config), 120)
+    assert unpenalized.generated_tokens != want and unpenalized.logprobs is None
 
 
 def test_generate_batch_returns_every_request_by_id():

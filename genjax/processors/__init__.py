@@ -18,6 +18,9 @@ token rules                     ``sequence_bias``, ``encoder_repetition_penalty`
                                 ``forced_eos_token_id``, ``remove_invalid_values``,
                                 ``exponential_decay_length_penalty``, ``suppress_tokens``,
                                 ``begin_suppress_tokens``
+OpenAI's options                ``presence_penalty``, ``frequency_penalty``, ``count_penalties``
+                                (both at once), ``logit_bias`` (per-row token ids, traced); no
+                                config field: pass them in ``generate(logits_processor=[...])``
 sampling warpers                ``temperature``, ``top_h``, ``top_k``, ``top_p``, ``min_p``,
                                 ``typical_p``, ``epsilon_cutoff``, ``eta_cutoff``
 last                            ``renormalize_logits``
@@ -30,7 +33,8 @@ sort the whole vocabulary on ordinary steps and share one partial sort when adja
 Static or traced:
     Strengths, cut-offs and token ids that are single values (``temperature``, ``top_k``,
     ``top_p``, ``min_p``, ``top_h``, ``typical_p``, ``epsilon_cutoff``, ``eta_cutoff``,
-    ``repetition_penalty``, ``encoder_repetition_penalty``, the forced token ids, the EOS ids,
+    ``repetition_penalty``, ``encoder_repetition_penalty``, ``presence_penalty``,
+    ``frequency_penalty``, ``logit_bias`` (its ids too), the forced token ids, the EOS ids,
     the decay start and factor, the sequence biases) may be Python numbers or traced arrays, most
     of them one value per row (``[B]``); changing them never recompiles. They are the leaves of
     the processor's pytree, so a processor passed to a jitted function (as
@@ -71,6 +75,7 @@ from genjax.processors.base import LogitsContext, Processor, Transform
 from genjax.processors.ngram import (
     bad_words_ids,
     encoder_no_repeat_ngram_size,
+    logit_bias,
     no_repeat_ngram_size,
     sequence_bias,
 )
@@ -86,12 +91,15 @@ from genjax.processors.pipeline import (
 from genjax.processors.token_rules import (
     allowed_tokens,
     begin_suppress_tokens,
+    count_penalties,
     encoder_repetition_penalty,
     exponential_decay_length_penalty,
     forced_bos_token_id,
     forced_eos_token_id,
+    frequency_penalty,
     min_length,
     min_new_tokens,
+    presence_penalty,
     remove_invalid_values,
     renormalize_logits,
     repetition_penalty,
@@ -121,6 +129,7 @@ __all__ = [
     "begin_suppress_tokens",
     "chain",
     "check_supported",
+    "count_penalties",
     "encoder_no_repeat_ngram_size",
     "encoder_repetition_penalty",
     "epsilon_cutoff",
@@ -128,12 +137,15 @@ __all__ = [
     "exponential_decay_length_penalty",
     "forced_bos_token_id",
     "forced_eos_token_id",
+    "frequency_penalty",
     "from_config",
     "identity",
+    "logit_bias",
     "min_length",
     "min_new_tokens",
     "min_p",
     "no_repeat_ngram_size",
+    "presence_penalty",
     "remove_invalid_values",
     "renormalize_logits",
     "repetition_penalty",

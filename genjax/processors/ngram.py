@@ -222,6 +222,41 @@ def _sequence_bias(
     return scores + table.bias(batch, vocab, context, biases).astype(scores.dtype)
 
 
+def logit_bias(token_ids: Any, biases: Any) -> Transform:
+    """Adds ``biases[k]`` to the score of ``token_ids[k]``: OpenAI's ``logit_bias``.
+
+    The traced counterpart of :func:`sequence_bias` with one-token sequences (the same sum, so
+    the same scores): the ids are values, not structure, so each row (each request of the
+    serving engine) may bias its own tokens without recompiling.
+
+    Args:
+        token_ids: int32[L] or int32[B, L] (traced); entries < 0 are unused. Ids within one row
+            must be distinct.
+        biases: float32[L] or float32[B, L] (traced), the same shape; OpenAI's range is
+            ``[-100, 100]`` (-100 bans a token in practice, 100 forces it).
+
+    Cost: one scatter-add of ``B * L`` values into ``[B, V]``.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> logit_bias([2, -1], [1.5, 0.0])(jnp.zeros((1, 3))).tolist()
+        [[0.0, 0.0, 1.5]]
+    """
+    return Transform(
+        _logit_bias, {"ids": as_int(token_ids), "biases": jnp.asarray(biases, jnp.float32)}
+    )
+
+
+def _logit_bias(scores: Array, context: Any, ids: Array, biases: Array) -> Array:
+    batch, vocab = scores.shape
+    ids = jnp.broadcast_to(ids, (batch, ids.shape[-1]))
+    biases = jnp.broadcast_to(biases, ids.shape)
+    columns = jnp.where(ids >= 0, ids, vocab)  # unused entries fall out of range: dropped
+    rows = jnp.arange(batch)[:, None]
+    bias = jnp.zeros((batch, vocab), jnp.float32).at[rows, columns].add(biases, mode="drop")
+    return scores + bias.astype(scores.dtype)
+
+
 def bad_words_ids(bad_words: Sequence[Sequence[int]], eos_token_ids: Any = None) -> Transform:
     """Forbids the given token sequences: their last token gets -inf when the rest ends the input.
 

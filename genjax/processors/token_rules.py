@@ -65,6 +65,73 @@ def _repetition_penalty(scores: Array, context: LogitsContext, penalty: Array) -
     return jnp.where(seen, penalized, scores)
 
 
+def count_penalties(presence: float | Array = 0.0, frequency: float | Array = 0.0) -> Transform:
+    """OpenAI's additive penalties on the tokens generated so far (the prompt does not count).
+
+    For each token ``t`` generated ``c[t]`` times so far in the row (slots ``prompt_end`` to
+    ``length``)::
+
+        score[t] -= presence * (c[t] > 0) + frequency * c[t]
+
+    Positive values discourage repeats, negative ones encourage them; OpenAI and vLLM accept
+    ``[-2, 2]``. Both strengths are traced, scalar or float[B]. Cost: one scatter-add of the
+    ``B * S`` buffer into ``[B, V]`` counts (the two penalties share it).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> ctx = LogitsContext.for_prompt(jnp.asarray([[2, 1, 1]], jnp.int32))
+        >>> ctx = ctx.replace(prompt_end=jnp.asarray(1, jnp.int32))  # slots 1, 2 are new
+        >>> count_penalties(presence=0.5, frequency=0.25)(jnp.zeros((1, 3)), ctx).tolist()
+        [[0.0, -1.0, 0.0]]
+
+    References:
+        OpenAI, "Parameter details: frequency and presence penalties" (API reference); vLLM's
+        ``apply_penalties`` (counts over output tokens only).
+    """
+    values = {"presence": as_float(presence), "frequency": as_float(frequency)}
+    return Transform(_count_penalties, values)
+
+
+def presence_penalty(penalty: float | Array) -> Transform:
+    """Subtracts ``penalty`` from every token already generated (prompt excluded), once.
+
+    OpenAI's ``presence_penalty``: :func:`count_penalties` with ``frequency=0``. Traced, scalar or
+    float[B]. Cost: one scatter-add of the ``B * S`` buffer.
+
+    Example:
+        >>> process = presence_penalty(0.6)
+    """
+    return count_penalties(presence=penalty)
+
+
+def frequency_penalty(penalty: float | Array) -> Transform:
+    """Subtracts ``penalty`` times the number of times each token was generated (prompt
+    excluded).
+
+    OpenAI's ``frequency_penalty``: :func:`count_penalties` with ``presence=0``. Traced, scalar
+    or float[B]. Cost: one scatter-add of the ``B * S`` buffer.
+
+    Example:
+        >>> process = frequency_penalty(0.6)
+    """
+    return count_penalties(frequency=penalty)
+
+
+def _count_penalties(
+    scores: Array, context: LogitsContext, presence: Array, frequency: Array
+) -> Array:
+    batch, vocab = scores.shape
+    tokens = context.tokens
+    slots = jnp.arange(tokens.shape[1])[None, :]
+    # prompt_end and length may be scalars or per row [B, 1] (the serving engine's rows).
+    counted = (slots >= context.prompt_end) & (slots < context.length)
+    ids = jnp.where(counted, jnp.clip(tokens, 0, vocab), vocab)  # vocab: a spare column
+    rows = jnp.arange(batch)[:, None]
+    counts = jnp.zeros((batch, vocab + 1), jnp.float32).at[rows, ids].add(1.0)[:, :vocab]
+    penalty = per_row(presence) * (counts > 0) + per_row(frequency) * counts
+    return scores - penalty.astype(scores.dtype)
+
+
 def encoder_repetition_penalty(penalty: float | Array) -> Transform:
     """Rewards every token id of the prompt: the inverse of :func:`repetition_penalty`.
 

@@ -3,8 +3,9 @@
 ``engine`` is the device side, one pure jitted step over a donated state (paged KV cache
 :class:`genjax.cache.PagedKVCache`, token history, per-row sampling values); ``scheduler`` the
 host side (block allocator, FIFO admission, chunked prefill, preemption); ``options`` checks a
-request's generation options; ``manager`` runs the loop in a background thread behind
-transformers v5's continuous-batching API (``init_continuous_batching``, ``generate_batch``).
+request's generation options; ``output`` is what a request gives back; ``manager`` runs the
+loop in a background thread behind transformers v5's continuous-batching API
+(``init_continuous_batching``, ``generate_batch``).
 
 Layer:
     Floor 5. May import every floor below, ``generation`` included.
@@ -14,6 +15,7 @@ from genjax.serving.engine import (
     EngineShape,
     EngineState,
     RowSettings,
+    Scored,
     StepInput,
     StepOutput,
     compile_step,
@@ -23,10 +25,10 @@ from genjax.serving.engine import (
 from genjax.serving.manager import (
     ContinuousBatchingConfig,
     ContinuousBatchingManager,
-    GenerationOutput,
     generate_batch,
     init_continuous_batching,
 )
+from genjax.serving.output import GenerationOutput
 from genjax.serving.scheduler import BlockAllocator, RequestStatus, Scheduler
 
 __all__ = [
@@ -39,6 +41,7 @@ __all__ = [
     "RequestStatus",
     "RowSettings",
     "Scheduler",
+    "Scored",
     "StepInput",
     "StepOutput",
     "compile_step",

@@ -23,17 +23,27 @@ decoding row's newest token is in the history but not yet in the cache::
     history   p0 p1 p2 p3 g0 g1          lengths = 6, prompt_lengths = 4
     cache     p0 p1 p2 p3 g0             index = 5; the next step feeds g1 at position 5
 
-Token choice per row follows transformers' order: repetition penalty, EOS blocked until
-``min_new_tokens``, then temperature, top-k, top-p, min-p; greedy rows take the argmax (the
-warpers never move it), sampling rows draw with ``fold_in(key, new_token_index)`` as
-:func:`genjax.generate` does, so a preempted and recomputed request draws the same tokens.
+Token choice per row follows transformers' order: logit bias (``sequence_bias`` of single
+tokens), repetition penalty, EOS blocked until ``min_new_tokens``, OpenAI's presence and
+frequency penalties (where ``generate`` runs a user's ``logits_processor``), then temperature,
+top-k, top-p, min-p; greedy rows take the argmax (the warpers never move it), sampling rows draw
+with ``fold_in(key, new_token_index)`` as :func:`genjax.generate` does, so a preempted and
+recomputed request draws the same tokens.
+
+Log-probabilities (rows with ``settings.logprobs >= 0``): the chosen token's log-probability
+under the model's raw distribution, ``log_softmax(logits)`` before any processor (vLLM's default
+``raw_logprobs``; what ``genjax.generate``'s ``output_logits`` give), and the ``L`` most likely
+tokens with theirs. They are computed under a ``lax.cond`` that runs only when some row asks, so
+requests that do not ask pay nothing.
 
 Static or traced:
     Static (the shape of the one compiled program): the model, ``R`` (``max_batch_size``), the
     pool (``num_blocks``, ``block_size``, ``max_blocks_per_row``), the chunk ``C``, the most
     decode steps per call ``K``, the most EOS ids per request ``E``. Traced: everything in
     :class:`EngineState` and :class:`StepInput`: the requests' tokens, lengths, sampling values
-    (``do_sample`` included), seeds, EOS ids, limits, which slot prefills, the number of steps.
+    (``do_sample`` included), seeds, EOS ids, biased ids and biases, penalties, how many top
+    log-probabilities a row wants, limits, which slot prefills, the number of steps. Also static:
+    the most biased tokens per request ``L_b`` and the most top log-probabilities ``L``.
 """
 
 from __future__ import annotations
@@ -52,6 +62,8 @@ from genjax.models.quantize import LIBRARY_DOT_OPTIONS
 from genjax.processors import (
     LogitsContext,
     chain,
+    count_penalties,
+    logit_bias,
     min_p,
     repetition_penalty,
     temperature,
@@ -61,7 +73,7 @@ from genjax.processors import (
 from genjax.processors.base import NEG_INF
 from genjax.typing import Array, PyTree
 
-__all__ = ["EngineShape", "EngineState", "RowSettings", "StepInput", "StepOutput"]
+__all__ = ["EngineShape", "EngineState", "RowSettings", "Scored", "StepInput", "StepOutput"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +87,8 @@ class EngineShape:
     chunk: int  # C: prompt tokens prefilled per step
     max_steps: int  # K: the most decode steps per call
     max_eos: int  # E: the most EOS ids per request
+    max_bias: int = 0  # L_b: the most biased tokens (logit_bias) per request
+    max_top_logprobs: int = 0  # L: the most top log-probabilities per token
 
     @property
     def max_length(self) -> int:
@@ -92,13 +106,18 @@ class RowSettings:
     top_p: Array  # float32[R]: 1.0 = off
     min_p: Array  # float32[R]: 0.0 = off
     repetition_penalty: Array  # float32[R]: 1.0 = off
+    presence_penalty: Array  # float32[R]: 0.0 = off (OpenAI's, on generated tokens)
+    frequency_penalty: Array  # float32[R]: 0.0 = off
+    bias_ids: Array  # int32[R, L_b]: biased token ids; -1 fills unused entries
+    bias_values: Array  # float32[R, L_b]: their biases
+    logprobs: Array  # int32[R]: -1: none; k >= 0: the chosen token's logprob and the top k
     max_new_tokens: Array  # int32[R]
     min_new_tokens: Array  # int32[R]: EOS is blocked before this many new tokens
     eos_token_ids: Array  # int32[R, E]: -1 fills unused entries
     seed: Array  # int32[R]: the request's key is jax.random.key(seed)
 
     @classmethod
-    def empty(cls, rows: int, max_eos: int) -> RowSettings:
+    def empty(cls, rows: int, max_eos: int, max_bias: int = 0) -> RowSettings:
         """Neutral settings (greedy, nothing active) for ``rows`` rows; numpy, no compilation."""
         return cls(
             do_sample=np.zeros((rows,), bool),
@@ -107,6 +126,11 @@ class RowSettings:
             top_p=np.ones((rows,), np.float32),
             min_p=np.zeros((rows,), np.float32),
             repetition_penalty=np.ones((rows,), np.float32),
+            presence_penalty=np.zeros((rows,), np.float32),
+            frequency_penalty=np.zeros((rows,), np.float32),
+            bias_ids=np.full((rows, max_bias), -1, np.int32),
+            bias_values=np.zeros((rows, max_bias), np.float32),
+            logprobs=np.full((rows,), -1, np.int32),
             max_new_tokens=np.zeros((rows,), np.int32),
             min_new_tokens=np.zeros((rows,), np.int32),
             eos_token_ids=np.full((rows, max_eos), -1, np.int32),
@@ -154,6 +178,46 @@ class StepOutput:
     first_token: Array  # int32[]: the prefilled slot's first new token; -1: none
     finished: Array  # bool[R]: rows that hit EOS or max_new_tokens during this step
     steps: Array  # int32[]: decode iterations run
+    # Log-probabilities, meaningful for rows with settings.logprobs >= 0 (else 0):
+    logprobs: Array  # float32[K, R]: of each token in `tokens`
+    top_ids: Array  # int32[K, R, L]: the L most likely tokens, most likely first
+    top_logprobs: Array  # float32[K, R, L]: their log-probabilities
+    first: Scored  # [1]: the first token's, as above
+
+
+@struct.dataclass
+class Scored:
+    """Chosen tokens with their log-probabilities (:func:`token_logprobs`)."""
+
+    logprobs: Array  # float32[B]: the chosen token's raw log-probability
+    top_ids: Array  # int32[B, L]: the L most likely tokens, most likely first (-1: none)
+    top_logprobs: Array  # float32[B, L]: their raw log-probabilities
+
+
+def token_logprobs(logits: Array, token: Array, want: Array, top: int) -> Scored:
+    """Raw log-probabilities of the chosen tokens and the ``top`` most likely ones.
+
+    Computed under ``lax.cond`` only when a row has ``want >= 0`` (zeros otherwise), so a step
+    where no request asks pays one ``any`` reduction.
+
+    Args:
+        logits: float32[B, V], the model's raw next-token logits.
+        token: int32[B], the chosen tokens.
+        want: int32[B], each row's ``RowSettings.logprobs`` (-1: none).
+        top: ``L`` (static), the most top log-probabilities any row may ask.
+    """
+    batch = logits.shape[0]
+
+    def compute(logits):
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        chosen = jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
+        k = min(top, logp.shape[-1])  # a vocabulary smaller than L: pad with (-1, -inf)
+        values, ids = jax.lax.top_k(logp, k) if k else (logp[:, :0], logp[:, :0])
+        ids = jnp.pad(ids.astype(jnp.int32), ((0, 0), (0, top - k)), constant_values=-1)
+        values = jnp.pad(values, ((0, 0), (0, top - k)), constant_values=-jnp.inf)
+        return Scored(chosen, ids, values)
+
+    return jax.lax.cond(jnp.any(want >= 0), compute, lambda _: _no_scores(batch, top), logits)
 
 
 def init_state(model, shape: EngineShape, dtype=None) -> EngineState:
@@ -175,7 +239,7 @@ def init_state(model, shape: EngineShape, dtype=None) -> EngineState:
         lengths=np.zeros((rows,), np.int32),
         prompt_lengths=np.zeros((rows,), np.int32),
         decoding=np.zeros((rows,), bool),
-        settings=RowSettings.empty(rows, shape.max_eos),
+        settings=RowSettings.empty(rows, shape.max_eos, shape.max_bias),
     )
     return jax.device_put(state)
 
@@ -201,11 +265,21 @@ def choose_tokens(
         prompt_end=prompt_lengths[:, None],
         first_valid=jnp.zeros((batch,), jnp.int32),
     )
-    scores = repetition_penalty(settings.repetition_penalty)(logits, context)
+    # The bias and OpenAI's penalties run under lax.cond: steps where no row uses them skip
+    # their [B, V] passes.
+    scores = logits
+    if settings.bias_ids.shape[-1]:
+        bias = logit_bias(settings.bias_ids, settings.bias_values)
+        biased = jnp.any(settings.bias_ids >= 0)
+        scores = jax.lax.cond(biased, lambda s: bias(s, context), lambda s: s, scores)
+    scores = repetition_penalty(settings.repetition_penalty)(scores, context)
     ids = settings.eos_token_ids  # [B, E]
     is_eos = jnp.any(jnp.arange(vocab)[None, :, None] == ids[:, None, :], axis=-1)  # [B, V]
     blocked = is_eos & (num_new < settings.min_new_tokens)[:, None]
     scores = jnp.where(blocked, NEG_INF, scores)
+    penalties = count_penalties(settings.presence_penalty, settings.frequency_penalty)
+    active = jnp.any((settings.presence_penalty != 0) | (settings.frequency_penalty != 0))
+    scores = jax.lax.cond(active, lambda s: penalties(s, context), lambda s: s, scores)
     warp = chain(
         temperature(settings.temperature),
         top_k(settings.top_k),
@@ -257,9 +331,15 @@ def _admit(state: EngineState, work: StepInput) -> EngineState:
     )
 
 
-def _prefill(model, params, state: EngineState, work: StepInput):
+def _no_scores(batch: int, top: int) -> Scored:
+    zeros = jnp.zeros((batch, top), jnp.float32)
+    return Scored(jnp.zeros((batch,), jnp.float32), zeros.astype(jnp.int32), zeros)
+
+
+def _prefill(model, params, state: EngineState, work: StepInput, top: int):
     """Runs the chunk of ``work.prefill_slot``; returns the state, the first new token after a
-    prompt's last chunk (-1 otherwise) and whether that token already ends the request."""
+    prompt's last chunk (-1 otherwise), whether that token already ends the request, and its
+    :class:`Scored` log-probabilities ([1])."""
     chunk = work.prefill_tokens.shape[0]
     slot = work.prefill_slot[None]  # [1]
     start, count = work.prefill_start, work.prefill_count
@@ -278,23 +358,24 @@ def _prefill(model, params, state: EngineState, work: StepInput):
         settings = _rows(state.settings, slot)
         prompt = state.prompt_lengths[slot]
         token = choose_tokens(last, state.tokens[slot], length[None], prompt, settings)
+        scored = token_logprobs(last, token, settings.logprobs, top)
         done = _finished(token, length + 1 - prompt, settings)
         state = state.replace(
             tokens=state.tokens.at[slot, length].set(token, mode="drop"),
             lengths=state.lengths.at[slot].add(1),
             decoding=state.decoding.at[slot].set(~done),
         )
-        return state, token[0], done[0]
+        return state, token[0], done[0], scored
 
     def not_last(state):
-        return state, jnp.full((), -1, jnp.int32), jnp.zeros((), bool)
+        return state, jnp.full((), -1, jnp.int32), jnp.zeros((), bool), _no_scores(1, top)
 
     return jax.lax.cond(work.prefill_last, first_token, not_last, state)
 
 
-def _decode_once(model, params, state: EngineState) -> tuple[EngineState, Array, Array]:
+def _decode_once(model, params, state: EngineState, top: int):
     """One token for every decoding row; returns the state, int32[R] tokens (-1 for rows not
-    decoding) and bool[R] rows that finished."""
+    decoding), bool[R] rows that finished and the tokens' :class:`Scored` ([R])."""
     live = state.decoding
     rows = jnp.arange(state.lengths.shape[0])
     fed = jnp.maximum(state.lengths - 1, 0)  # position of the token fed
@@ -309,6 +390,8 @@ def _decode_once(model, params, state: EngineState) -> tuple[EngineState, Array,
     token = choose_tokens(
         logits[:, 0], state.tokens, state.lengths, state.prompt_lengths, state.settings
     )
+    wanted = jnp.where(live, state.settings.logprobs, -1)
+    scored = token_logprobs(logits[:, 0], token, wanted, top)
     done = live & _finished(token, state.lengths + 1 - state.prompt_lengths, state.settings)
     columns = jnp.where(live, state.lengths, state.tokens.shape[1])
     state = state.replace(
@@ -317,11 +400,17 @@ def _decode_once(model, params, state: EngineState) -> tuple[EngineState, Array,
         lengths=state.lengths + live,
         decoding=live & ~done,
     )
-    return state, jnp.where(live, token, -1), done
+    return state, jnp.where(live, token, -1), done, scored
 
 
 def engine_step(
-    model, params: PyTree, state: EngineState, work: StepInput, *, max_steps: int
+    model,
+    params: PyTree,
+    state: EngineState,
+    work: StepInput,
+    *,
+    max_steps: int,
+    max_top_logprobs: int = 0,
 ) -> tuple[EngineState, StepOutput]:
     """One host round trip: releases, one prefill chunk, then up to ``num_steps`` decode steps.
 
@@ -335,6 +424,7 @@ def engine_step(
         state: the :class:`EngineState` (traced, donated).
         work: the :class:`StepInput` (traced).
         max_steps: ``K`` (static), the size of the output buffer; ``work.num_steps <= K``.
+        max_top_logprobs: ``L`` (static), the top log-probabilities returned per token.
 
     Returns:
         ``(state, output)``: the new state and a :class:`StepOutput`.
@@ -349,41 +439,60 @@ def engine_step(
     )
     state = _admit(state, work)
 
+    top = max_top_logprobs
+
     def with_prefill(state):
-        return _prefill(model, params, state, work)
+        return _prefill(model, params, state, work, top)
 
     def without(state):
-        return state, jnp.full((), -1, jnp.int32), jnp.zeros((), bool)
+        return state, jnp.full((), -1, jnp.int32), jnp.zeros((), bool), _no_scores(1, top)
 
-    state, first, first_done = jax.lax.cond(work.prefill_slot >= 0, with_prefill, without, state)
+    state, first, first_done, first_scored = jax.lax.cond(
+        work.prefill_slot >= 0, with_prefill, without, state
+    )
     rows = state.lengths.shape[0]
     buffer = jnp.full((max_steps, rows), -1, jnp.int32)
+    scores = jax.tree.map(
+        lambda x: jnp.zeros((max_steps, *x.shape), x.dtype), _no_scores(rows, top)
+    )
     finished = jnp.zeros((rows,), bool).at[jnp.maximum(work.prefill_slot, 0)].set(first_done)
     limit = jnp.minimum(work.num_steps, max_steps)
 
     def cond(carry):
-        i, state, _, finished = carry
+        i, state, _, _, finished = carry
         return (i < limit) & jnp.any(state.decoding) & ~(jnp.any(finished) & (i > 0))
 
     def body(carry):
-        i, state, buffer, finished = carry
-        state, tokens, done = _decode_once(model, params, state)
-        return i + 1, state, buffer.at[i].set(tokens), finished | done
+        i, state, buffer, scores, finished = carry
+        state, tokens, done, scored = _decode_once(model, params, state, top)
+        scores = jax.tree.map(lambda all_, new: all_.at[i].set(new), scores, scored)
+        return i + 1, state, buffer.at[i].set(tokens), scores, finished | done
 
-    start = (jnp.zeros((), jnp.int32), state, buffer, finished)
-    steps, state, buffer, finished = jax.lax.while_loop(cond, body, start)
-    return state, StepOutput(tokens=buffer, first_token=first, finished=finished, steps=steps)
+    start = (jnp.zeros((), jnp.int32), state, buffer, scores, finished)
+    steps, state, buffer, scores, finished = jax.lax.while_loop(cond, body, start)
+    return state, StepOutput(
+        tokens=buffer,
+        first_token=first,
+        finished=finished,
+        steps=steps,
+        logprobs=scores.logprobs,
+        top_ids=scores.top_ids,
+        top_logprobs=scores.top_logprobs,
+        first=first_scored,
+    )
 
 
 @functools.cache
-def compile_step(model, max_steps: int, library_dots: bool = False):
-    """The jitted :func:`engine_step` for ``model`` with ``K = max_steps`` (both static), the
-    state donated: ``step(params, state, work) -> (state, output)``; compiled with
-    :data:`~genjax.models.quantize.LIBRARY_DOT_OPTIONS` when ``library_dots`` (int8 params:
-    :func:`~genjax.models.quantize.library_dots`)."""
+def compile_step(model, max_steps: int, max_top_logprobs: int = 0, library_dots: bool = False):
+    """The jitted :func:`engine_step` for ``model`` with ``K = max_steps`` and ``L =
+    max_top_logprobs`` (all static), the state donated: ``step(params, state, work) -> (state,
+    output)``; compiled with :data:`~genjax.models.quantize.LIBRARY_DOT_OPTIONS` when
+    ``library_dots`` (int8 params: :func:`~genjax.models.quantize.library_dots`)."""
 
     def step(params, state, work):
-        return engine_step(model, params, state, work, max_steps=max_steps)
+        return engine_step(
+            model, params, state, work, max_steps=max_steps, max_top_logprobs=max_top_logprobs
+        )
 
     options = LIBRARY_DOT_OPTIONS if library_dots else None
     return jax.jit(step, donate_argnums=1, compiler_options=options)

@@ -44,7 +44,8 @@ from genjax.generation.inputs import effective_config
 from genjax.models.quantize import library_dots
 from genjax.serving.engine import EngineShape, compile_step, init_state
 from genjax.serving.metrics import ITL_EDGES, TTFT_EDGES, Histogram
-from genjax.serving.options import build_request, request_config
+from genjax.serving.options import EngineOptions, build_request, request_config
+from genjax.serving.output import GenerationOutput, output_of
 from genjax.serving.scheduler import RequestState, RequestStatus, Scheduler
 
 __all__ = [
@@ -71,6 +72,10 @@ class ContinuousBatchingConfig:
         prefill_chunk_size: ``C``, prompt tokens prefilled per step.
         max_decode_steps: ``K``, decode steps per host round trip when nothing waits.
         max_eos_tokens: the most EOS ids per request.
+        max_logit_bias: the most single-token ``sequence_bias`` entries (OpenAI's
+            ``logit_bias``) per request.
+        max_top_logprobs: the most top log-probabilities a request may ask per token
+            (``logprobs=k``); 0 leaves them out of the compiled step.
         prefix_caching: share the cache blocks of equal prompt prefixes (full blocks only).
         poll_interval: the longest single wait of the loop and of callers (each is woken by the
             event it waits for; this only bounds it).
@@ -83,6 +88,8 @@ class ContinuousBatchingConfig:
     prefill_chunk_size: int = 32
     max_decode_steps: int = 8
     max_eos_tokens: int = 4
+    max_logit_bias: int = 300
+    max_top_logprobs: int = 20
     prefix_caching: bool = True
     poll_interval: float = 0.05
 
@@ -107,42 +114,9 @@ class ContinuousBatchingConfig:
             chunk=self.prefill_chunk_size,
             max_steps=max(1, self.max_decode_steps),
             max_eos=max(1, self.max_eos_tokens),
+            max_bias=max(0, self.max_logit_bias),
+            max_top_logprobs=max(0, self.max_top_logprobs),
         )
-
-
-@dataclasses.dataclass(frozen=True)
-class GenerationOutput:
-    """One request's result (final) or progress (streaming)."""
-
-    request_id: str
-    prompt_ids: list[int]
-    generated_tokens: list[int]
-    status: RequestStatus
-    finish_reason: str | None = None  # "stop", "length", "cancelled", "error"
-    error: str | None = None
-    created_time: float = 0.0
-    timestamps: list[float] = dataclasses.field(default_factory=list)
-
-    def is_finished(self) -> bool:
-        """True for a final output."""
-        return self.status in (
-            RequestStatus.FINISHED,
-            RequestStatus.CANCELLED,
-            RequestStatus.FAILED,
-        )
-
-
-def _output(request: RequestState) -> GenerationOutput:
-    return GenerationOutput(
-        request_id=request.request_id,
-        prompt_ids=list(request.prompt),
-        generated_tokens=list(request.generated),
-        status=request.status,
-        finish_reason=request.finish_reason,
-        error=request.error,
-        created_time=request.created_time,
-        timestamps=list(request.timestamps),
-    )
 
 
 class ContinuousBatchingManager:
@@ -159,7 +133,8 @@ class ContinuousBatchingManager:
         self.cb_config = cb_config or ContinuousBatchingConfig()
         self.shape = self.cb_config.engine_shape()
         dots = library_dots(params, self.shape.max_batch_size)
-        self._step = compile_step(model, self.shape.max_steps, dots)
+        top = self.shape.max_top_logprobs
+        self._step = compile_step(model, self.shape.max_steps, top, dots)
         self._state = None
         self._scheduler = Scheduler(self.shape, tokenizer, self.cb_config.prefix_caching)
         self._inbox: queue.Queue = queue.Queue()  # ("add", request) or ("cancel", request_id)
@@ -281,7 +256,10 @@ class ContinuousBatchingManager:
             generation_config: this request's config; its unset fields come from the
                 manager's.
             seed: the sampling seed (``jax.random.key(seed)``); None draws one.
-            **config_overrides: config fields for this request.
+            **config_overrides: config fields for this request, and the
+                :class:`~genjax.serving.options.EngineOptions` the config has no field for:
+                ``presence_penalty``, ``frequency_penalty`` (OpenAI's) and ``logprobs`` (k:
+                each new token's raw log-probability and the top k, in the outputs).
 
         Raises:
             UnsupportedError, InputError, GenerationConfigError: see
@@ -289,6 +267,7 @@ class ContinuousBatchingManager:
         """
         if max_new_tokens is not None:
             config_overrides["max_new_tokens"] = max_new_tokens
+        extras, config_overrides = EngineOptions.split(config_overrides)
         config = request_config(self.generation_config, generation_config, config_overrides)
         if request_id is None:
             request_id = f"req_{next(self._ids)}"
@@ -304,6 +283,7 @@ class ContinuousBatchingManager:
                 seed=seed,
                 streaming=streaming,
                 tokenizer=self.tokenizer,
+                extras=extras,
             )
             self._streams[request_id] = collections.deque()
             if self._stopping.is_set():  # the loop drains the inbox under this lock once
@@ -422,7 +402,7 @@ class ContinuousBatchingManager:
             self._itl.add(stamps[i] - stamps[i - 1])
 
     def _publish(self, request: RequestState, final: bool) -> None:
-        output = _output(request)
+        output = output_of(request)
         with self._cond:
             if final:
                 self._finals[request.request_id] = output

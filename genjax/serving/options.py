@@ -3,13 +3,19 @@
 A request's config is its ``generation_config`` with unset fields from the manager's (itself
 filled from the model's ``generation_config``), then updated by its keyword overrides. The
 engine runs, per row: greedy or sampling with ``temperature``, ``top_k``, ``top_p``,
-``min_p``, ``repetition_penalty``; ``max_new_tokens`` (or ``max_length``), ``min_new_tokens``,
-EOS ids (a list), ``stop_strings`` (matched on the host with the tokenizer) and a ``seed``.
-Any other field set to a non-default value raises :class:`~genjax.errors.UnsupportedError`
-naming it.
+``min_p``, ``repetition_penalty``, ``sequence_bias`` of single tokens (OpenAI's ``logit_bias``);
+``max_new_tokens`` (or ``max_length``), ``min_new_tokens``, EOS ids (a list), ``stop_strings``
+(matched on the host with the tokenizer) and a ``seed``. Any other field set to a non-default
+value raises :class:`~genjax.errors.UnsupportedError` naming it.
+
+Beyond the config, :class:`EngineOptions` holds what ``GenerationConfig`` has no field for:
+OpenAI's ``presence_penalty`` and ``frequency_penalty``, and ``logprobs``.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import math
 
 import numpy as np
 
@@ -18,6 +24,7 @@ from genjax.config.fields import DEFAULT_GENERATION_PARAMS, FIELD_NAMES, METADAT
 from genjax.errors import InputError, UnsupportedError
 from genjax.generation.inputs import effective_config
 from genjax.processors import validate_config
+from genjax.processors.ngram import bias_pairs
 from genjax.serving.engine import EngineShape, RowSettings
 from genjax.serving.scheduler import RequestState
 
@@ -32,6 +39,7 @@ SUPPORTED = frozenset(
         "top_p",
         "min_p",
         "repetition_penalty",
+        "sequence_bias",
         "eos_token_id",
         "pad_token_id",
         "bos_token_id",
@@ -49,6 +57,75 @@ SUPPORTED = frozenset(
 """Fields a request may set; the others must keep their default."""
 
 _HARMLESS_DEFAULTS = {"min_length": 0, "num_return_sequences": 1, "output_scores": False}
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineOptions:
+    """A request's options that ``GenerationConfig`` has no field for (vLLM's names).
+
+    Attributes:
+        presence_penalty: OpenAI's, subtracted once from every token generated so far (the
+            prompt does not count); 0: off. See :func:`genjax.processors.count_penalties`.
+        frequency_penalty: OpenAI's, subtracted per occurrence in the generated tokens; 0: off.
+        logprobs: None: none; ``k >= 0``: each new token's raw log-probability and the ``k``
+            most likely tokens with theirs (``k <= ContinuousBatchingConfig.max_top_logprobs``).
+    """
+
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None
+
+    @classmethod
+    def split(cls, overrides: dict) -> tuple[EngineOptions, dict]:
+        """Takes this class's fields out of ``add_request``'s keyword ``overrides``; returns
+        them and the config overrides left."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        mine = {k: v for k, v in overrides.items() if k in names}
+        rest = {k: v for k, v in overrides.items() if k not in names}
+        return cls(**mine), rest
+
+    def check(self, shape: EngineShape) -> None:
+        """Raises InputError naming a bad value."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float | np.number):
+                raise InputError(f"{name} must be a number, got {value!r}.")
+            if not math.isfinite(value):
+                raise InputError(f"{name} must be finite, got {value!r}; 0 turns it off.")
+        k = self.logprobs
+        if k is None:
+            return
+        if isinstance(k, bool) or not isinstance(k, int | np.integer) or k < 0:
+            raise InputError(f"logprobs must be None or an int >= 0, got {k!r}.")
+        if k > shape.max_top_logprobs:
+            raise InputError(
+                f"logprobs={k} asks for more top log-probabilities than the engine returns "
+                f"({shape.max_top_logprobs}). Raise ContinuousBatchingConfig.max_top_logprobs."
+            )
+
+
+def _bias_table(config: GenerationConfig, shape: EngineShape) -> tuple[np.ndarray, np.ndarray]:
+    """``sequence_bias`` of single tokens as (int32[1, L_b] ids, float32[1, L_b] biases)."""
+    ids = np.full((1, shape.max_bias), -1, np.int32)
+    values = np.zeros((1, shape.max_bias), np.float32)
+    if config.sequence_bias is None:
+        return ids, values
+    pairs = bias_pairs(config.sequence_bias)
+    longer = [list(seq) for seq, _ in pairs if len(seq) > 1]
+    if longer:
+        raise UnsupportedError(
+            f"sequence_bias with multi-token sequences ({longer[:3]}) is not supported by the "
+            "continuous-batching engine yet; it biases single tokens only. Use one-token "
+            "sequences, or genjax.generate for this request."
+        )
+    if len(pairs) > shape.max_bias:
+        raise InputError(
+            f"sequence_bias has {len(pairs)} entries, but the engine holds at most "
+            f"{shape.max_bias} per request. Raise ContinuousBatchingConfig.max_logit_bias."
+        )
+    for k, (seq, bias) in enumerate(pairs):
+        ids[0, k], values[0, k] = seq[0], float(bias)
+    return ids, values
 
 
 def check_supported(config: GenerationConfig) -> None:
@@ -83,7 +160,13 @@ def _eos_ids(config: GenerationConfig, max_eos: int) -> tuple[int, ...]:
     return ids
 
 
-def _row(config: GenerationConfig, eos: tuple[int, ...], seed: int, shape: EngineShape):
+def _row(
+    config: GenerationConfig,
+    eos: tuple[int, ...],
+    seed: int,
+    shape: EngineShape,
+    extras: EngineOptions,
+):
     sampling = bool(config.do_sample)
     ids = np.full((1, shape.max_eos), -1, np.int32)
     ids[0, : len(eos)] = eos
@@ -92,6 +175,7 @@ def _row(config: GenerationConfig, eos: tuple[int, ...], seed: int, shape: Engin
         v = getattr(config, name)
         return np.asarray([neutral if (v is None or not sampling) else v], dtype)
 
+    bias_ids, bias_values = _bias_table(config, shape)
     return RowSettings(
         do_sample=np.asarray([sampling], bool),
         temperature=value("temperature", 1.0, np.float32),
@@ -99,6 +183,11 @@ def _row(config: GenerationConfig, eos: tuple[int, ...], seed: int, shape: Engin
         top_p=value("top_p", 1.0, np.float32),
         min_p=value("min_p", 0.0, np.float32),
         repetition_penalty=np.asarray([config.repetition_penalty or 1.0], np.float32),
+        presence_penalty=np.asarray([extras.presence_penalty], np.float32),
+        frequency_penalty=np.asarray([extras.frequency_penalty], np.float32),
+        bias_ids=bias_ids,
+        bias_values=bias_values,
+        logprobs=np.asarray([-1 if extras.logprobs is None else extras.logprobs], np.int32),
         max_new_tokens=np.zeros((1,), np.int32),
         min_new_tokens=np.asarray([config.min_new_tokens or 0], np.int32),
         eos_token_ids=ids,
@@ -131,16 +220,21 @@ def build_request(
     seed: int | None,
     streaming: bool,
     tokenizer=None,
+    extras: EngineOptions | None = None,
 ) -> RequestState:
     """Checks one request and returns its host record (raises before anything is queued).
 
     Raises:
-        UnsupportedError: beam search or another option the engine does not run.
+        UnsupportedError: beam search or another option the engine does not run (a
+            multi-token ``sequence_bias`` among them).
         InputError: ids outside ``[0, vocab_size)``, an empty prompt, a request longer than
-            the engine's ``max_length``, stop strings without a tokenizer, too many EOS ids.
+            the engine's ``max_length``, stop strings without a tokenizer, too many EOS ids or
+            biased tokens, a bad :class:`EngineOptions` value.
         GenerationConfigError: invalid values (as :func:`genjax.generate` raises them).
     """
     check_supported(config)
+    extras = extras or EngineOptions()
+    extras.check(shape)
     resolved = config.with_defaults()
     validate_config(resolved, vocab_size)
     prompt = np.asarray(input_ids)
@@ -182,7 +276,7 @@ def build_request(
     eos = _eos_ids(resolved, shape.max_eos)
     if seed is None:
         seed = int(np.random.default_rng().integers(0, 2**31 - 1))
-    row = _row(resolved, eos, int(seed), shape)
+    row = _row(resolved, eos, int(seed), shape, extras)
     row = row.replace(max_new_tokens=np.asarray([new], np.int32))
     return RequestState(
         request_id=request_id,
@@ -192,4 +286,5 @@ def build_request(
         eos_token_ids=eos,
         stop_strings=stops,
         streaming=streaming,
+        num_logprobs=extras.logprobs,
     )

@@ -11,11 +11,17 @@ Request fields:
       (n engine requests; choice ``j`` of prompt ``i`` gets seed ``derive_seed(seed, i*n + j)``),
       ``stop``, ``seed``, ``stream``, ``stream_options.include_usage``, ``user`` (metadata), and
       the transformers names ``top_k``, ``min_p``, ``repetition_penalty``.
+    * OpenAI's ``presence_penalty`` and ``frequency_penalty`` (each in ``[-2, 2]``; counted over
+      the generated tokens only, :func:`genjax.processors.count_penalties`) and ``logit_bias``
+      (token-id strings to biases in ``[-100, 100]``, added to the logits first, as
+      transformers' one-token ``sequence_bias``; ids must be in the vocabulary).
+    * Log-probabilities: chat's ``logprobs: true`` with ``top_logprobs`` (0 to 20), completions'
+      ``logprobs`` (0 to 5), answered in OpenAI's shapes (:mod:`genjax.serving.logprobs`). The
+      values are the model's raw log-probabilities, ``log_softmax`` of its logits before any
+      processor (penalties, bias, temperature, top-k/top-p), as vLLM reports by default.
     * Accepted only at their neutral value, else 400 naming the field (the engine cannot honour
-      them): ``logit_bias`` (null or ``{}``), ``presence_penalty`` and ``frequency_penalty``
-      (null or 0), ``logprobs`` (null or false), ``top_logprobs`` (null), ``echo`` (false),
-      ``best_of`` (null or 1), ``suffix`` (null).
-    * Any other field: 400 naming it.
+      them): ``echo`` (false), ``best_of`` (null or 1), ``suffix`` (null).
+    * Any other field (``top_logprobs`` on completions among them): 400 naming it.
 
 Fields a request leaves unset take the model's ``generation_config.json`` values (as
 transformers' and vLLM's servers do), so ``temperature`` unset means the checkpoint's sampling
@@ -35,6 +41,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from genjax.config import GenerationConfig
+from genjax.processors.ngram import bias_pairs
+from genjax.serving.logprobs import ChoiceLogprobs
 
 __all__ = [
     "APIError",
@@ -44,6 +52,7 @@ __all__ = [
     "StopText",
     "choice_delta",
     "derive_seed",
+    "engine_options",
     "final_body",
     "generation_options",
     "parse_request",
@@ -117,11 +126,10 @@ class _Sampling(_Strict):
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    # The engine cannot honour these: neutral values only (checked in generation_options).
+    # OpenAI's, honoured by the engine.
     logit_bias: dict[str, float] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    top_logprobs: int | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -151,6 +159,7 @@ class ChatRequest(_Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
+    top_logprobs: int | None = None
 
 
 _TYPE_TAG = re.compile(r"str|int|bool|float|none|[A-Z]\w*|.*\[.*")
@@ -204,11 +213,6 @@ def messages_as_dicts(request: ChatRequest) -> list[dict[str, Any]]:
 def _neutral(request: _Sampling) -> None:
     """400 for a field the engine cannot honour, when set to anything but its neutral value."""
     checks = [
-        ("logit_bias", lambda v: v in (None, {})),
-        ("presence_penalty", lambda v: v in (None, 0)),
-        ("frequency_penalty", lambda v: v in (None, 0)),
-        ("logprobs", lambda v: v is None or v is False),
-        ("top_logprobs", lambda v: v is None),
         ("echo", lambda v: v in (None, False)),
         ("best_of", lambda v: v in (None, 1)),
         ("suffix", lambda v: v is None),
@@ -233,14 +237,25 @@ def _number(name: str, value: float | None, low: float, high: float, low_open: b
 
 
 def generation_options(
-    request: _Sampling, base: GenerationConfig, max_n: int
+    request: _Sampling,
+    base: GenerationConfig,
+    max_n: int,
+    *,
+    vocab_size: int | None = None,
+    max_logit_bias: int = 300,
 ) -> tuple[GenerationConfig, int | None, int, tuple[str, ...]]:
     """Checks a request's sampling fields and maps them onto a generation config.
+
+    ``logit_bias`` becomes the config's ``sequence_bias`` (one-token sequences, after the base
+    config's own, which a request's entry for the same token replaces). The fields the config
+    has no place for are mapped by :func:`engine_options`.
 
     Args:
         request: a parsed :class:`CompletionRequest` or :class:`ChatRequest`.
         base: the model's generation config (fields the request leaves unset keep its values).
         max_n: the largest ``n`` the server can ever hold at once.
+        vocab_size: ``logit_bias`` ids must be below it (None: not checked).
+        max_logit_bias: the most ``logit_bias`` entries the engine holds per request.
 
     Returns:
         ``(config, max_tokens, n, stop)``: the config for every choice (``max_new_tokens`` not
@@ -258,6 +273,7 @@ def generation_options(
         (False, None, 2, ('\\n',))
     """
     _neutral(request)
+    bias = _logit_bias(request.logit_bias, vocab_size, max_logit_bias)
     _number("temperature", request.temperature, 0.0, 100.0)
     _number("top_p", request.top_p, 0.0, 1.0, low_open=True)
     _number("min_p", request.min_p, 0.0, 1.0)
@@ -287,7 +303,71 @@ def generation_options(
     if not fields.get("do_sample", base.do_sample):
         # Greedy: the sampling cutoffs would only draw "ignored flag" warnings.
         fields.update(do_sample=False, temperature=None, top_p=None, top_k=None, min_p=None)
+    if bias:
+        own = bias_pairs(base.sequence_bias) if base.sequence_bias else []
+        merged = {tuple(ids): b for ids, b in own}
+        merged.update(((i,), b) for i, b in bias.items())
+        fields["sequence_bias"] = [[list(ids), b] for ids, b in merged.items()]
     return base.replace(**fields), max_tokens, n, stop
+
+
+def _logit_bias(bias: dict[str, float] | None, vocab_size: int | None, most: int):
+    """``{token_id: bias}`` from OpenAI's ``logit_bias``, or a 400 naming it."""
+    out: dict[int, float] = {}
+    if len(bias or {}) > most:
+        raise invalid("logit_bias", f"logit_bias holds at most {most} tokens, got {len(bias)}.")
+    for key, value in (bias or {}).items():
+        token = int(key) if key.isascii() and key.isdigit() else -1
+        if token < 0 or (vocab_size is not None and token >= vocab_size):
+            top = "" if vocab_size is None else f" below {vocab_size}"
+            raise invalid(
+                "logit_bias", f"logit_bias keys must be token ids (\"0\" to a number{top}), got "
+                f"{key!r}.",
+            )  # fmt: skip
+        if not (math.isfinite(value) and -100 <= value <= 100):
+            raise invalid("logit_bias", f"logit_bias values must be in [-100, 100], got {value!r}.")
+        out[token] = float(value)
+    return out
+
+
+def engine_options(request: _Sampling, max_top_logprobs: int = 20) -> dict[str, Any]:
+    """Checks the fields ``GenerationConfig`` has no place for and maps them onto
+    ``add_request``'s keywords (:class:`~genjax.serving.options.EngineOptions`).
+
+    Args:
+        request: a parsed :class:`CompletionRequest` or :class:`ChatRequest`.
+        max_top_logprobs: the most top log-probabilities the engine returns per token.
+
+    Returns:
+        ``{"presence_penalty", "frequency_penalty", "logprobs"}``; ``logprobs`` is None (none
+        asked) or how many top log-probabilities each token carries.
+
+    Raises:
+        APIError: 400 naming the field: a penalty outside ``[-2, 2]``, chat ``top_logprobs``
+            outside 0..20 or without ``logprobs: true``, completions ``logprobs`` outside 0..5.
+
+    Example:
+        >>> body = parse_request(ChatRequest, {"model": "m", "messages": [{"role": "user",
+        ...     "content": "Hi"}], "logprobs": True, "top_logprobs": 2, "presence_penalty": 1})
+        >>> engine_options(body)
+        {'presence_penalty': 1.0, 'frequency_penalty': 0.0, 'logprobs': 2}
+    """
+    for name in ("presence_penalty", "frequency_penalty"):
+        _number(name, getattr(request, name), -2.0, 2.0)
+    chat = isinstance(request, ChatRequest)
+    name, most = ("top_logprobs", 20) if chat else ("logprobs", 5)
+    most, count = min(most, max_top_logprobs), getattr(request, name)
+    if count is not None and not 0 <= count <= most:
+        raise invalid(name, f"{name} must be between 0 and {most}, got {count}.")
+    if chat:
+        if count and not request.logprobs:
+            raise invalid(name, "top_logprobs needs logprobs: true.")
+        count = (count or 0) if request.logprobs else None
+    return {
+        "presence_penalty": float(request.presence_penalty or 0.0),
+        "frequency_penalty": float(request.frequency_penalty or 0.0),
+        "logprobs": count,
+    }
 
 
 def _stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
@@ -382,6 +462,7 @@ class Choice:
     tokens: int = 0
     finish_reason: str | None = None
     error: str | None = None
+    scores: ChoiceLogprobs | None = None  # when the request asked for log-probabilities
 
     @property
     def done(self) -> bool:
@@ -412,12 +493,17 @@ def stream_chunk(kind: str, model: str, stream_id: str, created: int, choice: di
     return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
 
-def choice_delta(kind: str, index: int, text: str | None, finish: str | None) -> dict:
-    """A streamed choice: new text (None: none) and, on its last chunk, the finish reason."""
+def choice_delta(
+    kind: str, index: int, text: str | None, finish: str | None, logprobs: dict | None = None
+) -> dict:
+    """A streamed choice: new text (None: none), the log-probabilities of the tokens that came
+    with it, and, on its last chunk, the finish reason."""
     if kind == "chat":
+        if text is None and logprobs is not None:
+            text = ""
         delta = {} if text is None else {"content": text}
-        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
-    return {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+    return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
 
 
 def final_body(kind: str, model: str, created: int, choices: list[Choice]) -> dict:
@@ -430,7 +516,8 @@ def final_body(kind: str, model: str, created: int, choices: list[Choice]) -> di
             row["message"] = {"role": "assistant", "content": c.text.text}
         else:
             row["text"] = c.text.text
-        rows.append({**row, "logprobs": None, "finish_reason": c.finish_reason})
+        logprobs = None if c.scores is None else c.scores.whole()
+        rows.append({**row, "logprobs": logprobs, "finish_reason": c.finish_reason})
     return {
         "id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
         "object": "chat.completion" if chat else "text_completion",

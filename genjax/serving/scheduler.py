@@ -61,9 +61,12 @@ class RequestState:
     eos_token_ids: tuple[int, ...]
     stop_strings: tuple[str, ...] = ()
     streaming: bool = False
+    num_logprobs: int | None = None  # None: no log-probabilities; k: the chosen's and the top k
     created_time: float = dataclasses.field(default_factory=time.time)
     generated: list[int] = dataclasses.field(default_factory=list)
     timestamps: list[float] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)  # per generated token
+    top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
     status: RequestStatus = RequestStatus.PENDING
     finish_reason: str | None = None
     error: str | None = None
@@ -243,7 +246,7 @@ class Scheduler:
         history = np.zeros((self.shape.max_length,), np.int32)
         request = self.prefilling
         slot, start, count, last, admit = -1, 0, 1, False, False
-        row = RowSettings.empty(1, self.shape.max_eos)
+        row = RowSettings.empty(1, self.shape.max_eos, self.shape.max_bias)
         prompt_length = 0
         if request is not None:
             slot, start = request.slot, request.prefilled
@@ -285,11 +288,17 @@ class Scheduler:
         updates: dict[int, tuple[RequestState, int]] = {}
         now = time.time()
 
-        def add(request, token):
+        def add(request, token, scored, index):
             if request.done:
                 return
             request.generated.append(int(token))
             request.timestamps.append(now)
+            if request.num_logprobs is not None:
+                logprob, ids, values = (np.asarray(x)[index] for x in scored)
+                k = request.num_logprobs
+                request.logprobs.append(float(logprob))
+                pairs = zip(ids[:k].tolist(), values[:k].tolist(), strict=True)
+                request.top_logprobs.append([(t, v) for t, v in pairs if t >= 0])
             count = updates.get(id(request), (request, 0))[1]
             updates[id(request)] = (request, count + 1)
             self._check_end(request, token)
@@ -304,13 +313,17 @@ class Scheduler:
             if last:
                 self.prefilling = None
                 request.status = RequestStatus.DECODING
-                add(request, out.first_token)
+                first = out.first
+                add(
+                    request, out.first_token, (first.logprobs, first.top_ids, first.top_logprobs), 0
+                )
         self._chunk = None
+        scored = (out.logprobs, out.top_ids, out.top_logprobs)
         for i in range(int(out.steps)):
             for slot, token in enumerate(out.tokens[i]):
                 owner = self.slots[slot]
                 if token >= 0 and owner is not None:
-                    add(owner, token)
+                    add(owner, token, scored, (i, slot))
         for slot, ended in enumerate(out.finished):
             owner = self.slots[slot]
             if ended and owner is not None and not owner.done:

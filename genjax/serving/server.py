@@ -48,6 +48,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from genjax.errors import GenerationConfigError, InputError, UnsupportedError
+from genjax.serving.logprobs import ChoiceLogprobs, TokenTexts
 from genjax.serving.prometheus import CONTENT_TYPE, ServerMetrics
 from genjax.serving.protocol import (
     APIError,
@@ -57,6 +58,7 @@ from genjax.serving.protocol import (
     StopText,
     choice_delta,
     derive_seed,
+    engine_options,
     final_body,
     generation_options,
     invalid,
@@ -141,6 +143,8 @@ class _Server:
         self.max_body_bytes = max_body_bytes
         self.context = manager.shape.max_length
         self.base_config = manager.generation_config
+        self.vocab_size = manager.model.vocab_size
+        self.token_texts = TokenTexts(tokenizer)
         self.dispatch = _Dispatcher(manager)
         self.metrics = ServerMetrics(manager)
         self.draining = False
@@ -254,7 +258,16 @@ class _Server:
     # ---- running a request --------------------------------------------------------------
     async def submit(self, body, queue: asyncio.Queue) -> list[Choice]:
         """Checks, tokenizes and adds every choice to the engine."""
-        config, max_tokens, n, stops = generation_options(body, self.base_config, self.max_n)
+        limits = self.manager.cb_config
+        config, max_tokens, n, stops = generation_options(
+            body,
+            self.base_config,
+            self.max_n,
+            vocab_size=self.vocab_size,
+            max_logit_bias=limits.max_logit_bias,
+        )
+        extras = engine_options(body, limits.max_top_logprobs)
+        kind = "chat" if isinstance(body, ChatRequest) else "completion"
         rows = await run_in_threadpool(self.prompts, body)
         param = "messages" if isinstance(body, ChatRequest) else "prompt"
         if isinstance(body, ChatRequest) and body.max_completion_tokens is not None:
@@ -270,6 +283,9 @@ class _Server:
             for i, ids in enumerate(rows)
             for j in range(n)
         ]
+        if extras["logprobs"] is not None:
+            for choice in choices:
+                choice.scores = ChoiceLogprobs(kind, extras["logprobs"], self.token_texts)
         ids = [c.request_id for c in choices]
         if len(ids) > self.capacity:
             raise invalid(
@@ -297,6 +313,7 @@ class _Server:
                     ),
                     seed=derive_seed(body.seed, choice.index),
                     streaming=bool(body.stream),
+                    **extras,
                 )
                 added.add(choice.request_id)
         except _REFUSED as error:
@@ -344,6 +361,8 @@ class _Server:
                 continue
             final = output.is_finished()
             choice.tokens = len(output.generated_tokens)
+            if choice.scores is not None:
+                choice.scores.update(output)
             if gone is not None and not final:
                 continue
             delta = choice.text.advance(output.generated_tokens, final)
@@ -396,8 +415,9 @@ async def _events(server: _Server, kind: str, body, choices, queue) -> AsyncIter
                 role = {"index": c.index, "delta": {"role": "assistant", "content": ""}}
                 yield chunk({**role, "logprobs": None, "finish_reason": None})
         async for choice, delta in server.outputs(choices, queue):
-            if delta:
-                yield chunk(choice_delta(kind, choice.index, delta, None))
+            logprobs = None if choice.scores is None else choice.scores.take()
+            if delta or logprobs:
+                yield chunk(choice_delta(kind, choice.index, delta or None, None, logprobs))
             if choice.error is not None:
                 raise _failure([choice])
             if choice.finish_reason is not None:

@@ -20,6 +20,8 @@ token rules                     ``sequence_bias``, ``encoder_repetition_penalty`
                                 ``begin_suppress_tokens``
 sampling warpers                ``temperature``, ``top_h``, ``top_k``, ``top_p``, ``min_p``,
                                 ``typical_p``, ``epsilon_cutoff``, ``eta_cutoff``
+after the others                ``watermark`` (``watermarking_config``: green-list watermarking,
+                                bit for bit as transformers; see :mod:`.greenlist`)
 last                            ``renormalize_logits``
 =============================== ===========================================================
 
@@ -64,10 +66,12 @@ References:
 
 Layer:
     Floor 2. Imports only :mod:`genjax.errors` and :mod:`genjax.typing`; ``base`` holds the context
-    and helpers, ``warpers`` / ``token_rules`` / ``ngram`` the factories, ``pipeline`` the preset.
+    and helpers, ``warpers`` / ``token_rules`` / ``ngram`` / ``greenlist`` the factories,
+    ``pipeline`` the preset.
 """
 
 from genjax.processors.base import LogitsContext, Processor, Transform
+from genjax.processors.greenlist import watermark
 from genjax.processors.ngram import (
     bad_words_ids,
     encoder_no_repeat_ngram_size,
@@ -145,4 +149,5 @@ __all__ = [
     "top_p",
     "typical_p",
     "validate_config",
+    "watermark",
 ]

@@ -32,6 +32,7 @@ from genjax.errors import InputError
 from genjax.processors.greenlist import (
     check_watermarking,
     fixed_table,
+    key_words,
     lefthash_seed,
     selfhash_seed,
     token_is_green,
@@ -172,36 +173,35 @@ class WatermarkDetector:
         return np.asarray(scored, np.float64), np.asarray(hits, np.float64)
 
     def _is_green(self, ngrams: np.ndarray) -> np.ndarray:
-        """bool[U]: whether each n-gram int32[U, n]'s last token is green for its prefix."""
-        count = len(ngrams)
-        bucket = 1 << max(0, (count - 1).bit_length())  # fewer distinct programs
-        padded = np.zeros((bucket, ngrams.shape[1]), np.int32)
-        padded[:count] = ngrams
+        """bool[U]: whether each n-gram int32[U, n]'s last token is green for its prefix.
+
+        One program per scheme, n-gram width (selfhash; lefthash reads only the last two
+        tokens), vocabulary and green-list size: the key is traced, the count padded to a power
+        of two (at least 64)."""
         cfg = self.config
-        table = None
-        if cfg["seeding_scheme"] == "selfhash":
-            table = jnp.asarray(fixed_table(int(cfg["hashing_key"]), self.vocab_size))
+        selfhash = cfg["seeding_scheme"] == "selfhash"
+        ngrams = ngrams if selfhash else ngrams[:, -2:]
+        count = len(ngrams)
+        padded = np.zeros((max(64, 1 << (count - 1).bit_length()), ngrams.shape[1]), np.int32)
+        padded[:count] = ngrams
+        key = int(cfg["hashing_key"])
+        table = jnp.asarray(fixed_table(key, self.vocab_size)) if selfhash else None
         size = int(self.vocab_size * cfg["greenlist_ratio"])
-        hits = _green_ngrams(
-            jnp.asarray(padded),
-            table,
-            cfg["seeding_scheme"],
-            int(cfg["hashing_key"]),
-            self.vocab_size,
-            size,
-        )
+        words = tuple(np.uint32(w) for w in key_words(key))
+        hits = _green_ngrams(jnp.asarray(padded), words, table, self.vocab_size, size)
         return np.asarray(hits)[:count]
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5))
-def _green_ngrams(ngrams, table, scheme: str, key: int, vocab: int, size: int):
-    """bool[U]: the green test of each n-gram int32[U, n], as transformers' detector runs it."""
+@functools.partial(jax.jit, static_argnums=(3, 4))
+def _green_ngrams(ngrams, key, table, vocab: int, size: int):
+    """bool[U]: the green test of each n-gram int32[U, n] (a selfhash one when ``table`` is
+    given, else a lefthash pair), as transformers' detector runs it."""
 
     def one(ngram):
-        if scheme == "selfhash":
+        if table is not None:
             seed = selfhash_seed(ngram, key, table)
         else:
-            seed = lefthash_seed(ngram[:-1], key)
+            seed = lefthash_seed(ngram[:-1], key[1])
         return token_is_green(seed, ngram[-1], vocab, size)
 
     return jax.vmap(one)(ngrams)

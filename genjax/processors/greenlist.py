@@ -163,10 +163,9 @@ def watermark(
 
     Example:
         >>> import jax.numpy as jnp
-        >>> ctx = LogitsContext.for_prompt(jnp.array([[5, 9]], jnp.int32))
-        >>> out = watermark(2.0)(jnp.zeros((1, 8)), ctx)
-        >>> out.tolist()
-        [[0.0, 0.0, 0.0, 0.0, 2.0, 0.0, 0.0, 2.0]]
+        >>> ctx = LogitsContext.for_prompt(jnp.array([[5, 3]], jnp.int32))
+        >>> watermark(2.0)(jnp.zeros((1, 8)), ctx).tolist()  # transformers' green list of 3
+        [[0.0, 0.0, 2.0, 2.0, 0.0, 0.0, 0.0, 0.0]]
     """
     config = check_watermarking(
         {
@@ -202,7 +201,7 @@ def _watermark(
     green_size = int(vocab * greenlist_ratio)
     window = _last_tokens(context, context_width)  # int32[B, C]
     if seeding_scheme == "lefthash":
-        seeds = lefthash_seed(window, hashing_key)
+        seeds = lefthash_seed(window, key_words(hashing_key)[1])
         green = jax.vmap(lambda s: green_mask(s, vocab, green_size))(seeds)
     else:
         green = _selfhash_green(scores, window, hashing_key, vocab, green_size)
@@ -228,7 +227,7 @@ def _selfhash_green(scores: Array, window: Array, key: int, vocab: int, size: in
 
     def is_green(prefix, candidate):
         ngram = jnp.concatenate([prefix, candidate[None]])
-        return token_is_green(selfhash_seed(ngram, key, table), candidate, vocab, size)
+        return token_is_green(selfhash_seed(ngram, key_words(key), table), candidate, vocab, size)
 
     hits = jax.vmap(jax.vmap(is_green, (None, 0)), (0, 0))(prefix, candidates)  # bool[B, 40]
     rows = jnp.arange(scores.shape[0])[:, None]
@@ -238,18 +237,25 @@ def _selfhash_green(scores: Array, window: Array, key: int, vocab: int, size: in
 # --- seeds ---------------------------------------------------------------------------------
 
 
-def lefthash_seed(window: Array, hashing_key: int) -> Array:
-    """uint32[...]: the MT seed (low 32 bits of ``hashing_key * window[..., -1]``)."""
-    return _U32(hashing_key % 2**32) * window[..., -1].astype(_U32)
+def key_words(hashing_key: int) -> tuple[int, int]:
+    """(hi, lo): the two 32-bit words of ``hashing_key`` (an int in [0, 2**63))."""
+    return hashing_key >> 32, hashing_key % 2**32
 
 
-def selfhash_seed(ngram: Array, hashing_key: int, table: Array) -> Array:
+def lefthash_seed(window: Array, key_lo: int | Array) -> Array:
+    """uint32[...]: the MT seed of a window int32[..., C] (the low 32 bits of
+    ``hashing_key * window[..., -1]``; ``key_lo`` is the key's low word, see :func:`key_words`)."""
+    return jnp.asarray(key_lo, _U32) * window[..., -1].astype(_U32)
+
+
+def selfhash_seed(ngram: Array, key: tuple[int | Array, int | Array], table: Array) -> Array:
     """uint32[]: the MT seed of ``ngram`` int32[C] (its last entry the scored token): the low 32
-    bits of ``min_k(hk * (T[w_k] + 1) * (T[w[-1]] + 1)) % (2**64 - 1)`` in torch's int64."""
+    bits of ``min_k(hk * (T[w_k] + 1) * (T[w[-1]] + 1)) % (2**64 - 1)`` in torch's int64, for
+    ``key`` the (hi, lo) words of ``hk`` (:func:`key_words`) and ``table`` :func:`fixed_table`."""
     a = table[ngram % TABLE_SIZE].astype(_U32) + 1  # uint32[C], < 2**20
     b = table[ngram[-1] % TABLE_SIZE].astype(_U32) + 1
-    key = (_U32(hashing_key >> 32), _U32(hashing_key % 2**32))
-    hi, lo = _mul_u64(*_mul_u64(*key, a), b)  # int64 product, two's complement, per k
+    key_hi, key_lo = (jnp.asarray(word, _U32) for word in key)
+    hi, lo = _mul_u64(*_mul_u64(key_hi, key_lo, a), b)  # int64 product, two's complement, per k
     flipped = hi ^ _U32(0x80000000)  # unsigned order of (flipped, lo) = signed 64-bit order
     least = flipped.min()
     lo = jnp.where(flipped == least, lo, _U32(0xFFFFFFFF)).min()

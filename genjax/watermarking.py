@@ -26,6 +26,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from genjax.config.files import decoder_config, read_model_config
 from genjax.errors import InputError
@@ -35,7 +36,7 @@ from genjax.processors.greenlist import (
     key_words,
     lefthash_seed,
     selfhash_seed,
-    token_is_green,
+    tokens_are_green,
 )
 
 __all__ = ["WatermarkDetector", "WatermarkDetectorOutput"]
@@ -197,14 +198,15 @@ def _green_ngrams(ngrams, key, table, vocab: int, size: int):
     """bool[U]: the green test of each n-gram int32[U, n] (a selfhash one when ``table`` is
     given, else a lefthash pair), as transformers' detector runs it."""
 
-    def one(ngram):
+    def seed(ngram):
         if table is not None:
-            seed = selfhash_seed(ngram, key, table)
-        else:
-            seed = lefthash_seed(ngram[:-1], key[1])
-        return token_is_green(seed, ngram[-1], vocab, size)
+            return selfhash_seed(ngram, key, table)
+        return lefthash_seed(ngram[:-1], key[1])
 
-    return jax.vmap(one)(ngrams)
+    def block(ngrams):  # int32[64, n]: bounds the [64, G] green lists held at once
+        return tokens_are_green(jax.vmap(seed)(ngrams), ngrams[:, -1], vocab, size)
+
+    return lax.map(block, ngrams.reshape(-1, 64, ngrams.shape[-1])).reshape(-1)
 
 
 def _model_ids(model_config: Any) -> tuple[int, int | None]:

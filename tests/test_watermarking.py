@@ -96,14 +96,12 @@ def _green_lists(cfg, vocab):
     key, size = cfg["hashing_key"], int(vocab * cfg["greenlist_ratio"])
     table = jnp.asarray(wm.fixed_table(key, vocab))
 
-    def one(window):
+    def seed(window):
         if cfg["seeding_scheme"] == "selfhash":
-            seed = wm.selfhash_seed(window, wm.key_words(key), table)
-        else:
-            seed = wm.lefthash_seed(window, wm.key_words(key)[1])
-        return wm.green_list(seed, vocab, size)
+            return wm.selfhash_seed(window, wm.key_words(key), table)
+        return wm.lefthash_seed(window, wm.key_words(key)[1])
 
-    return jax.jit(jax.vmap(one))
+    return jax.jit(lambda windows: wm.green_lists(jax.vmap(seed)(windows), vocab, size))
 
 
 def test_selfhash_table_is_torch_randperm_prefix():
@@ -113,17 +111,21 @@ def test_selfhash_table_is_torch_randperm_prefix():
         np.testing.assert_array_equal(wm.fixed_table(key, 3000), arrays[name])
 
 
-def test_green_list_follows_the_swaps_one_by_one():
-    """The vectorized green list equals the first swaps of the shuffle run one at a time."""
+def test_green_lists_follow_the_swaps_one_by_one():
+    """The vectorized green lists equal the first swaps of the shuffle run one at a time."""
     vocab, size = 700, 650  # many repeated swap targets
-    seed = jnp.uint32(987654321)
+    seeds = jnp.asarray([987654321, 5, 2**32 - 1], jnp.uint32)
     offsets, green = jax.jit(
-        lambda seed: (wm.shuffle_offsets(seed, vocab, size), wm.green_list(seed, vocab, size))
-    )(seed)
-    perm = np.arange(vocab)
-    for i, offset in enumerate(np.asarray(offsets)):
-        perm[[i, i + offset]] = perm[[i + offset, i]]
-    np.testing.assert_array_equal(green, perm[:size])
+        lambda seeds: (
+            jax.vmap(lambda seed: wm.shuffle_offsets(seed, vocab, size))(seeds),
+            wm.green_lists(seeds, vocab, size),
+        )
+    )(seeds)
+    for row, got in zip(np.asarray(offsets), np.asarray(green), strict=True):
+        perm = np.arange(vocab)
+        for i, offset in enumerate(row):
+            perm[[i, i + offset]] = perm[[i + offset, i]]
+        np.testing.assert_array_equal(got, perm[:size])
 
 
 # --- generate ------------------------------------------------------------------------------

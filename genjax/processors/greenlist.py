@@ -12,9 +12,9 @@ transformers draws each green list as the first ``G = int(V * greenlist_ratio)``
 
 Position ``i`` never changes after step ``i``, so the green list needs only the first ``G``
 steps and ``G`` MT outputs. Both are reproduced here in uint32 JAX ops inside the compiled loop:
-the MT state is built by a 623-step scan, refilled in vectorized twists of 624 words, and the
-``G`` swaps run in a ``fori_loop``. Whether one token is green needs no array at all: its
-position is followed through the ``G`` transpositions (``selfhash`` and the detector use this).
+the MT state is built by a 623-step scan and refilled in vectorized twists of 624 words; the
+``G`` swaps are not run one by one but solved in parallel (:func:`green_lists` explains how), so
+a step costs ``O(G log G)`` vectorized work and no sequential loop over the vocabulary.
 
 Seeds, as transformers computes them (``hk`` = ``hashing_key``, ``T`` = the constant table
 ``randperm(1_000_003)`` seeded with ``hk``, ``w`` the last ``context_width`` tokens)::
@@ -29,11 +29,11 @@ green in their own list. The int64 products are done on (hi, lo) uint32 pairs, s
 same stream) and only its first ``min(V, 1_000_003)`` entries are kept: token ids index it.
 
 Why no table of green lists: with ``lefthash`` the list depends only on the previous token, so a
-bool[V, V] table would replace the per-step shuffle, but it holds ``V**2`` bits (about 300 MiB
-for V = 50257, 2 GiB for V = 128256) and building it costs ``V * G`` host steps; with
-``selfhash`` and ``context_width > 1`` the seed depends on several tokens. The in-loop shuffle
-costs ``G`` sequential steps per row and step (``40 * G`` for ``selfhash``, vectorized across
-the 40 candidates and the rows) and is exact for every vocabulary.
+bool[V, V] table would replace the per-step shuffle, but it holds ``V**2`` bits (122 MiB for
+V = 32000, 1961 MiB for V = 128256), costs ``V`` shuffles to build and must be rebuilt per
+``hashing_key``; with ``selfhash`` and ``context_width > 1`` the seed depends on several tokens,
+so no table indexed by one token exists. Computing the list in the loop is exact for every
+vocabulary and key (``bench/watermark.py`` times it against transformers).
 
 References:
     Kirchenbauer et al. 2023, "A Watermark for Large Language Models", arXiv:2301.10226;
@@ -157,9 +157,9 @@ def watermark(
     tokens (transformers' ``input_ids``) is left unchanged.
 
     Static or traced: ``bias`` is traced (scalar or per row [B]); the ratio, key, scheme and
-    width are static (they shape the shuffle). Cost per call: ``G = int(V * greenlist_ratio)``
-    sequential swap steps per row (lefthash) or per row and candidate (selfhash), plus a
-    623-step MT seeding scan.
+    width are static (they shape the shuffle). Cost per call: one green list of
+    ``G = int(V * greenlist_ratio)`` entries per row (lefthash) or 40 per row (selfhash), each
+    ``O(G log G)`` vectorized work after a 623-step MT seeding scan.
 
     Example:
         >>> import jax.numpy as jnp
@@ -202,7 +202,7 @@ def _watermark(
     window = _last_tokens(context, context_width)  # int32[B, C]
     if seeding_scheme == "lefthash":
         seeds = lefthash_seed(window, key_words(hashing_key)[1])
-        green = jax.vmap(lambda s: green_mask(s, vocab, green_size))(seeds)
+        green = green_masks(seeds, vocab, green_size)
     else:
         green = _selfhash_green(scores, window, hashing_key, vocab, green_size)
     bias = jnp.asarray(bias, scores.dtype)
@@ -220,17 +220,14 @@ def _last_tokens(context: LogitsContext, width: int) -> Array:
 
 def _selfhash_green(scores: Array, window: Array, key: int, vocab: int, size: int) -> Array:
     """bool[B, V]: the best-scored candidates that are green when appended to ``window``."""
-    count = min(SELFHASH_CANDIDATES, vocab)
+    batch, count = scores.shape[0], min(SELFHASH_CANDIDATES, vocab)
     _, candidates = lax.top_k(scores, count)  # int32[B, 40], best first
     table = jnp.asarray(fixed_table(key, vocab))
-    prefix = window[:, 1:]  # the last context_width - 1 tokens
-
-    def is_green(prefix, candidate):
-        ngram = jnp.concatenate([prefix, candidate[None]])
-        return token_is_green(selfhash_seed(ngram, key_words(key), table), candidate, vocab, size)
-
-    hits = jax.vmap(jax.vmap(is_green, (None, 0)), (0, 0))(prefix, candidates)  # bool[B, 40]
-    rows = jnp.arange(scores.shape[0])[:, None]
+    prefix = jnp.broadcast_to(window[:, None, 1:], (batch, count, window.shape[1] - 1))
+    ngrams = jnp.concatenate([prefix, candidates[..., None]], -1).reshape(batch * count, -1)
+    seeds = jax.vmap(lambda ngram: selfhash_seed(ngram, key_words(key), table))(ngrams)
+    hits = tokens_are_green(seeds, ngrams[:, -1], vocab, size).reshape(batch, count)
+    rows = jnp.arange(batch)[:, None]
     return jnp.zeros(scores.shape, bool).at[rows, candidates].max(hits)
 
 
@@ -347,9 +344,10 @@ def shuffle_offsets(seed: Array, n: int, steps: int) -> Array:
     return (words % (n - jnp.arange(steps, dtype=_U32))).astype(jnp.int32)
 
 
-def green_list(seed: Array, vocab: int, size: int) -> Array:
-    """int32[size]: the first ``size`` entries of torch's CPU ``randperm(vocab)`` seeded with
-    ``seed`` (uint32[]), i.e. transformers' green list, without running the swaps one by one.
+def green_lists(seeds: Array, vocab: int, size: int) -> Array:
+    """int32[K, size]: for each seed of uint32[K], the first ``size`` entries of torch's CPU
+    ``randperm(vocab)`` seeded with it, i.e. transformers' green list, without running the
+    swaps one by one.
 
     Step ``i`` swaps positions ``i`` and ``j_i = i + offset_i >= i``, so position ``i`` is final
     after it and holds what position ``j_i`` held just before: the value the previous step with
@@ -357,32 +355,60 @@ def green_list(seed: Array, vocab: int, size: int) -> Array:
     itself if no earlier step wrote it. What step ``k`` left at ``j_k`` is ``v(k)``, the value
     at position ``k`` just before step ``k``, which is ``v(p(k))`` for the latest step
     ``p(k) < k`` that targeted position ``k``, or ``k``. ``v`` follows the chain ``p`` to its
-    root by pointer jumping. All in ``O(size log size)`` vectorized work::
+    root by pointer jumping; ``q`` peels the latest step of each target per round (as many
+    rounds as the most steps sharing a target, a handful). No sort (slow in XLA on CPU); the
+    scatters and gathers index one flat array across the K seeds (batched ones are slow too)::
 
         offsets 2 0 1      j = [2, 1, 3]
         step 0: [2 1 0 3]  step 1: [2 1 0 3]  step 2: [2 1 3 0]   -> green list [2, 1, 3]
         q = [-, -, -] so entry i = j_i: [2, 1, 3]
     """
+    count = seeds.shape[0]
     steps = jnp.arange(size, dtype=jnp.int32)
-    target = steps + shuffle_offsets(seed, vocab, size)  # j_i
-    order = jnp.argsort(target, stable=True)  # steps grouped by target, in step order
-    same = jnp.concatenate([jnp.zeros(1, bool), target[order][1:] == target[order][:-1]])
-    before = jnp.where(same, jnp.roll(order, 1), -1)
-    q = jnp.full(size, -1, jnp.int32).at[order].set(before.astype(jnp.int32))
+    target = steps + jax.vmap(lambda seed: shuffle_offsets(seed, vocab, size))(seeds)  # [K, G]
+    row = jnp.arange(count, dtype=jnp.int32)[:, None]
+    q = _previous_same_target(target, row * vocab, count * vocab)
     # p(k): the latest earlier step that targeted position k (a step never targets below itself).
     moved = (target < size) & (target != steps)
-    p = jnp.full(size, -1, jnp.int32).at[jnp.where(moved, target, size)].max(steps, mode="drop")
-    root = jnp.where(p < 0, steps, p)
+    slots = jnp.where(moved, row * size + target, count * size).reshape(-1)
+    p = jnp.full(count * size, -1, jnp.int32).at[slots].max(jnp.tile(steps, count), mode="drop")
+    p = p.reshape(count, size)
+    root = (jnp.where(p < 0, steps, p) + row * size).reshape(-1)  # flat positions
     for _ in range(max(1, int(size - 1).bit_length())):
         root = root[root]
-    return jnp.where(q < 0, target, root[jnp.maximum(q, 0)])
+    before = root[(row * size + jnp.maximum(q, 0)).reshape(-1)].reshape(count, size)
+    return jnp.where(q < 0, target, before - row * size)
 
 
-def green_mask(seed: Array, vocab: int, size: int) -> Array:
-    """bool[V]: True on the green list of ``seed`` (see :func:`green_list`)."""
-    return jnp.zeros(vocab, bool).at[green_list(seed, vocab, size)].set(True)
+def _previous_same_target(target: Array, offset: Array, slots: int) -> Array:
+    """int32[K, G]: for each step the latest earlier step of its row with the same target, or
+    -1. Each round takes the latest remaining step of every target (a scatter-max into one flat
+    array of ``slots``, row ``k``'s targets shifted by ``offset[k]``); the steps taken in the
+    previous round get it as their predecessor."""
+    steps = jnp.broadcast_to(jnp.arange(target.shape[1], dtype=jnp.int32), target.shape)
+    flat_target = (target + offset).reshape(-1)
+
+    def peel(state):
+        remaining, taken, q = state
+        where = jnp.where(remaining, flat_target, slots)
+        latest = jnp.full(slots, -1, jnp.int32).at[where].max(steps.reshape(-1), mode="drop")
+        latest = latest[flat_target]
+        q = jnp.where(taken, latest, q)
+        top = remaining & (latest == steps.reshape(-1))
+        return remaining & ~top, top, q
+
+    none = jnp.zeros(flat_target.shape, bool)
+    state = (~none, none, jnp.full(flat_target.shape, -1, jnp.int32))
+    return lax.while_loop(lambda state: state[0].any(), peel, state)[2].reshape(target.shape)
 
 
-def token_is_green(seed: Array, token: Array, vocab: int, size: int) -> Array:
-    """bool[]: whether ``token`` is on the green list of ``seed``."""
-    return jnp.any(green_list(seed, vocab, size) == token)
+def green_masks(seeds: Array, vocab: int, size: int) -> Array:
+    """bool[K, V]: True on the green list of each seed of uint32[K] (see :func:`green_lists`)."""
+    count = seeds.shape[0]
+    flat = green_lists(seeds, vocab, size) + jnp.arange(count, dtype=jnp.int32)[:, None] * vocab
+    return jnp.zeros(count * vocab, bool).at[flat.reshape(-1)].set(True).reshape(count, vocab)
+
+
+def tokens_are_green(seeds: Array, tokens: Array, vocab: int, size: int) -> Array:
+    """bool[K]: whether each of ``tokens`` int32[K] is on the green list of its seed."""
+    return jnp.any(green_lists(seeds, vocab, size) == tokens[:, None], axis=-1)

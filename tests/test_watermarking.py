@@ -79,29 +79,21 @@ def _assert_scores_equal(got, expected):
 
 def test_green_lists_are_torch_cpu_randperm():
     _, cases, arrays = _recorded()
-    groups: dict[str, list[int]] = {}
-    for i, case in enumerate(cases["greenlists"]):  # one program per config and vocabulary
-        groups.setdefault(json.dumps(case, sort_keys=True), []).append(i)
-    for group, rows in groups.items():
-        case = json.loads(group)
+    green_lists = jax.jit(wm.green_lists, static_argnums=(1, 2))  # one program per (V, G)
+    for i, case in enumerate(cases["greenlists"]):
         cfg = wm.check_watermarking(case["config"])
-        windows = np.stack([arrays[f"greenlist/{i}/window"][-cfg["context_width"] :] for i in rows])
-        got = _green_lists(cfg, case["vocab_size"])(jnp.asarray(windows))
-        expected = np.stack([arrays[f"greenlist/{i}/ids"] for i in rows])
-        np.testing.assert_array_equal(got, expected, err_msg=group)
-
-
-def _green_lists(cfg, vocab):
-    """A jitted ``windows int32[K, C] -> green lists int32[K, G]`` for one config."""
-    key, size = cfg["hashing_key"], int(vocab * cfg["greenlist_ratio"])
-    table = jnp.asarray(wm.fixed_table(key, vocab))
-
-    def seed(window):
+        vocab, key = case["vocab_size"], cfg["hashing_key"]
+        window = jnp.asarray(arrays[f"greenlist/{i}/window"][-cfg["context_width"] :])
         if cfg["seeding_scheme"] == "selfhash":
-            return wm.selfhash_seed(window, wm.key_words(key), table)
-        return wm.lefthash_seed(window, wm.key_words(key)[1])
+            table = jnp.asarray(wm.fixed_table(key, vocab))
+            seed = _selfhash_seed(window, wm.key_words(key), table)
+        else:
+            seed = wm.lefthash_seed(window, wm.key_words(key)[1])
+        got = green_lists(seed[None], vocab, int(vocab * cfg["greenlist_ratio"]))[0]
+        np.testing.assert_array_equal(got, arrays[f"greenlist/{i}/ids"], err_msg=str(case))
 
-    return jax.jit(lambda windows: wm.green_lists(jax.vmap(seed)(windows), vocab, size))
+
+_selfhash_seed = jax.jit(wm.selfhash_seed)
 
 
 def test_selfhash_table_is_torch_randperm_prefix():

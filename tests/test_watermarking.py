@@ -265,6 +265,17 @@ def test_watermarking_matches_live_transformers():
     spec.loader.exec_module(script)
     built = script.build_generate_records()
     meta, cases, arrays = built["meta"], built["cases"], built["arrays"]
+    import transformers  # a transformers WatermarkingConfig object is read as its mapping
+
+    ported = transformers.WatermarkingConfig(bias=1.5, seeding_scheme="selfhash")
+    config = GenerationConfig(watermarking_config=ported).watermarking_config
+    assert wm.check_watermarking(config) == {
+        **wm.DEFAULTS,
+        "bias": 1.5,
+        "seeding_scheme": "selfhash",
+    }
+    detector = WatermarkDetector({"vocab_size": 128}, "cpu", ported)
+    assert detector.config["seeding_scheme"] == "selfhash"
     for case in cases["generate"]:
         if case["generate_kwargs"]["do_sample"]:
             _check_sampled_path(meta, case, arrays, _model()[3])

@@ -282,3 +282,18 @@ def test_watermarking_matches_live_transformers():
         else:
             _check_greedy(meta, case, arrays)
     _check_detector(meta, cases, arrays)
+
+
+@pytest.mark.parity
+def test_green_lists_match_live_torch_at_large_vocabularies():
+    """Llama 3's vocabulary, and a whole permutation (G = V - 1) of Qwen2's, against torch."""
+    import torch
+
+    green_lists = jax.jit(wm.green_lists, static_argnums=(1, 2))
+    seeds = np.array([15485863 * 50000 % 2**32, 7, 2**32 - 2], np.uint32)
+    for vocab, size in ((128256, 32064), (152064, 152063)):
+        got = np.asarray(green_lists(jnp.asarray(seeds), vocab, size))
+        for seed, row in zip(seeds.tolist(), got, strict=True):
+            generator = torch.Generator().manual_seed(seed)
+            expected = torch.randperm(vocab, generator=generator).numpy()[:size]
+            np.testing.assert_array_equal(row, expected, err_msg=f"V={vocab} seed={seed}")

@@ -355,9 +355,10 @@ def green_lists(seeds: Array, vocab: int, size: int) -> Array:
     itself if no earlier step wrote it. What step ``k`` left at ``j_k`` is ``v(k)``, the value
     at position ``k`` just before step ``k``, which is ``v(p(k))`` for the latest step
     ``p(k) < k`` that targeted position ``k``, or ``k``. ``v`` follows the chain ``p`` to its
-    root by pointer jumping; ``q`` peels the latest step of each target per round (as many
-    rounds as the most steps sharing a target, a handful). No sort (slow in XLA on CPU); the
-    scatters and gathers index one flat array across the K seeds (batched ones are slow too)::
+    root by pointer jumping (until nothing moves; chains are short); ``q`` peels the latest step
+    of each target per round (as many rounds as the most steps sharing a target, a handful). No
+    sort (slow in XLA on CPU); the scatters and gathers index one flat array across the K seeds
+    (batched ones are slow too)::
 
         offsets 2 0 1      j = [2, 1, 3]
         step 0: [2 1 0 3]  step 1: [2 1 0 3]  step 2: [2 1 3 0]   -> green list [2, 1, 3]
@@ -374,10 +375,17 @@ def green_lists(seeds: Array, vocab: int, size: int) -> Array:
     p = jnp.full(count * size, -1, jnp.int32).at[slots].max(jnp.tile(steps, count), mode="drop")
     p = p.reshape(count, size)
     root = (jnp.where(p < 0, steps, p) + row * size).reshape(-1)  # flat positions
-    for _ in range(max(1, int(size - 1).bit_length())):
-        root = root[root]
+    root = lax.while_loop(lambda state: state[1], _jump, (root, jnp.asarray(True)))[0]
     before = root[(row * size + jnp.maximum(q, 0)).reshape(-1)].reshape(count, size)
     return jnp.where(q < 0, target, before - row * size)
+
+
+def _jump(state: tuple[Array, Array]) -> tuple[Array, Array]:
+    """One pointer-jumping round; the flag says whether anything moved (chains are short, so a
+    few rounds reach every root)."""
+    root = state[0]
+    nxt = root[root]
+    return nxt, jnp.any(nxt != root)
 
 
 def _previous_same_target(target: Array, offset: Array, slots: int) -> Array:

@@ -40,8 +40,10 @@ Static or traced:
     ``temperature(0.7)`` share one compiled program. Static (they shape the program, in the
     pytree's structure): which processors are in a chain, ``min_tokens_to_keep``,
     ``no_repeat_ngram_size``, ``encoder_no_repeat_ngram_size``, the token sequences of
-    ``bad_words_ids`` and ``sequence_bias``, the user's ``allowed_tokens`` function, and plain
-    functions used as processors (compared by identity; see :func:`as_processors`).
+    ``bad_words_ids`` and ``sequence_bias``, the user's ``allowed_tokens`` function, the
+    watermark's ratio, key, scheme and width (its ``bias`` is traced when built with
+    :func:`watermark`; ``watermarking_config`` is a static config field), and plain functions
+    used as processors (compared by identity; see :func:`as_processors`).
 
 Example:
     >>> import jax.numpy as jnp

@@ -18,10 +18,10 @@ mask`` (``tok(["def f():", "import os"])``, int32[2, 3], left-padded), ``config`
 ``max_new_tokens=4``) and ``mesh`` (``make_mesh((2, 4))``) without defining them.
 
 The package is built in floors, each importing only the floors below it (``tests/test_layout.py``
-checks it): ``errors``/``typing``; ``config``, ``processors``, ``stopping``, ``cache``;
-``models``, ``decoding``, ``sharding``; ``io``, ``streaming``, ``constraints``; ``generation``,
-``serving``; and this face with ``cli``. The axis letters used in shapes are defined in
-:mod:`genjax.typing`.
+checks it): ``errors``/``typing``; ``config``, ``processors``, ``watermarking``, ``stopping``,
+``cache``; ``models``, ``decoding``, ``sharding``; ``io``, ``streaming``, ``constraints``;
+``generation``, ``serving``; and this face with ``cli``. The axis letters used in shapes are
+defined in :mod:`genjax.typing`.
 """
 
 from genjax import (
@@ -38,6 +38,7 @@ from genjax import (
     stopping,
     streaming,
     tokenizer,
+    watermarking,
 )
 from genjax.config import GenerationConfig, GenerationMode
 from genjax.generation import (
@@ -89,4 +90,5 @@ __all__ = [
     "streaming",
     "tokenizer",
     "warmup",
+    "watermarking",
 ]

@@ -22,6 +22,7 @@ FLOORS = {
     "processors": 2,
     "stopping": 2,
     "cache": 2,
+    "watermarking": 2,  # the detector, beside the processor it shares its green lists with
     "models": 3,
     "decoding": 3,
     "sharding": 3,

@@ -136,7 +136,7 @@ def test_new_processor_values_compile_nothing():
             "eos_token_id",
         ),
         (dict(guidance_scale=2.0), UnsupportedError, "not supported"),
-        (dict(watermarking_config={"bias": 2.0}), UnsupportedError, "watermarking"),
+        (dict(watermarking_config={"ngram_len": 5, "keys": [7, 8]}), UnsupportedError, "SynthID"),
     ],
 )
 def test_bad_processor_settings_raise_before_tracing(change, error, words):

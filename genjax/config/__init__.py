@@ -38,8 +38,10 @@ Differences from transformers, on purpose:
       allowed range and a fix. v5's warnings become ``UserWarning`` (errors with ``strict=True``).
     * genjax always returns a ``GenerateOutput``, so v5's warning about ``output_*`` flags without
       ``return_dict_in_generate`` is not raised; ``return_dict_in_generate`` is kept for files.
-    * ``compile_config`` and ``watermarking_config`` are stored as plain mappings; genjax does not
-      use ``compile_config`` (torch only) and, like v5, does not save it.
+    * ``compile_config`` and ``watermarking_config`` are stored as plain mappings (a transformers
+      ``WatermarkingConfig`` becomes its ``to_dict()``); genjax does not use ``compile_config``
+      (torch only) and, like v5, does not save it. ``watermarking_config`` is checked and run by
+      :func:`genjax.processors.watermark` (a SynthID config raises ``UnsupportedError``).
 
 Layer:
     Floor 2. Imports only :mod:`genjax.errors`; ``fields`` declares the fields, ``checks``

@@ -256,7 +256,8 @@ def _one_row_widened(x: Array, weight: Array) -> Array:
     half the bytes: it widens the whole matrix first. Widened here (exactly: every bfloat16 and
     float16 value is a float32 value) and written as int8 weights are (``x @ weight.T`` after
     ``_materialized`` and ``_keep_in_loop``), the conversion fuses into the one-row product,
-    which then reads the narrow matrix once: 1.4-2.8x float32 at 1 row (``bench/dtype_rows.py``).
+    which then reads the narrow matrix once: 1.4-2.8x float32 at 1 row in a loop of GPT-2-sized
+    products (figures: ``bench/README.md``, end to end ``bench/run.py --dtypes``).
     Same sums as the narrow product, in float32, up to their order. Several rows keep the plain
     narrow product, which is the faster one there.
     """

@@ -23,6 +23,8 @@ OpenAI's options                ``presence_penalty``, ``frequency_penalty``, ``c
                                 config field: pass them in ``generate(logits_processor=[...])``
 sampling warpers                ``temperature``, ``top_h``, ``top_k``, ``top_p``, ``min_p``,
                                 ``typical_p``, ``epsilon_cutoff``, ``eta_cutoff``
+after the others                ``watermark`` (``watermarking_config``: green-list watermarking,
+                                bit for bit as transformers; see :mod:`.greenlist`)
 last                            ``renormalize_logits``
 =============================== ===========================================================
 
@@ -42,8 +44,10 @@ Static or traced:
     ``temperature(0.7)`` share one compiled program. Static (they shape the program, in the
     pytree's structure): which processors are in a chain, ``min_tokens_to_keep``,
     ``no_repeat_ngram_size``, ``encoder_no_repeat_ngram_size``, the token sequences of
-    ``bad_words_ids`` and ``sequence_bias``, the user's ``allowed_tokens`` function, and plain
-    functions used as processors (compared by identity; see :func:`as_processors`).
+    ``bad_words_ids`` and ``sequence_bias``, the user's ``allowed_tokens`` function, the
+    watermark's ratio, key, scheme and width (its ``bias`` is traced when built with
+    :func:`watermark`; ``watermarking_config`` is a static config field), and plain functions
+    used as processors (compared by identity; see :func:`as_processors`).
 
 Example:
     >>> import jax.numpy as jnp
@@ -68,10 +72,12 @@ References:
 
 Layer:
     Floor 2. Imports only :mod:`genjax.errors` and :mod:`genjax.typing`; ``base`` holds the context
-    and helpers, ``warpers`` / ``token_rules`` / ``ngram`` the factories, ``pipeline`` the preset.
+    and helpers, ``warpers`` / ``token_rules`` / ``ngram`` / ``greenlist`` the factories,
+    ``pipeline`` the preset.
 """
 
 from genjax.processors.base import LogitsContext, Processor, Transform
+from genjax.processors.greenlist import watermark
 from genjax.processors.ngram import (
     bad_words_ids,
     encoder_no_repeat_ngram_size,
@@ -157,4 +163,5 @@ __all__ = [
     "top_p",
     "typical_p",
     "validate_config",
+    "watermark",
 ]

@@ -21,6 +21,7 @@ from genjax.processors.base import (
     check_vocab,
     is_concrete,
 )
+from genjax.processors.greenlist import check_watermarking, watermark
 from genjax.processors.ngram import (
     bad_words_ids,
     bias_pairs,
@@ -196,10 +197,6 @@ _REJECTED = {
         _not_one,
         "is not supported by genjax yet (classifier-free guidance). Remove it or set it to 1.",
     ),
-    "watermarking_config": (
-        lambda v: v is not None,
-        "is not supported by genjax yet (watermarking). Remove it from the generation config.",
-    ),
     "token_healing": (
         lambda v: bool(v),
         "is not supported by genjax yet. Remove it from the generation config.",
@@ -210,7 +207,8 @@ _REJECTED = {
 def check_supported(config) -> None:
     """Raises UnsupportedError naming the first set option genjax does not implement.
 
-    Rejected: ``guidance_scale`` other than 1, ``watermarking_config`` and ``token_healing``.
+    Rejected: ``guidance_scale`` other than 1, ``token_healing``, and a SynthID
+    ``watermarking_config`` (the green-list one is supported; see :func:`watermark`).
 
     Args:
         config: a :class:`~genjax.GenerationConfig` with defaults applied.
@@ -223,6 +221,8 @@ def check_supported(config) -> None:
         value = getattr(config, name)
         if isinstance(value, jax.core.Tracer) or is_set(value):
             raise UnsupportedError(f"generation option `{name}={value!r}` {reason}")
+    if config.watermarking_config is not None:
+        check_watermarking(config.watermarking_config)
 
 
 def validate_config(config, vocab_size: int | None = None) -> None:
@@ -239,6 +239,8 @@ def validate_config(config, vocab_size: int | None = None) -> None:
         >>> validate_config(GenerationConfig(bad_words_ids=[[5]]).with_defaults(), vocab_size=128)
     """
     check_supported(config)
+    if config.watermarking_config is not None:
+        check_watermarking(config.watermarking_config, vocab_size)
     try:
         _check_token_settings(config, vocab_size)
     except ValueError as err:
@@ -286,10 +288,11 @@ def from_config(
     tokens, ``allowed_tokens_fn``, forced BOS, forced EOS, remove invalid values, exponential decay
     length penalty, suppress tokens, begin-suppress tokens, the user's ``extra`` processors; then,
     only when sampling: temperature, top-h, top-k, top-p, min-p, typical-p, epsilon, eta; then
-    renormalization. With beam sampling the warpers keep at least ``len(eos) + 1`` tokens, as
-    transformers does. The two encoder options read the prompt as transformers' "encoder input",
-    which it is for decoder-only models (transformers builds them whenever ``input_ids`` are given,
-    as they always are here).
+    the watermark (``watermarking_config``, after all other processing); then renormalization.
+    With beam sampling the warpers keep at least ``len(eos) + 1`` tokens, as transformers does.
+    The two encoder options read the prompt as transformers' "encoder input", which it is for
+    decoder-only models (transformers builds them whenever ``input_ids`` are given, as they
+    always are here).
 
     Args:
         config: a :class:`~genjax.GenerationConfig` with defaults applied (``with_defaults``).
@@ -340,6 +343,8 @@ def from_config(
     steps.extend(as_processors(extra))
     if config.do_sample:
         steps.extend(_warper_steps(config, eos_token_ids))
+    if config.watermarking_config is not None:
+        steps.append(watermark(**check_watermarking(config.watermarking_config)))
     if config.renormalize_logits is True:
         steps.append(renormalize_logits())
     return chain(*steps)

@@ -599,7 +599,8 @@ def test_cached_decoding_equals_full_forward(tmp_path, case):
     )
     assert last.shape == (3, 1, model.vocab_size)
     np.testing.assert_allclose(last[:, 0], full[:, -1], atol=1e-5, rtol=1e-5)
-    np.testing.assert_array_equal(last_cache.keys, cache.keys)  # the cache is the same
+    for got, want in zip(last_cache.keys, cache.keys, strict=True):  # the cache is the same
+        np.testing.assert_array_equal(got, want)  # (per layer: ring layers hold fewer slots)
 
 
 @pytest.mark.parametrize("model_type", ["llama", "gpt2"])

@@ -64,7 +64,8 @@ NBITS = 8
 _LIMIT = 2 ** (NBITS - 1) - 1  # 127: codes are symmetric, -128 is never used
 
 # cache_implementation values whose cache genjax's preallocated float KVCache is: every cache is
-# static-sized here, and sliding windows are applied by the attention mask, not the cache.
+# static-sized here, and sliding-window layers keep rings of W slots in every one of them (as
+# transformers' hybrid and sliding-window caches do; genjax.cache.ring).
 FLOAT_IMPLEMENTATIONS = (None, "static", "dynamic", "sliding_window", "hybrid", "hybrid_chunked")
 _NOT_YET = {
     "offloaded": "offloading the cache to host memory",

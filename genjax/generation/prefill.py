@@ -106,7 +106,8 @@ def prefill(
         )
     else:
         logits, cache = model.apply(params, input_ids, positions, cache, attention_mask)
-    cache = cache.with_length(prompt_length + max_new_tokens, margin=ring_margin)
+    extra = {"margin": ring_margin} if ring_margin else {}  # a model's own cache may lack it
+    cache = cache.with_length(prompt_length + max_new_tokens, **extra)
     tokens = jnp.concatenate([input_ids, new_slots * pad_token_id], axis=1)
     return logits, cache, cache_mask, tokens
 

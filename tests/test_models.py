@@ -590,16 +590,23 @@ def test_cached_decoding_equals_full_forward(tmp_path, case):
     assert int(cache.index) == 12
     real = mask.astype(bool)
     assert np.isfinite(full).all()
+    # Ring layers (a window under 12 slots, genjax.cache.ring) read the same keys from W (+ T)
+    # slots where the full layout reads 12: float32 sums in another order, a few ulps of logits
+    # up to ~25 apart (gemma3: 1.3e-5).
+    ring = model.init_cache(3, 12)
+    rings = any(getattr(ring, "ring_slots", lambda _: None)(i) for i in range(len(ring.keys)))
+    atol = 3e-5 if rings else 1e-5
     for prefill in (5,):
         steps = _stepwise(model, params, tokens, mask, prefill)
-        np.testing.assert_allclose(steps[real], full[real], atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(steps[real], full[real], atol=atol, rtol=1e-5)
     positions = _hf_positions(mask)
     last, last_cache = model.apply(
         params, tokens, positions, model.init_cache(3, 12), mask, logits_to_keep=1
     )
     assert last.shape == (3, 1, model.vocab_size)
     np.testing.assert_allclose(last[:, 0], full[:, -1], atol=1e-5, rtol=1e-5)
-    np.testing.assert_array_equal(last_cache.keys, cache.keys)  # the cache is the same
+    for got, want in zip(last_cache.keys, cache.keys, strict=True):  # the cache is the same
+        np.testing.assert_array_equal(got, want)  # (per layer: ring layers hold fewer slots)
 
 
 @pytest.mark.parametrize("model_type", ["llama", "gpt2"])

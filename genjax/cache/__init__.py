@@ -5,7 +5,9 @@ final length ``S``); ``quantized`` its int8 form; ``slots`` the fixed slot layou
 compiled program serve many prompt and output lengths (``max_cache_len``); ``memory`` sizes a
 cache before it is allocated; ``encoder_decoder`` the decoder-plus-cross-attention cache of
 T5/BART-style models; ``paged`` the block pool of the serving engine (rows of
-different lengths in fixed-size blocks, per-row write indices).
+different lengths in fixed-size blocks, per-row write indices); ``ring`` the sliding-window layers
+of a float cache, kept as rings of ``W`` slots (written modulo ``W``) instead of ``S``. The int8
+and paged caches keep every layer in the full layout (windows are applied by the mask there).
 
 Layer:
     Floor 2. Imports only :mod:`genjax.errors` and :mod:`genjax.typing`.
@@ -35,6 +37,7 @@ from genjax.cache.quantized import (
     init_cache,
     quantize,
 )
+from genjax.cache.ring import ring_bias, ring_size
 
 __all__ = [
     "CacheRequest",
@@ -57,6 +60,8 @@ __all__ = [
     "quantize",
     "repeat_rows",
     "replace_layer",
+    "ring_bias",
+    "ring_size",
     "slots_last",
     "unfold_rows",
 ]

@@ -32,6 +32,14 @@ Slot bookkeeping for a left-padded batch of two prompts (``.`` = padding, ``S = 
 
 Every row writes the same slot on each call, so an update is one ``dynamic_update_slice``; the
 attention mask tells models which slots hold real tokens.
+
+Sliding-window layers: a cache created with the model's per-layer ``windows`` keeps a layer of
+window ``W`` as a ring of ``R = W + margin`` slots when ``R < S`` (:mod:`genjax.cache.ring`:
+logical slot ``p`` at ring slot ``p mod R``); its other layers keep ``S``. ``index``, ``length``
+and the attention mask stay logical (``S`` slots), so callers see the same cache either way;
+only the layer blocks differ, and :func:`genjax.cache.ring.ring_bias` gives those layers' bias.
+Which layers are rings is static (the windows, ``S`` and the margin); the write position
+``index mod R`` is traced.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from genjax.cache.ring import relayout, ring_size, ring_update
 from genjax.typing import Array
 
 
@@ -51,11 +60,19 @@ class KVCache:
         >>> cache = KVCache.create(num_layers=2, batch=1, length=16, num_kv_heads=2, head_dim=4)
         >>> len(cache.keys), cache.keys[0].shape, cache.values[0].shape
         (2, (1, 2, 4, 16), (1, 2, 16, 4))
+        >>> ring = KVCache.create(2, 1, 16, 2, 4, windows=(4, None))  # layer 0: a 4-slot ring
+        >>> ring.keys[0].shape, ring.keys[1].shape, ring.length, ring.ring_slots(0)
+        ((1, 2, 4, 4), (1, 2, 4, 16), 16, 4)
     """
 
-    keys: tuple[Array, ...]  # L x float[B, K, H, S]: slots last (see the module docstring)
-    values: tuple[Array, ...]  # L x float[B, K, S, H]
+    keys: tuple[Array, ...]  # L x float[B, K, H, S or R]: slots last (see the module docstring)
+    values: tuple[Array, ...]  # L x float[B, K, S or R, H]
     index: Array  # int32[]: the first slot not yet written
+    # Static: per layer the sliding window W or None (empty: no windows); what with_length
+    # turns into rings.
+    windows: tuple[int | None, ...] = struct.field(pytree_node=False, default=())
+    # Static: the logical length S when some layer is a ring (its blocks are shorter), else 0.
+    span: int = struct.field(pytree_node=False, default=0)
 
     @classmethod
     def create(
@@ -66,20 +83,38 @@ class KVCache:
         num_kv_heads: int,
         head_dim: int,
         dtype: jnp.dtype = jnp.float32,
+        windows: tuple[int | None, ...] = (),
+        margin: int = 0,
     ) -> KVCache:
-        """Returns an empty cache of ``length`` slots, filled with zeros, index 0."""
-        shape = (batch, num_kv_heads, length, head_dim)
-        key_shape = (batch, num_kv_heads, head_dim, length)
+        """Returns an empty cache of ``length`` slots, filled with zeros, index 0.
+
+        Args:
+            windows: per layer the sliding window ``W`` or None (static; empty: none). A layer
+                with ``W + margin < length`` gets a ring of ``W + margin`` slots.
+            margin: extra ring slots for slots written and then taken back (static, see
+                :mod:`genjax.cache.ring`).
+        """
+        windows = tuple(windows)
+        rings = _rings(windows, num_layers, length, margin)
+        sizes = [length if ring is None else ring for ring in rings]
         return cls(
-            keys=tuple(jnp.zeros(key_shape, dtype) for _ in range(num_layers)),
-            values=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+            keys=tuple(jnp.zeros((batch, num_kv_heads, head_dim, n), dtype) for n in sizes),
+            values=tuple(jnp.zeros((batch, num_kv_heads, n, head_dim), dtype) for n in sizes),
             index=jnp.zeros((), jnp.int32),
+            windows=windows,
+            span=length if any(rings) else 0,
         )
 
     @property
     def length(self) -> int:
-        """The number of slots ``S`` (static)."""
-        return self.values[0].shape[2]
+        """The number of logical slots ``S`` (static); ring layers hold fewer."""
+        return self.span or self.values[0].shape[2]
+
+    def ring_slots(self, layer: int) -> int | None:
+        """The ring size ``R`` of ``layer`` (a Python int), or None for the full layout; static.
+        A ring layer's blocks hold ``R`` slots (:mod:`genjax.cache.ring`)."""
+        slots = self.values[layer].shape[2]
+        return slots if self.span and slots < self.span else None
 
     @property
     def batch(self) -> int:
@@ -98,29 +133,53 @@ class KVCache:
 
         Returns:
             ``(keys, values, cache)``: the layer's full keys float[B, K, H, S] and values
-            float[B, K, S, H] after the write, and the cache holding them.
+            float[B, K, S, H] after the write, and the cache holding them. For a ring layer
+            the slot axis is that of :func:`genjax.cache.ring.ring_update` (``R`` or
+            ``R + T``), the order :func:`genjax.cache.ring.ring_bias` masks.
         """
         keys, values = self.keys[layer], self.values[layer]
-        keys = jax.lax.dynamic_update_slice(
-            keys, slots_last(new_keys).astype(keys.dtype), (0, 0, 0, self.index)
-        )
-        values = jax.lax.dynamic_update_slice(
-            values, heads_first(new_values).astype(values.dtype), (0, 0, self.index, 0)
-        )
+        new_keys = slots_last(new_keys).astype(keys.dtype)
+        new_values = heads_first(new_values).astype(values.dtype)
+        if self.ring_slots(layer) is None:
+            keys = jax.lax.dynamic_update_slice(keys, new_keys, (0, 0, 0, self.index))
+            values = jax.lax.dynamic_update_slice(values, new_values, (0, 0, self.index, 0))
+            read_keys, read_values = keys, values
+        else:
+            read_keys, keys = ring_update(keys, new_keys, self.index, axis=3)
+            read_values, values = ring_update(values, new_values, self.index, axis=2)
         cache = self.replace(
             keys=replace_layer(self.keys, layer, keys),
             values=replace_layer(self.values, layer, values),
         )
-        return keys, values, cache
+        return read_keys, read_values, cache
 
-    def with_length(self, length: int) -> KVCache:
+    def with_length(self, length: int, margin: int = 0, ring: bool = True) -> KVCache:
         """Returns the cache grown to ``length`` (static) slots: the same slots and index, then
         empty (zero) slots. ``generate`` prefills a prompt into a cache of the prompt's own
-        length, so that its attention reads only those slots, and grows it for decoding."""
-        return self.replace(
-            keys=tuple(grow_slots(x, length, axis=3) for x in self.keys),
-            values=tuple(grow_slots(x, length) for x in self.values),
-        )
+        length, so that its attention reads only those slots, and grows it for decoding.
+
+        Layers with a window ``W`` become rings of ``W + margin`` slots where that is less than
+        ``length`` (all static; ``ring=False``: every layer full), holding the ``W + margin``
+        slots before ``index`` (a gather, once); other layers get zero slots appended.
+        """
+        rings = _rings(self.windows if ring else (), len(self.values), length, margin)
+        if not any(rings) and not self.span:
+            return self.replace(
+                keys=tuple(grow_slots(x, length, axis=3) for x in self.keys),
+                values=tuple(grow_slots(x, length) for x in self.values),
+            )
+        keys, values = [], []
+        for layer, target in enumerate(rings):
+            source = self.ring_slots(layer)
+            for blocks, out, axis in ((self.keys, keys, 3), (self.values, values, 2)):
+                block = blocks[layer]
+                if source is None and target is None:
+                    block = grow_slots(block, length, axis=axis)
+                elif source != target:
+                    block = relayout(block, axis, self.index, length, source, target)
+                out.append(block)
+        span = length if any(rings) else 0
+        return self.replace(keys=tuple(keys), values=tuple(values), span=span)
 
     def advance(self, num_slots: int | Array) -> KVCache:
         """Returns the cache with ``index`` moved forward by ``num_slots``."""
@@ -154,6 +213,14 @@ class KVCache:
             keys=tuple(gather_beams(x, beams) for x in self.keys),
             values=tuple(gather_beams(x, beams) for x in self.values),
         )
+
+
+def _rings(windows, num_layers: int, length: int, margin: int) -> tuple[int | None, ...]:
+    """Per layer the ring size or None (:func:`genjax.cache.ring.ring_size`); static."""
+    windows = tuple(windows) or (None,) * num_layers
+    if len(windows) != num_layers:
+        raise ValueError(f"windows has {len(windows)} entries for {num_layers} layers.")
+    return tuple(ring_size(w, length, margin) for w in windows)
 
 
 def grow_slots(block: Array, length: int, axis: int = 2) -> Array:

@@ -2,7 +2,8 @@
 
 ``generate`` preallocates its KV caches at their final size, so their size is known before
 anything runs: layers x rows x slots x key/value heads x head dimension x bytes per number (int8
-codes plus one scale per head vector for ``cache_implementation="quantized"``), divided over the
+codes plus one scale per head vector for ``cache_implementation="quantized"``; a sliding-window
+layer kept as a ring counts its ``W + margin`` slots, :mod:`genjax.cache.ring`), divided over the
 mesh (rows over ``data``, key/value heads over ``model`` when they divide). :func:`check_fits`
 compares it with the free memory of the call's devices and raises :class:`CacheMemoryError`
 giving both figures, instead of an allocator failure deep inside XLA.
@@ -43,12 +44,14 @@ class CacheRequest:
         rows: ``B`` (after beams or return sequences).
         length: ``S``, its slots.
         quantized: int8 codes and scales instead of floats.
+        ring_margin: extra slots of each sliding-window ring (assisted decoding's ``G + 1``).
     """
 
     model: object
     rows: int
     length: int
     quantized: bool = False
+    ring_margin: int = 0
 
 
 def cache_bytes(request: CacheRequest, layout=None) -> int:
@@ -59,6 +62,10 @@ def cache_bytes(request: CacheRequest, layout=None) -> int:
         layout: the call's :class:`~genjax.sharding.Layout` (static), or None for one device.
             Each layer's arrays (``[B, K, S, ...]``: keys, values, scales) split ``B`` over its
             ``batch`` axis and ``K`` over its ``kv_heads`` axis (rounded up).
+
+    Layers with a sliding window the model keeps as a ring (:mod:`genjax.cache.ring`) count
+    their ``W + ring_margin`` slots, not ``length``: the shapes are those of the cache
+    ``generate`` builds.
 
     Example:
         >>> # bfloat16, L=4, K=2, H=64: 2 (k, v) x 4 x 1 x 16 x 2 x 64 x 2 bytes, + 4 (index)
@@ -80,9 +87,14 @@ def cache_bytes(request: CacheRequest, layout=None) -> int:
 @functools.lru_cache(maxsize=64)
 def _leaf_shapes(request: CacheRequest) -> tuple[tuple[tuple[int, ...], int], ...]:
     """(shape, bytes per element) of each array of the cache; nothing is allocated."""
-    cache = jax.eval_shape(
-        lambda: init_cache(request.model, request.rows, request.length, request.quantized)
-    )
+
+    def build():
+        cache = init_cache(request.model, request.rows, request.length, request.quantized)
+        if request.ring_margin:  # the rings generate grows for an assisted call
+            cache = cache.with_length(request.length, margin=request.ring_margin)
+        return cache
+
+    cache = jax.eval_shape(build)
     return tuple((leaf.shape, leaf.dtype.itemsize) for leaf in jax.tree.leaves(cache))
 
 

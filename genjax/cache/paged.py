@@ -15,6 +15,9 @@ row, which :func:`~genjax.cache.attention_bias` accepts. Rows never hold padding
 ``p`` holds the token at position ``p``, so the attention mask may be all ones and causality
 alone hides the slots after a row's end.
 
+Sliding windows are applied by the attention mask here: every layer keeps its rows' blocks
+(no ring layers, unlike :mod:`genjax.cache.ring` in the float cache of ``generate``).
+
 Block 0 is a scratch block: table entries of blocks not allocated (and every entry of an unused
 row) are 0, so writes beyond a row's blocks land there and reads from there are hidden by the
 causal mask. The allocator (:class:`genjax.serving.BlockAllocator`) never hands block 0 out.
@@ -109,6 +112,10 @@ class PagedKVCache:
     def batch(self) -> int:
         """The number of rows ``B`` (static)."""
         return self.block_tables.shape[0]
+
+    def ring_slots(self, layer: int) -> None:
+        """None: no layer is a ring (see the module docstring)."""
+        return None
 
     def _write_slots(self, count: int) -> tuple[Array, Array]:
         """Pool block and offset of each of the ``count`` slots from each row's index.

@@ -25,6 +25,10 @@ Differences from transformers' ``QuantizedCache`` (KIVI-style, quanto/HQQ backen
       tokens (transformers' ``residual_length``, default 128; genjax accepts only 0);
     - 8 bits only (transformers' default is 4), so ``cache_config`` must say ``"nbits": 8``.
 
+Sliding windows: this cache keeps every layer in the full layout of ``S`` slots (windows are
+applied by the attention mask); only the float :class:`~genjax.cache.KVCache` keeps a windowed
+layer as a ring (:mod:`genjax.cache.ring`). :func:`init_cache` builds it at the logical length.
+
 Static or traced:
     Static: the cache shape (layers, rows, slots, key/value heads, head dimension) and the float
     dtype of the scales (= the dtype ``update_layer`` returns, the model's by default).
@@ -60,7 +64,8 @@ NBITS = 8
 _LIMIT = 2 ** (NBITS - 1) - 1  # 127: codes are symmetric, -128 is never used
 
 # cache_implementation values whose cache genjax's preallocated float KVCache is: every cache is
-# static-sized here, and sliding windows are applied by the attention mask, not the cache.
+# static-sized here, and sliding-window layers keep rings of W slots in every one of them (as
+# transformers' hybrid and sliding-window caches do; genjax.cache.ring).
 FLOAT_IMPLEMENTATIONS = (None, "static", "dynamic", "sliding_window", "hybrid", "hybrid_chunked")
 _NOT_YET = {
     "offloaded": "offloading the cache to host memory",
@@ -157,10 +162,11 @@ class QuantizedKVCache:
     @classmethod
     def like(cls, cache: KVCache) -> QuantizedKVCache:
         """Returns an empty quantized cache with the shape and float dtype of ``cache`` (a
-        :class:`~genjax.cache.KVCache`, or its ``jax.eval_shape``: nothing is read)."""
-        batch, num_kv_heads, length, head_dim = cache.values[0].shape  # keys are [B, K, H, S]
+        :class:`~genjax.cache.KVCache`, or its ``jax.eval_shape``: nothing is read), every
+        layer in the full layout of its logical length (ring layers included)."""
+        batch, num_kv_heads, _, head_dim = cache.values[0].shape  # keys are [B, K, H, S]
         return cls.create(
-            len(cache.values), batch, length, num_kv_heads, head_dim, cache.values[0].dtype
+            len(cache.values), batch, cache.length, num_kv_heads, head_dim, cache.values[0].dtype
         )
 
     @property
@@ -178,9 +184,15 @@ class QuantizedKVCache:
         """The float dtype of the scales and of the blocks ``update_layer`` returns (static)."""
         return self.key_scales[0].dtype
 
-    def with_length(self, length: int) -> QuantizedKVCache:
+    def ring_slots(self, layer: int) -> None:
+        """None: every layer keeps the full layout (see the module docstring)."""
+        return None
+
+    def with_length(self, length: int, margin: int = 0, ring: bool = True) -> QuantizedKVCache:
         """Returns the cache grown to ``length`` (static) slots: the same slots and index, then
-        empty ones (zero codes and scales), as :meth:`genjax.cache.KVCache.with_length`."""
+        empty ones (zero codes and scales), as :meth:`genjax.cache.KVCache.with_length`.
+        ``margin`` and ``ring`` are accepted for that interface and unused: no layer is a
+        ring here."""
         return self.replace(
             keys=tuple(grow_slots(x, length) for x in self.keys),
             values=tuple(grow_slots(x, length) for x in self.values),

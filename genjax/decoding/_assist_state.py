@@ -100,6 +100,22 @@ def cache_lengths(prompt_length: int, num_new_tokens: int, batch: int, num_candi
     return target, target + loops
 
 
+def ring_margin(num_candidates: int) -> int:
+    """The extra slots ``G + 1`` a sliding-window layer's ring keeps in an assisted call (static).
+
+    A verification pass writes ``G + 1`` slots and the index then moves past the accepted ones
+    only, so up to ``G + 1`` slots ahead of the index hold rejected tokens when the next pass
+    starts; a ring of ``W + G + 1`` slots keeps them out of every later window and loses no
+    slot a later query reads (:mod:`genjax.cache.ring`). The draft model's cache, which rolls
+    back fewer slots per round, gets the same margin.
+
+    Example:
+        >>> ring_margin(4)
+        5
+    """
+    return num_candidates + 1
+
+
 def init_state(
     prompt: Array,
     cache: KVCache,

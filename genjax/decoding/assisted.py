@@ -102,6 +102,7 @@ from genjax.decoding._assist_state import (
     make_rules,
     process_block,
     process_rows,
+    ring_margin,
     running_rows,
     sequence_slots,
     stop_flags,
@@ -131,6 +132,7 @@ __all__ = [
     "is_assisted",
     "lookup_candidates",
     "make_rules",
+    "ring_margin",
 ]
 
 # ----------------------------------------------------------------------------- committing

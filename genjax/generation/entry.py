@@ -353,9 +353,10 @@ class _Call:
             allowed_tokens_fn=self.plan.allowed_tokens_fn,
         )
 
-    def prefill(self, new_slots: int | None = None, *, draft: bool = False):
+    def prefill(self, new_slots: int | None = None, *, draft: bool = False, ring_margin=0):
         """:func:`genjax.generation.prefill.prefill` of the model (the assistant when
-        ``draft``) into ``W + new_slots`` slots (default ``N``)."""
+        ``draft``) into ``W + new_slots`` slots (default ``N``), sliding-window rings with
+        ``ring_margin`` extra slots (static)."""
         model, params = self.plan.model, self.params
         if draft:
             model, params = self.plan.assistant, self.traced.assistant_params
@@ -368,6 +369,7 @@ class _Call:
             self.pad_token_id,
             self.plan.quantized,
             self.plan.prefill_chunk,
+            ring_margin,
         )
 
     def constrain(self):
@@ -516,10 +518,12 @@ def _generate_assisted(call: _Call) -> GenerateOutput:
         max_position=min(limits) if limits else None,
     )
     sizes = assisted.cache_lengths(prompt_length, plan.steps, batch, rules.num_candidates)
-    logits, cache, cache_mask, _ = call.prefill(sizes[0] - prompt_length)
+    margin = assisted.ring_margin(rules.num_candidates)
+    logits, cache, cache_mask, _ = call.prefill(sizes[0] - prompt_length, ring_margin=margin)
     draft_cache = draft_mask = None
     if assistant is not None:
-        _, draft_cache, draft_mask, _ = call.prefill(sizes[1] - prompt_length, draft=True)
+        new_slots = sizes[1] - prompt_length
+        _, draft_cache, draft_mask, _ = call.prefill(new_slots, draft=True, ring_margin=margin)
     state = assisted.init_state(
         call.input_ids,
         cache,

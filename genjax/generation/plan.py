@@ -385,9 +385,10 @@ def cache_requests(model, config, mode: Mode, shape, cache_new: int, assistant):
             else config.prompt_lookup_num_tokens
         )
         sizes = assisted.cache_lengths(width, cache_new, batch, int(candidates))
-        requests = [CacheRequest(model, batch, sizes[0], quantized)]
+        margin = assisted.ring_margin(int(candidates))
+        requests = [CacheRequest(model, batch, sizes[0], quantized, margin)]
         if assistant is not None:
-            requests.append(CacheRequest(assistant, batch, sizes[1], quantized))
+            requests.append(CacheRequest(assistant, batch, sizes[1], quantized, margin))
         return requests
     copies = config.num_beams if mode is Mode.BEAMS else config.num_return_sequences
     return [CacheRequest(model, batch * copies, width + cache_new, quantized)]

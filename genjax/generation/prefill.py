@@ -60,6 +60,7 @@ def prefill(
     pad_token_id,
     quantized=False,
     chunk: int | None = None,
+    ring_margin: int = 0,
 ):
     """Runs the prompt through the model and returns a cache sized for all ``S = P + N`` slots
     (int8 codes when ``quantized``, static: see :mod:`genjax.cache.quantized`).
@@ -73,6 +74,13 @@ def prefill(
     chunk holding the ``P mod chunk`` slots left: the activations of one chunk at a time instead
     of ``P``, the same logits and cache.
 
+    Sliding-window layers (:mod:`genjax.cache.ring`): the final cache keeps a layer of window
+    ``W`` as a ring of ``W + ring_margin`` slots (static; assisted decoding passes its ``G + 1``)
+    when that is less than ``S``. An unchunked prefill writes the prompt in the full layout of
+    ``P`` slots (as many as its activations hold anyway) and keeps the last ``W + ring_margin``
+    when the cache grows; a chunked one writes into rings from the start, each chunk reading the
+    ring before it and its own slots, so its cache stays at ``W`` slots for any ``P``.
+
     Returns:
         ``(logits float32[B, 1 or P, V], cache, cache_mask int32[B, S], tokens int32[B, S])``
         (one row of logits when the model takes ``logits_to_keep`` or ``chunk`` is set; callers
@@ -85,7 +93,10 @@ def prefill(
     new_slots = jnp.ones((batch, max_new_tokens), jnp.int32)
     cache_mask = jnp.concatenate([attention_mask, new_slots], axis=1)
     cache = init_cache(model, batch, prompt_length, quantized)
-    if chunk is not None and chunk < prompt_length:
+    chunked = chunk is not None and chunk < prompt_length
+    if not chunked and getattr(cache, "span", 0):  # ring layers: the prompt goes in full
+        cache = cache.with_length(prompt_length, ring=False)
+    if chunked:
         logits, cache = _prefill_in_chunks(
             model, params, input_ids, positions, attention_mask, cache, chunk
         )
@@ -95,7 +106,8 @@ def prefill(
         )
     else:
         logits, cache = model.apply(params, input_ids, positions, cache, attention_mask)
-    cache = cache.with_length(prompt_length + max_new_tokens)
+    extra = {"margin": ring_margin} if ring_margin else {}  # a model's own cache may lack it
+    cache = cache.with_length(prompt_length + max_new_tokens, **extra)
     tokens = jnp.concatenate([input_ids, new_slots * pad_token_id], axis=1)
     return logits, cache, cache_mask, tokens
 

@@ -25,7 +25,10 @@ Any object with these members plugs into ``genjax.generate``; nothing else about
   - Each layer writes its keys and values with ``cache.update_layer(layer, k, v)`` and attends
     over the returned blocks (keys ``[B, K, H, S]``, values ``[B, K, S, H]``, as
     ``genjax.models.layers.attention`` takes them); after all layers the cache is
-    ``advance(T)``-ed.
+    ``advance(T)``-ed. A layer for which ``cache.ring_slots(layer)`` is an int ``R`` keeps a
+    ring (``genjax.cache.ring``): its blocks have ``R`` (or ``R + T``) slots, masked by
+    ``genjax.cache.ring_bias`` instead (the built-in decoder, ``genjax.models.decoder``, does
+    this; a model that never passes ``windows`` to ``KVCache.create`` never sees a ring).
   - Returns float32[B, T, V] logits (computed in the model dtype, then cast) and the new cache.
   - Optional: a keyword ``logits_to_keep: int`` (static, default 0 = all positions); ``k > 0``
     returns only the last ``k`` positions' logits, float32[B, k, V], as transformers'
@@ -36,7 +39,8 @@ Any object with these members plugs into ``genjax.generate``; nothing else about
   decode is ``apply`` with ``T = P`` then ``T = 1`` repeatedly on one cache of length ``S``.
   ``generate`` runs the prefill on ``init_cache(B, P)`` (a full forward pass of the prompt)
   and grows that cache to ``S`` slots with ``KVCache.with_length`` before decoding, so the
-  prompt's attention does not read the ``S - P`` empty slots.
+  prompt's attention does not read the ``S - P`` empty slots (and its sliding-window layers
+  keep the last ``W`` slots as rings).
 
 Static or traced: the model (its config, dtype, layer count) is static; params, tokens,
 positions, the cache and the mask are traced.

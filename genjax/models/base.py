@@ -107,6 +107,10 @@ class ModelBase:
             >>> cache = model.init_cache(2, 16)
             >>> cache.keys[0].shape  # [B, K, H, S] per layer
             (2, 2, 64, 16)
+
+        Layers with a sliding window ``W < max_length`` (:attr:`cache_windows`) keep ``W``
+        slots, written modulo ``W`` (:mod:`genjax.cache.ring`); ``cache.length`` is still
+        ``max_length``.
         """
         return KVCache.create(
             num_layers=self.num_layers,
@@ -115,7 +119,14 @@ class ModelBase:
             num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim,
             dtype=self.dtype if dtype is None else jnp.dtype(dtype),
+            windows=self.cache_windows,
         )
+
+    @property
+    def cache_windows(self) -> tuple[int | None, ...]:
+        """Per layer the sliding window its cache layer may keep as a ring (static); empty:
+        none. See :mod:`genjax.cache.ring`."""
+        return ()
 
     def apply(
         self,

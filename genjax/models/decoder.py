@@ -19,7 +19,9 @@ read ``config.json`` into that config. The options, each a static config field:
 ``attention_scale``         the score multiplier (Gemma: ``query_pre_attn_scalar ** -0.5``)
 ``attn_softcap``            ``c * tanh(scores / c)`` before the mask (Gemma 2)
 ``final_softcap``           the same on the logits (Gemma 2/3)
-``sliding_windows``         per layer window or None (Mistral, Qwen2/3, Phi-3, Gemma 2/3)
+``sliding_windows``         per layer window or None (Mistral, Qwen2/3, Phi-3, Gemma 2/3);
+                            masked in the full layout, or read from a ring of ``W`` cache
+                            slots (``ring_cache``, :mod:`genjax.cache.ring`)
 ``local_rope``              rope settings of the sliding layers (Gemma 3's local base)
 ==========================  ===============================================================
 
@@ -58,7 +60,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
 
-from genjax.cache import KVCache, attention_bias
+from genjax.cache import KVCache, attention_bias, ring_bias
 from genjax.models.layers import ACTIVATIONS, Embed, RMSNorm, attention, dense
 from genjax.models.rope import apply_rope, rope_cos_sin
 
@@ -163,8 +165,29 @@ class _Layers(nn.Module):
         for i, window in enumerate(c.sliding_windows):
             local = window is not None and c.local_rope is not None
             cos, sin = tables["local" if local else "global"]
-            x, cache = _DecoderLayer(c, i, name=str(i))(x, cos, sin, biases[window], cache)
+            bias = biases[window, _ring_slots(cache, i)]
+            x, cache = _DecoderLayer(c, i, name=str(i))(x, cos, sin, bias, cache)
         return x, cache
+
+
+def _ring_slots(cache, layer: int) -> int | None:
+    """The ring size of ``layer``'s cache block, or None (full layout, or a cache without
+    rings); static. See :mod:`genjax.cache.ring`."""
+    ring_slots = getattr(cache, "ring_slots", None)
+    return None if ring_slots is None else ring_slots(layer)
+
+
+def _biases(config, attention_mask, cache, length: int) -> dict:
+    """The attention bias of each (window, ring size) the layers have, built once per call."""
+    kinds = {(w, _ring_slots(cache, i)) for i, w in enumerate(config.sliding_windows)}
+    return {
+        (window, ring): (
+            attention_bias(attention_mask, cache.index, length, jnp.float32, window)
+            if ring is None
+            else ring_bias(attention_mask, cache.index, length, window, ring)
+        )
+        for window, ring in kinds
+    }
 
 
 class DecoderLM(nn.Module):
@@ -187,10 +210,7 @@ class DecoderLM(nn.Module):
         tables = {"global": rope_cos_sin(c.rope, positions, dtype)}
         if c.local_rope is not None:
             tables["local"] = rope_cos_sin(c.local_rope, positions, dtype)
-        biases = {
-            window: attention_bias(attention_mask, cache.index, length, jnp.float32, window)
-            for window in set(c.sliding_windows)
-        }
+        biases = _biases(c, attention_mask, cache, length)
         x, cache = _Layers(c, name="layers")(x, tables, biases, cache)
         if logits_to_keep:  # only the last positions' logits (prefill needs one)
             x = x[:, -logits_to_keep:]

@@ -157,6 +157,9 @@ class LlamaConfig:
         attn_softcap: attention scores become ``c * tanh(scores / c)``; None for none.
         final_softcap: the same on the logits.
         local_rope: rope settings of the sliding-window layers; None means ``rope``.
+        ring_cache: sliding-window layers keep a ring of ``W`` cache slots instead of ``S``
+            (:mod:`genjax.cache.ring`; the same tokens, less memory); False keeps every layer
+            at ``S`` slots with the window applied by the mask.
     """
 
     vocab_size: int
@@ -187,6 +190,7 @@ class LlamaConfig:
     attn_softcap: float | None = None
     final_softcap: float | None = None
     local_rope: RopeConfig | None = None
+    ring_cache: bool = True
 
     def __post_init__(self):
         if self.norm_layout not in NORM_LAYOUTS or self.qk_norm not in QK_NORMS:
@@ -339,6 +343,11 @@ class LlamaModel(ModelBase):
     def num_kv_heads(self) -> int:
         """``K``."""
         return self.config.num_kv_heads
+
+    @property
+    def cache_windows(self) -> tuple[int | None, ...]:
+        """The sliding windows when ``config.ring_cache``, else none (static)."""
+        return self.config.sliding_windows if self.config.ring_cache else ()
 
     def _module(self) -> nn.Module:
         return DecoderLM(self.config)

@@ -127,7 +127,7 @@ def environment() -> dict:
         python=sys.version.split()[0],
         platform=platform.platform(),
         machine=platform.machine(),
-        processor=_cpu_model(),
+        processor=cpu_model(),
         cpu_extensions=cpu_extensions(),
         cpu_count=os.cpu_count(),
         usable_cpus=cpu_count(),
@@ -163,7 +163,8 @@ def cpu_extensions() -> list[str]:
     return []
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what ``platform`` says."""
     try:
         with open("/proc/cpuinfo") as file:
             for line in file:

@@ -15,22 +15,31 @@ the weight bytes read per second, and torch's time over genjax's. A library's wh
 cannot be faster than its products, so genjax's full step against torch's products bounds the
 speed-up over transformers that genjax can show at that batch on this machine.
 
+``--dtypes float32 bfloat16 int8`` also runs genjax's products with bfloat16 weights and
+activations, and with weight-only int8 weights (``genjax.quantize``'s scheme; several rows
+compiled with ``quantize.LIBRARY_DOT_OPTIONS``, as ``generate`` does), and prints each one's time
+over float32's: the floor of each dtype's decode step.
+
 Run:  python bench/matmul_floor.py [--shapes smollm gpt2] [--rows 1 4 8 32] [--steps 16]
+                                   [--dtypes float32 bfloat16 int8]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import time
 
 import _cases
+import _machine
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from genjax.models.layers import linear
+from genjax.models.quantize import LIBRARY_DOT_OPTIONS, quantize_weight
 
 
 def layer_matrices(shape: _cases.Shape) -> list[tuple[int, int]]:
@@ -85,13 +94,22 @@ def _step(multiply, layers, head, x):
     return multiply(x, head)
 
 
-def genjax_loop(layers, head, rows: int, steps: int):
+def genjax_loop(layers, head, rows: int, steps: int, dtype: str = "float32"):
     """Compiles ``steps`` steps in one ``lax.fori_loop`` and returns a no-argument function that
-    runs them to completion."""
-    params = ([[jnp.asarray(w) for w in matrices] for matrices in layers], jnp.asarray(head))
-    multiply = lambda x, weight: linear(x, weight, None, jnp.float32)  # noqa: E731
+    runs them to completion; ``dtype`` is the weights' (``int8``: weight-only, float32
+    activations)."""
+    if dtype == "int8":
+        convert = lambda w: quantize_weight(jnp.asarray(w))  # noqa: E731
+        multiply = lambda x, weight: linear(x, *weight, jnp.float32)  # noqa: E731
+        activations = jnp.float32
+    else:
+        convert = lambda w: jnp.asarray(w, dtype)  # noqa: E731
+        multiply = lambda x, weight: linear(x, weight, None, dtype)  # noqa: E731
+        activations = dtype
+    params = ([[convert(w) for w in matrices] for matrices in layers], convert(head))
+    options = LIBRARY_DOT_OPTIONS if dtype == "int8" and rows > 1 else None
 
-    @jax.jit
+    @functools.partial(jax.jit, compiler_options=options)
     def loop(x, params):
         def body(i, x):
             logits = _step(multiply, *params, x)
@@ -99,7 +117,7 @@ def genjax_loop(layers, head, rows: int, steps: int):
 
         return jax.lax.fori_loop(0, steps, body, x)
 
-    x = jnp.ones((rows, head.shape[1]), jnp.float32)
+    x = jnp.ones((rows, head.shape[1]), activations)
     run = lambda: jax.block_until_ready(loop(x, params))  # noqa: E731
     run()
     return run
@@ -109,6 +127,16 @@ def time_genjax(layers, head, rows: int, steps: int, runs: int) -> list[float]:
     """Seconds per step of ``steps`` steps in one compiled loop, ``runs`` times."""
     run = genjax_loop(layers, head, rows, steps)
     return [_timed(run) / steps for _ in range(runs)]
+
+
+def time_dtypes(layers, head, rows: int, steps: int, runs: int, dtypes) -> dict[str, list]:
+    """Seconds per step of genjax's loop at each dtype, the dtypes interleaved loop by loop."""
+    loops = {dtype: genjax_loop(layers, head, rows, steps, dtype) for dtype in dtypes}
+    seconds = {dtype: [] for dtype in dtypes}
+    for _ in range(runs):
+        for dtype, run in loops.items():
+            seconds[dtype].append(_timed(run) / steps)
+    return seconds
 
 
 def time_torch(layers, head, rows: int, steps: int, runs: int) -> list[float]:
@@ -143,7 +171,11 @@ def main() -> None:
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 4, 8, 32])
     parser.add_argument("--steps", type=int, default=16, help="steps per timed loop")
     parser.add_argument("--runs", type=int, default=5, help="timed loops per library and rows")
+    parser.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16", "int8"])
     args = parser.parse_args()
+    if args.dtypes:
+        dtype_table(args)
+        return
     import torch
 
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}, torch {torch.__version__} "
@@ -170,6 +202,29 @@ def main() -> None:
                     f"{'':>3} {nbytes / median / 1e9:6.1f}"
                 )
             print(f"{rows:>5} {cells[0]:>29} {cells[1]:>29} {medians[1] / medians[0]:12.2f}x")
+
+
+def dtype_table(args) -> None:
+    """genjax's products at each of ``args.dtypes``, interleaved; ratios over float32."""
+    machine = f"{_machine.cpu_model()} ({', '.join(_machine.cpu_extensions())})"
+    print(
+        f"jax {jax.__version__} on {jax.devices()[0].platform}; {machine}; ms per step, median "
+        f"(min-max) of {args.runs} interleaved loops of {args.steps} steps; x: float32 / this"
+    )
+    for name in args.shapes:
+        shape = _cases.SHAPES[name]
+        layers, head = random_weights(shape)
+        print(f"\n== {shape.title}: {shape.layers} layers + head ==")
+        print(f"{'rows':>5} " + " ".join(f"{dtype:>26}" for dtype in args.dtypes))
+        for rows in args.rows:
+            seconds = time_dtypes(layers, head, rows, args.steps, args.runs, args.dtypes)
+            base = statistics.median(seconds.get("float32") or seconds[args.dtypes[0]])
+            cells = []
+            for dtype in args.dtypes:
+                median = statistics.median(seconds[dtype])
+                span = f"{min(seconds[dtype]) * 1e3:.1f}-{max(seconds[dtype]) * 1e3:.1f}"
+                cells.append(f"{median * 1e3:7.1f} ({span}) x{base / median:4.2f}")
+            print(f"{rows:>5} " + " ".join(f"{cell:>26}" for cell in cells), flush=True)
 
 
 if __name__ == "__main__":

@@ -244,8 +244,13 @@ def linear(x: Array, weight: Array, scale: Array | None, dtype: jnp.dtype) -> Ar
 
 
 def _rows_times_transposed_accumulating(x: Array, weight: Array) -> Array:
-    """float32 ``x @ weight.T`` of narrow float operands, accumulated in float32."""
-    return _rows_times_transposed(x, weight, jnp.float32)
+    """float32 ``x @ weight.T`` of narrow float operands, accumulated in float32.
+
+    Always the plain product: the swapped one that helps float32 at 2-16 rows makes bfloat16
+    products 1.7-2.4x slower there on the CPU (GPT-2's step at 8 rows: 127 ms swapped, 53 ms
+    plain; ``bench/matmul_floor.py --dtypes``)."""
+    contract = (((x.ndim - 1,), (1,)), ((), ()))
+    return jax.lax.dot_general(x, weight, contract, preferred_element_type=jnp.float32)
 
 
 def _one_row_widened(x: Array, weight: Array) -> Array:

@@ -136,9 +136,10 @@ def library_dots(params: PyTree, rows: int) -> bool:
 
 
 def is_quantized(params: PyTree) -> bool:
-    """True when ``params`` holds quantized leaves (``kernel_scale`` or ``embedding_scale``)."""
+    """True when ``params`` holds quantized leaves (``kernel_scale`` or ``embedding_scale``);
+    False for any other pytree (a custom model's params may be a bare array)."""
     return any(
-        _leaf_name(path) in ("kernel_scale", "embedding_scale")
+        path and _leaf_name(path) in ("kernel_scale", "embedding_scale")
         for path, _ in jax.tree_util.tree_leaves_with_path(params)
     )
 

@@ -14,7 +14,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import genjax
 from genjax.cache import EncoderDecoderCache
 from genjax.errors import InputError, UnsupportedError
 from genjax.models import from_config, from_pretrained

@@ -129,6 +129,19 @@ def test_a_shorter_source_in_the_bucket_and_new_values_compile_nothing():
     np.testing.assert_allclose(got[finite], recorded[finite], **SCORES)
 
 
+def test_generate_inside_jit_gives_the_recorded_tokens():
+    """``jax.jit(partial(generate, model))``: the source is traced (not padded to a bucket)."""
+    cases, arrays = _recorded("t5_v1_0")
+    kwargs = cases["greedy"]["generate_kwargs"]
+    model, params, src, mask = _model("t5_v1_0")
+    config = genjax.GenerationConfig(**kwargs, output_scores=True)
+    out = jax.jit(functools.partial(genjax.generate, model))(
+        params, src, config, attention_mask=mask
+    )
+    expected = {k[len("greedy/") :]: v for k, v in arrays.items() if k.startswith("greedy/")}
+    _compare(out, expected, kwargs)
+
+
 def test_unsupported_options_raise_by_name():
     model, params, src, mask = _model("t5_v1_0")
     call = functools.partial(genjax.generate, model, params, src, attention_mask=mask)

@@ -116,7 +116,7 @@ def start_token_id(config, model):
 
 def decoder_prefix(start, decoder_input_ids, batch: int, vocab_size: int) -> Array:
     """int32[B, Pd]: the decoder's prefix, as transformers'
-    ``_prepare_decoder_input_ids_for_generation`` builds it.
+    ``_prepare_decoder_input_ids_for_generation`` builds it (numpy unless ``start`` is traced).
 
     Args:
         start: the start token (an int, int[] or int[B]; concrete or traced).
@@ -135,13 +135,14 @@ def decoder_prefix(start, decoder_input_ids, batch: int, vocab_size: int) -> Arr
         >>> decoder_prefix(0, np.array([[5, 6], [7, 8]]), 2, 32).tolist()
         [[0, 5, 6], [0, 7, 8]]
     """
-    start = jnp.asarray(start, jnp.int32)
+    xp = jnp if isinstance(start, jax.core.Tracer) else np  # numpy: no program per batch size
+    start = xp.asarray(start, xp.int32)
     if start.ndim > 1 or (start.ndim == 1 and start.shape[0] not in (1, batch)):
         raise InputError(
             f"decoder_start_token_id must be one id or one per input row ({batch}); got shape "
             f"{tuple(start.shape)}."
         )
-    column = jnp.broadcast_to(start.reshape(-1, 1), (batch, 1))
+    column = xp.broadcast_to(start.reshape(-1, 1), (batch, 1))
     if decoder_input_ids is None:
         return column
     if not hasattr(decoder_input_ids, "shape"):
@@ -166,10 +167,10 @@ def decoder_prefix(start, decoder_input_ids, batch: int, vocab_size: int) -> Arr
             f"decoder_input_ids holds ids in [{values.min()}, {values.max()}], outside the "
             f"model's vocabulary [0, {vocab_size - 1}]."
         )
-    ids = jnp.asarray(values, jnp.int32)
-    if (values[:, 0] == np.asarray(column)[:, 0]).any():  # transformers: unless no row does
+    ids = values.astype(np.int32)
+    if (ids[:, 0] == column[:, 0]).any():  # transformers: unless no row does
         return ids
-    return jnp.concatenate([column, ids], axis=1)
+    return np.concatenate([column, ids], axis=1)
 
 
 def place_source(input_ids, attention_mask, pad_token_id, policy):

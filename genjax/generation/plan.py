@@ -323,7 +323,8 @@ def _prepare_encoder_decoder(model, params, input_ids, config, request) -> Prepa
     stop_strings = stop_string_table_for(resolved, request.tokenizer)
     pad_token_id, _ = special_ids(resolved)
     if attention_mask is None:  # transformers infers none for an encoder-decoder model
-        attention_mask = jnp.ones(input_ids.shape, jnp.int32)
+        xp = jnp if isinstance(input_ids, jax.core.Tracer) else np
+        attention_mask = xp.ones(input_ids.shape, xp.int32)
     policy = buckets.resolve(request.prompt_buckets)
     ids, mask = encoder_decoder.place_source(input_ids, attention_mask, pad_token_id, policy)
     plan = _plan(model, resolved, mode, ids.shape, new_tokens, None, None, request)

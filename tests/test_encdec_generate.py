@@ -21,6 +21,7 @@ import pytest
 
 import genjax
 from genjax.errors import InputError, UnsupportedError
+from genjax.generation.encoder_decoder import start_token_id
 from genjax.models import from_pretrained
 from genjax.testing import count_compiles
 
@@ -153,6 +154,8 @@ def test_unsupported_options_raise_by_name():
         call(max_new_tokens=2, prompt_lookup_num_tokens=2)
     with pytest.raises(InputError, match="decoder_input_ids must be int"):
         call(max_new_tokens=2, decoder_input_ids=np.zeros((2, 2), np.int32))
+    with pytest.raises(InputError, match="decoder_start_token_id"):  # nothing to start from
+        start_token_id(genjax.GenerationConfig().with_defaults(), object())
     gpt = genjax.models.from_config(genjax.testing.tiny_config("llama"))
     with pytest.raises(InputError, match="decoder-only"):
         genjax.generate(

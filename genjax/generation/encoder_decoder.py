@@ -79,8 +79,8 @@ def check_request(model, request, config, assisted: bool) -> None:
         assisted: whether the call's mode is assisted generation (a draft or prompt lookup).
     """
     refused = [text for name, text in _REFUSED.items() if getattr(request, name) is not None]
-    if assisted:
-        refused.append("assisted generation (prompt_lookup_num_tokens)")
+    if assisted and request.assistant_model is None:
+        refused.append("prompt_lookup_num_tokens (assisted generation)")
     if config.max_cache_len is not None:
         refused.append("max_cache_len")
     if config.cache_implementation == "quantized":

@@ -125,14 +125,9 @@ def generate(
     hold up to ``min(B, G + 1)`` times more slots than plain decoding's (``G`` =
     ``num_assistant_tokens``); no beams, streamer or mesh.
 
-    Encoder-decoder models (T5, BART, mBART, Marian; :mod:`genjax.generation.encoder_decoder`):
-    ``input_ids`` is the source, which the encoder reads once; decoding starts from
-    ``decoder_start_token_id`` (the config's, else the model's), ``max_length`` counts decoder
-    tokens only, and ``sequences`` int32[B*R, Pd+N] holds the decoder's tokens, the start token
-    first, as transformers returns them. Greedy, sampling, beam search and beam sampling, with
-    every processor (``encoder_*`` over the source) and stopping rule; assisted generation,
-    ``streamer``, ``mesh``, ``constraint``, ``max_cache_len`` and the int8 cache raise
-    UnsupportedError for them.
+    Encoder-decoder models (T5, BART, Marian): ``input_ids`` is the source, read once by the
+    encoder; ``sequences`` are the decoder's tokens from ``decoder_start_token_id``; no assisted
+    generation, streamer, mesh or constraint (see :mod:`genjax.generation.encoder_decoder`).
 
     Args:
         model: a model following the protocol of :mod:`genjax.models` (hashable; static).

@@ -14,7 +14,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import genjax
 from genjax.cache import EncoderDecoderCache
 from genjax.errors import InputError, UnsupportedError
 from genjax.models import from_config, from_pretrained
@@ -207,11 +206,3 @@ def test_init_params_matches_the_loaded_tree_and_bad_inputs_are_named(tmp_path):
             cache,
             jnp.ones((2, 3)),
         )
-
-
-def test_generate_refuses_encoder_decoder_models_by_name(tmp_path):
-    write_random_checkpoint(str(tmp_path), "t5")
-    model, params = from_pretrained(str(tmp_path))
-    ids = np.ones((1, 4), np.int32)
-    with pytest.raises(UnsupportedError, match="encoder-decoder models"):
-        genjax.generate(model, params, ids, genjax.GenerationConfig(max_new_tokens=2))

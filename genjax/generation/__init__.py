@@ -8,6 +8,8 @@ arrays the program traces. ``entry`` is :func:`generate` itself and its one jitt
 whose single static argument is the plan and whose three loops (sampling, beams, assisted) read
 it; ``inputs`` holds the host checks ``plan`` calls (arrays, lengths, layout, stop strings);
 ``constrained`` turns ``constraint=`` into the device automaton (:mod:`genjax.constraints`);
+``encoder_decoder`` the source and decoder-prefix pieces of an encoder-decoder call (the
+encoder pass and the cross-attention cache, inside the program; the loops are the same);
 ``prefill`` the pieces every loop shares inside the program (the prompt pass, stopping state,
 special ids); ``outputs`` the output type and transition scores; ``buckets`` the prompt-length
 policies; ``compiling`` :func:`warmup` (it plans each call as ``generate`` does, then lowers

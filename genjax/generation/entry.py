@@ -60,7 +60,7 @@ from genjax.decoding.sampling import (
     sampling_chooser,
 )
 from genjax.errors import InputError
-from genjax.generation import buckets
+from genjax.generation import buckets, encoder_decoder
 from genjax.generation.outputs import GenerateOutput
 from genjax.generation.plan import CallPlan, CallRequest, Mode, PreparedCall, TracedInputs, prepare
 from genjax.generation.prefill import (
@@ -109,6 +109,7 @@ def generate(
     assistant_params: PyTree = None,
     prompt_buckets=None,
     constraint=None,
+    decoder_input_ids: Array | None = None,
     **config_overrides,
 ) -> GenerateOutput:
     """Generates tokens after ``input_ids``: greedy, sampling, beam search or beam sampling,
@@ -123,6 +124,10 @@ def generate(
     and ``num_accepted_tokens`` int32[B] counts the accepted candidates per row. Its KV caches
     hold up to ``min(B, G + 1)`` times more slots than plain decoding's (``G`` =
     ``num_assistant_tokens``); no beams, streamer or mesh.
+
+    Encoder-decoder models (T5, BART, Marian): ``input_ids`` is the source, read once by the
+    encoder; ``sequences`` are the decoder's tokens from ``decoder_start_token_id``; no assisted
+    generation, streamer, mesh or constraint (see :mod:`genjax.generation.encoder_decoder`).
 
     Args:
         model: a model following the protocol of :mod:`genjax.models` (hashable; static).
@@ -188,6 +193,9 @@ def generate(
             of one per input row. The automaton's tables are traced (patterns whose tables pad
             to the same size share one program; its format and sizes are static). Greedy,
             sampling and beams; not assisted generation.
+        decoder_input_ids: encoder-decoder models only: int[B, T] forced first decoder tokens
+            (concrete), after ``decoder_start_token_id``, which is put in front unless a row
+            already starts with it (transformers' rule).
         **config_overrides: generation config fields overriding ``config`` for this call
             (applied last, after the model's config and the defaults: ``do_sample=False``
             makes a checkpoint that samples by default decode greedily, and a sampling value
@@ -234,6 +242,7 @@ def generate(
         assistant_params=assistant_params,
         prompt_buckets=prompt_buckets,
         constraint=constraint,
+        decoder_input_ids=decoder_input_ids,
         overrides=config_overrides,
     )
     call = prepare(model, params, input_ids, config, request)
@@ -358,6 +367,17 @@ class _Call:
         ``draft``) into ``W + new_slots`` slots (default ``N``), sliding-window rings with
         ``ring_margin`` extra slots (static)."""
         model, params = self.plan.model, self.params
+        new_slots = self.plan.steps if new_slots is None else new_slots
+        if self.traced.decoder_input_ids is not None:  # an encoder-decoder model
+            return encoder_decoder.prefill(
+                model,
+                params,
+                self.input_ids,
+                self.attention_mask,
+                self.traced.decoder_input_ids,
+                new_slots,
+                self.pad_token_id,
+            )
         if draft:
             model, params = self.plan.assistant, self.traced.assistant_params
         return prefill(
@@ -365,12 +385,23 @@ class _Call:
             params,
             self.input_ids,
             self.attention_mask,
-            self.plan.steps if new_slots is None else new_slots,
+            new_slots,
             self.pad_token_id,
             self.plan.quantized,
             self.plan.prefill_chunk,
             ring_margin,
         )
+
+    def context(self, tokens: Array, length: Array, attention_mask: Array, rows_per_prompt: int):
+        """The processors' view of the prompt (:func:`prompt_context`); for an encoder-decoder
+        model with the source ids, one row per decoder row (``rows_per_prompt`` static)."""
+        context = prompt_context(tokens, length, attention_mask, self.traced.offset)
+        if self.traced.source_length is None:
+            return context
+        source = encoder_decoder.source_tokens(
+            self.input_ids, self.traced.source_length, rows_per_prompt
+        )
+        return context.replace(encoder_tokens=source)
 
     def constrain(self):
         """The loops' ``constrain`` hook: the layout's shardings, or None."""
@@ -386,15 +417,15 @@ def _generate_sampling(call: _Call) -> GenerateOutput:
     ``max_cache_len``), repeat rows for ``num_return_sequences``, run
     :func:`genjax.decoding.sampling.decode`."""
     plan, traced, attention_mask = call.plan, call.traced, call.attention_mask
-    batch, width = call.input_ids.shape
+    batch = call.input_ids.shape[0]
     copies = plan.num_return_sequences
 
     def rows(x):  # row b -> rows b*R .. b*R+R-1, by a reshape: sharded rows stay in place
         return jnp.repeat(x, copies, axis=0)
 
-    length = jnp.asarray(width, jnp.int32)
     if plan.slots is None:
         logits, cache, cache_mask, tokens = call.prefill()
+        length = jnp.asarray(tokens.shape[1] - plan.steps, jnp.int32)  # W, or the decoder's Pd
     else:
         cache = init_cache(plan.model, batch, plan.slots.buffer_length, plan.quantized)
         keep_one = accepts_logits_to_keep(plan.model)
@@ -417,7 +448,7 @@ def _generate_sampling(call: _Call) -> GenerateOutput:
         raw_logits=jnp.zeros(recorded) if plan.output_logits else None,
         automaton_state=None if traced.automaton is None else rows(traced.automaton.initial),
     )
-    context = prompt_context(state.tokens, state.length, state.attention_mask, traced.offset)
+    context = call.context(state.tokens, state.length, state.attention_mask, copies)
     if plan.slots is not None:  # transformers' max_length = P + N, traced
         context = context.replace(max_length=traced.bounds[1] - traced.offset)
     rules = DecodeRules(
@@ -467,12 +498,11 @@ def _generate_beams(call: _Call) -> GenerateOutput:
     automaton = call.traced.automaton
     if automaton is not None:
         state = state.replace(automaton_state=jnp.repeat(automaton.initial, num_beams, axis=0))
-    offset = call.traced.offset
     rules = beam.BeamRules(
         process=call.processors(),
         do_sample=plan.do_sample,
         early_stopping=config.early_stopping,
-        context=prompt_context(state.tokens, state.length, state.attention_mask, offset),
+        context=call.context(state.tokens, state.length, state.attention_mask, num_beams),
         length_penalty=config.length_penalty,
         eos_token_ids=call.eos_token_ids,
         stopping=call.stopping,

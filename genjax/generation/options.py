@@ -25,8 +25,8 @@ INERT: dict[str, str] = {
     "is_assistant": "marks a draft model's own config; read by nothing in generate",
     "bos_token_id": "transformers uses it only to start a prompt-less generation; generate "
     "always takes input_ids (forced_bos_token_id forces a first token)",
-    "decoder_start_token_id": "encoder-decoder models only; transformers ignores it for "
-    "decoder-only models, and genjax's models are decoder-only",
+    "decoder_start_token_id": "encoder-decoder models only (their decoder's first token: "
+    "tests/test_encdec_generate.py); transformers ignores it for decoder-only models",
     # Outputs besides the tokens (tested where they are built).
     "output_scores": "adds GenerateOutput.scores; the tokens are the same",
     "output_logits": "adds GenerateOutput.logits; the tokens are the same",

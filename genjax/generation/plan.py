@@ -53,8 +53,8 @@ from genjax.cache.quantized import check_cache_options
 from genjax.cache.slots import pad_prompt
 from genjax.config import GenerationConfig
 from genjax.decoding import assisted, beam
-from genjax.errors import UnsupportedError
-from genjax.generation import buckets
+from genjax.errors import InputError, UnsupportedError
+from genjax.generation import buckets, encoder_decoder
 from genjax.generation.constrained import automaton_for
 from genjax.generation.inputs import (
     as_int32,
@@ -118,6 +118,7 @@ class CallRequest:
     assistant_params: PyTree = None
     prompt_buckets: Any = None
     constraint: Any = None  # genjax.constraints.Constraint, or a list of one per input row
+    decoder_input_ids: Any = None  # int[B, T]: an encoder-decoder model's forced decoder prefix
     overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     @classmethod
@@ -181,6 +182,11 @@ class TracedInputs:
     # The structured-output automaton (genjax.constraints.tables; its format and shapes are in
     # the treedef, its tables traced), or None.
     automaton: Any = None
+    # Encoder-decoder models (genjax.generation.encoder_decoder), else None: the decoder's
+    # prefix int32[B, Pd] (the start token first) and the source's length int32[] within its
+    # bucket.
+    decoder_input_ids: Array | None = None
+    source_length: Array | None = None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -227,12 +233,12 @@ def prepare(model, params: PyTree, input_ids, config, request: CallRequest) -> P
         config and mode, the arrays, the mesh, the assistant, the lengths, the stopping rules
         and streamer, the memory.
     """
-    if getattr(model, "is_encoder_decoder", False):
-        raise UnsupportedError(
-            f"generate does not run encoder-decoder models yet ({type(model).__name__}): "
-            "genjax.models loads them and runs their encoder and decoder passes "
-            "(model.encode, model.init_cache, model.apply), but the decoding loops do not "
-            "drive them."
+    if encoder_decoder.is_encoder_decoder(model):
+        return _prepare_encoder_decoder(model, params, input_ids, config, request)
+    if request.decoder_input_ids is not None:
+        raise InputError(
+            f"decoder_input_ids= is for encoder-decoder models; {type(model).__name__} is "
+            f"decoder-only: put the tokens at the end of input_ids instead."
         )
     lengths, resolved, mode = _resolve(model, config, request)
     input_ids, attention_mask, key = check_inputs(
@@ -293,6 +299,52 @@ def _decode_rows(plan: CallPlan, ids) -> int:
     if plan.mode is Mode.ASSISTED:
         return ids.shape[0]
     return ids.shape[0] * max(plan.num_beams, plan.num_return_sequences)
+
+
+def _prepare_encoder_decoder(model, params, input_ids, config, request) -> PreparedCall:
+    """:func:`prepare` for an encoder-decoder model (:mod:`genjax.generation.encoder_decoder`):
+    ``input_ids`` is the source, right-padded to its bucket; the decoder starts from its prefix,
+    and ``max_length`` counts decoder tokens only."""
+    lengths, resolved, mode = _resolve(model, config, request)
+    encoder_decoder.check_request(model, request, resolved, mode is Mode.ASSISTED)
+    input_ids, attention_mask, key = check_inputs(
+        model, input_ids, request.attention_mask, request.key, resolved
+    )
+    batch, source_length = input_ids.shape
+    start = encoder_decoder.start_token_id(resolved, model)
+    prefix = encoder_decoder.decoder_prefix(
+        start, request.decoder_input_ids, batch, model.vocab_size
+    )
+    new_tokens = num_new_tokens(lengths, resolved, prefix.shape[1], model)
+    if resolved.min_new_tokens is not None:  # transformers: min_new_tokens overrides min_length
+        resolved = resolved.replace(min_length=0)
+    criteria = as_criteria(request.stopping_criteria)
+    request = dataclasses.replace(request, stopping_criteria=criteria)
+    stop_strings = stop_string_table_for(resolved, request.tokenizer)
+    pad_token_id, _ = special_ids(resolved)
+    if attention_mask is None:  # transformers infers none for an encoder-decoder model
+        xp = jnp if isinstance(input_ids, jax.core.Tracer) else np
+        attention_mask = xp.ones(input_ids.shape, xp.int32)
+    policy = buckets.resolve(request.prompt_buckets)
+    ids, mask = encoder_decoder.place_source(input_ids, attention_mask, pad_token_id, policy)
+    plan = _plan(model, resolved, mode, ids.shape, new_tokens, None, None, request)
+    rows = library_dots(params, _decode_rows(plan, ids))
+    plan = dataclasses.replace(plan, caches=(), library_dots=rows)  # no memory check: its
+    # sizes are a decoder-only model's caches
+    traced = TracedInputs(
+        config=resolved,
+        key=key if key is not None else jax.random.key(0),
+        offset=jnp.zeros((), jnp.int32),
+        bounds=None,
+        stop_strings=stop_strings,
+        assistant_params=None,
+        logits_processor=as_processors(request.logits_processor),
+        decoder_input_ids=prefix,
+        source_length=jnp.asarray(source_length, jnp.int32),
+    )
+    return PreparedCall(
+        plan, params, ids, mask, traced, input_ids, source_length, new_tokens, 0, policy
+    )
 
 
 def _resolve(model, config, request: CallRequest):

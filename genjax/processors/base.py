@@ -124,6 +124,9 @@ class LogitsContext:
     prompt_end: Array  # int32[]: the slot where new tokens start
     first_valid: Array  # int32[B]: each row's first slot holding a real (unpadded) token
     max_length: Array | None = None  # int32[] or None: transformers' max_length; None: S - offset
+    # int32[B, Se] or None: an encoder-decoder model's source ids, one row per decoder row (-1 in
+    # slots genjax padded), the "encoder input" of the encoder_* processors; None: the prompt.
+    encoder_tokens: Array | None = None
 
     @classmethod
     def for_prompt(

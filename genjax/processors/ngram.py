@@ -65,7 +65,10 @@ def no_repeat_ngram_size(size: int) -> Transform:
 def encoder_no_repeat_ngram_size(size: int) -> Transform:
     """Bans every token that would complete an n-gram of the prompt (the "encoder input").
 
-    transformers applies it with the prompt as the encoder input, for decoder-only models too:
+    For an encoder-decoder model the encoder input is the source (``context.encoder_tokens``:
+    its n-grams, the source's own padding included, against the newest ``size - 1`` decoder
+    tokens, once there are that many). For a decoder-only model transformers applies it with the
+    prompt as the encoder input:
     the last ``size - 1`` tokens of ``input_ids`` (prompt and new tokens) are compared with every
     window of that length inside the user's prompt (slots ``offset`` to ``prompt_end``, the
     user's own left padding included; genjax's bucket padding excluded), and the prompt token
@@ -87,6 +90,8 @@ def encoder_no_repeat_ngram_size(size: int) -> Transform:
 def _no_repeat_ngram(scores: Array, context: LogitsContext, size: int, prompt_only: bool) -> Array:
     """Bans what followed earlier windows matching the newest ``size - 1`` tokens; the windows
     lie in ``input_ids`` (``tokens[offset:length]``), or in the prompt when ``prompt_only``."""
+    if prompt_only and context.encoder_tokens is not None:
+        return _source_ngram(scores, context, size)
     batch, vocab = scores.shape
     tokens = context.tokens
     windows = tokens.shape[1] - size + 1  # window starts 0 .. S - size
@@ -102,6 +107,29 @@ def _no_repeat_ngram(scores: Array, context: LogitsContext, size: int, prompt_on
         match &= tokens[:, k : k + windows] == newest
     following = tokens[:, size - 1 : size - 1 + windows]
     ids = jnp.where(match, jnp.clip(following, 0, vocab), vocab)  # vocab: a spare column
+    rows = jnp.arange(batch)[:, None]
+    banned = jnp.zeros((batch, vocab + 1), bool).at[rows, ids].set(True)
+    return jnp.where(banned[:, :vocab], NEG_INF, scores)
+
+
+def _source_ngram(scores: Array, context: LogitsContext, size: int) -> Array:
+    """:func:`encoder_no_repeat_ngram_size` over an encoder-decoder model's source ids
+    ``context.encoder_tokens`` int32[B, Se] (-1: a slot genjax padded, never matched)."""
+    batch, vocab = scores.shape
+    source, tokens = context.encoder_tokens, context.tokens
+    windows = source.shape[1] - size + 1
+    if windows < 1:
+        return scores
+    # transformers finds no (size - 1)-gram to match before input_ids holds that many tokens.
+    ready = context.length - context.offset >= size - 1
+    match = jnp.broadcast_to(ready, (batch, windows))
+    for k in range(size - 1):
+        newest = jax.lax.dynamic_index_in_dim(
+            tokens, context.length - size + 1 + k, axis=1, keepdims=True
+        )
+        match &= source[:, k : k + windows] == newest
+    following = source[:, size - 1 : size - 1 + windows]
+    ids = jnp.where(match & (following >= 0), jnp.clip(following, 0, vocab), vocab)
     rows = jnp.arange(batch)[:, None]
     banned = jnp.zeros((batch, vocab + 1), bool).at[rows, ids].set(True)
     return jnp.where(banned[:, :vocab], NEG_INF, scores)

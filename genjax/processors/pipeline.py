@@ -290,8 +290,9 @@ def from_config(
     only when sampling: temperature, top-h, top-k, top-p, min-p, typical-p, epsilon, eta; then
     the watermark (``watermarking_config``, after all other processing); then renormalization.
     With beam sampling the warpers keep at least ``len(eos) + 1`` tokens, as transformers does.
-    The two encoder options read the prompt as transformers' "encoder input", which it is for
-    decoder-only models (transformers builds them whenever ``input_ids`` are given, as they
+    The two encoder options read the source of an encoder-decoder model
+    (``LogitsContext.encoder_tokens``), else the prompt as transformers' "encoder input", which it
+    is for decoder-only models (transformers builds them whenever ``input_ids`` are given, as they
     always are here).
 
     Args:

@@ -135,7 +135,8 @@ def _count_penalties(
 def encoder_repetition_penalty(penalty: float | Array) -> Transform:
     """Rewards every token id of the prompt: the inverse of :func:`repetition_penalty`.
 
-    transformers applies it with the prompt as the "encoder input", for decoder-only models too:
+    For an encoder-decoder model the encoder input is the source (``context.encoder_tokens``).
+    For a decoder-only model transformers applies it with the prompt as the "encoder input":
     each score of a token in the user's ``input_ids`` (slots ``offset`` to ``prompt_end``; the
     user's own left padding included, as transformers gathers the whole prompt; genjax's bucket
     padding excluded) is multiplied by ``penalty`` when positive and divided by it when negative,
@@ -154,9 +155,13 @@ def encoder_repetition_penalty(penalty: float | Array) -> Transform:
 
 
 def _encoder_repetition_penalty(scores: Array, context: LogitsContext, penalty: Array) -> Array:
-    slots = jnp.arange(context.tokens.shape[1])[None, :]
-    counted = (slots >= context.offset) & (slots < context.prompt_end)
-    seen = _seen_tokens(context.tokens, counted, scores.shape[-1])
+    if context.encoder_tokens is not None:  # an encoder-decoder model's source ids
+        source = context.encoder_tokens
+        seen = _seen_tokens(source, source >= 0, scores.shape[-1])
+    else:
+        slots = jnp.arange(context.tokens.shape[1])[None, :]
+        counted = (slots >= context.offset) & (slots < context.prompt_end)
+        seen = _seen_tokens(context.tokens, counted, scores.shape[-1])
     # transformers stores 1 / penalty and multiplies negative scores by it, divides others.
     inverse = (1.0 / per_row(penalty)).astype(scores.dtype)
     rewarded = jnp.where(scores < 0, scores * inverse, scores / inverse)

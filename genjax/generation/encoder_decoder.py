@@ -1,0 +1,222 @@
+"""``generate`` for encoder-decoder models (T5, BART, mBART, Marian): the source and the prefix.
+
+An encoder-decoder call runs one compiled program, as a decoder-only call does. Its
+``input_ids`` are the source, which the encoder reads once; the decoding loops of
+:mod:`genjax.decoding` then drive the decoder exactly as they drive a decoder-only model, over
+a token buffer that holds the decoder's tokens only::
+
+    source (encoder)   slot 0 .......... P-1 | P ...... Pb-1      Pb: the bucket length
+                       the user's input_ids  | padding (masked; genjax's, right of the source)
+
+    decoder buffer     slot 0 ...... Pd-1 | Pd ........... Pd+N-1
+                       the prefix         | the new tokens (N)
+
+The prefix is ``decoder_start_token_id`` (the config's, else the model's, else
+``bos_token_id``, as transformers v5 picks it), or ``decoder_input_ids`` given by the caller,
+with the start token put in front when no row starts with it (transformers' rule).
+``max_length`` counts the decoder's tokens only, so ``N = max_length - Pd``, and
+``sequences`` are the decoder's tokens, starting with the start token, as transformers returns
+them.
+
+The source is padded on the right, not the left: BART and Marian number the encoder's positions
+by slot whatever the mask, so left padding would move them, while masked slots at the end
+change nothing. The cross-attention keys and values are computed once after the encoder
+(``model.init_cache``) and kept per prompt: beams and ``num_return_sequences`` multiply the
+cache's ``rows_per_prompt`` and reorder only the self-attention slots
+(:mod:`genjax.cache.encoder_decoder`). The ``encoder_*`` processors read the source, through
+``LogitsContext.encoder_tokens`` (one row per decoder row; -1 in genjax's padding).
+
+Not supported for encoder-decoder models yet, each raising ``UnsupportedError`` by name:
+assisted generation, ``streamer``, ``mesh``, ``constraint``, ``max_cache_len`` and the int8
+cache (``cache_implementation="quantized"``).
+
+Static or traced:
+    Static: the source's bucket length ``Pb``, the prefix length ``Pd``, ``N``. Traced: the
+    source ids and mask, the source length ``P`` within its bucket, the prefix's ids (the
+    start token included).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from genjax.cache.slots import pad_prompt
+from genjax.errors import InputError, UnsupportedError
+from genjax.typing import Array
+
+__all__ = [
+    "check_request",
+    "decoder_prefix",
+    "is_encoder_decoder",
+    "place_source",
+    "prefill",
+    "source_tokens",
+    "start_token_id",
+]
+
+_REFUSED = {
+    "streamer": "streamer=",
+    "mesh": "mesh=",
+    "constraint": "constraint=",
+    "assistant_model": "assistant_model= (assisted generation)",
+}
+
+
+def is_encoder_decoder(model) -> bool:
+    """Whether ``model`` follows the encoder-decoder protocol of :mod:`genjax.models`."""
+    return bool(getattr(model, "is_encoder_decoder", False))
+
+
+def check_request(model, request, config, assisted: bool) -> None:
+    """Raises UnsupportedError for what encoder-decoder generation does not run yet, naming it.
+
+    Args:
+        model: the encoder-decoder model.
+        request: the call's :class:`~genjax.generation.plan.CallRequest`.
+        config: the resolved :class:`~genjax.GenerationConfig`.
+        assisted: whether the call's mode is assisted generation (a draft or prompt lookup).
+    """
+    refused = [text for name, text in _REFUSED.items() if getattr(request, name) is not None]
+    if assisted and request.assistant_model is None:
+        refused.append("prompt_lookup_num_tokens (assisted generation)")
+    if config.max_cache_len is not None:
+        refused.append("max_cache_len")
+    if config.cache_implementation == "quantized":
+        refused.append('cache_implementation="quantized"')
+    if refused:
+        raise UnsupportedError(
+            f"{', '.join(dict.fromkeys(refused))} is not supported with encoder-decoder models "
+            f"({type(model).__name__}) yet: generate runs them with greedy decoding, sampling, "
+            f"beam search and beam sampling, unsharded, without a streamer. Drop it."
+        )
+
+
+def start_token_id(config, model):
+    """The decoder's first token: the config's ``decoder_start_token_id``, else the model's,
+    else ``bos_token_id`` (transformers v5's order); an int or int[B], possibly traced.
+
+    Raises:
+        InputError: none of them is set.
+    """
+    for value in (
+        config.decoder_start_token_id,
+        getattr(model, "decoder_start_token_id", None),
+        config.bos_token_id,
+    ):
+        if value is not None:
+            return value
+    raise InputError(
+        f"encoder-decoder generation needs decoder_start_token_id (or bos_token_id): neither "
+        f"the config nor {type(model).__name__}'s config.json sets one. Pass "
+        f"decoder_start_token_id=<id> (T5: the pad id 0; BART: the EOS id 2)."
+    )
+
+
+def decoder_prefix(start, decoder_input_ids, batch: int, vocab_size: int) -> Array:
+    """int32[B, Pd]: the decoder's prefix, as transformers'
+    ``_prepare_decoder_input_ids_for_generation`` builds it (numpy unless ``start`` is traced).
+
+    Args:
+        start: the start token (an int, int[] or int[B]; concrete or traced).
+        decoder_input_ids: None, or int[B, T] forced decoder tokens; the start token is put in
+            front unless some row already starts with it.
+        batch: ``B`` (static).
+        vocab_size: to check the ids of a concrete ``decoder_input_ids``.
+
+    Raises:
+        InputError: a start token of the wrong shape; ``decoder_input_ids`` that is not
+            int[B, T] or holds ids outside the vocabulary.
+
+    Example:
+        >>> decoder_prefix(0, None, 2, 32).tolist()
+        [[0], [0]]
+        >>> decoder_prefix(0, np.array([[5, 6], [7, 8]]), 2, 32).tolist()
+        [[0, 5, 6], [0, 7, 8]]
+    """
+    xp = jnp if isinstance(start, jax.core.Tracer) else np  # numpy: no program per batch size
+    start = xp.asarray(start, xp.int32)
+    if start.ndim > 1 or (start.ndim == 1 and start.shape[0] not in (1, batch)):
+        raise InputError(
+            f"decoder_start_token_id must be one id or one per input row ({batch}); got shape "
+            f"{tuple(start.shape)}."
+        )
+    column = xp.broadcast_to(start.reshape(-1, 1), (batch, 1))
+    if decoder_input_ids is None:
+        return column
+    if not hasattr(decoder_input_ids, "shape"):
+        decoder_input_ids = np.asarray(decoder_input_ids)
+    shape = tuple(decoder_input_ids.shape)
+    integer = jnp.issubdtype(decoder_input_ids.dtype, jnp.integer)
+    if len(shape) != 2 or shape[0] != batch or not integer:
+        raise InputError(
+            f"decoder_input_ids must be int[B, T] with B = {batch} (the rows of input_ids); got "
+            f"{decoder_input_ids.dtype}{list(shape)}."
+        )
+    if shape[1] == 0:
+        return column
+    if any(isinstance(x, jax.core.Tracer) for x in (decoder_input_ids, start)):
+        raise InputError(
+            "decoder_input_ids needs concrete ids and a concrete decoder_start_token_id (not "
+            "traced inside a jit): whether the start token goes in front changes the shape."
+        )
+    values = np.asarray(decoder_input_ids)
+    if values.min() < 0 or values.max() >= vocab_size:
+        raise InputError(
+            f"decoder_input_ids holds ids in [{values.min()}, {values.max()}], outside the "
+            f"model's vocabulary [0, {vocab_size - 1}]."
+        )
+    ids = values.astype(np.int32)
+    if (ids[:, 0] == column[:, 0]).any():  # transformers: unless no row does
+        return ids
+    return np.concatenate([column, ids], axis=1)
+
+
+def place_source(input_ids, attention_mask, pad_token_id, policy):
+    """``(ids int32[B, Pb], mask int32[B, Pb])``: the source right-padded to its bucket length
+    (masked slots holding ``pad_token_id``); inside a user's jit, where the shape is fixed, as
+    given."""
+    if isinstance(input_ids, jax.core.Tracer):
+        return jnp.asarray(input_ids, jnp.int32), jnp.asarray(attention_mask, jnp.int32)
+    ids, mask = np.asarray(input_ids, np.int32), np.asarray(attention_mask, np.int32)
+    right = policy.length(ids.shape[1]) - ids.shape[1]
+    if not right:
+        return jax.device_put(ids), jax.device_put(mask)
+    return pad_prompt(ids, mask, pad_token_id, 0, right)
+
+
+def prefill(model, params, source, source_mask, prefix, new_slots: int, pad_token_id):
+    """Runs the encoder once, builds the decoder cache with its cross-attention keys and values,
+    and runs the decoder over the prefix.
+
+    Args:
+        model: the encoder-decoder model (static).
+        params: its parameters.
+        source: int32[B, Pb] source ids; ``source_mask`` int32[B, Pb], 1 on real tokens.
+        prefix: int32[B, Pd] decoder prefix (the start token first).
+        new_slots: ``N`` (static), the decoder slots after the prefix.
+        pad_token_id: int32[], written in the new slots of the returned buffer.
+
+    Returns:
+        ``(logits float32[B, 1, V], cache, cache_mask int32[B, Pd + N], tokens int32[B, Pd + N])``
+        as :func:`genjax.generation.prefill.prefill` returns them for a decoder-only model: the
+        loops of :mod:`genjax.decoding` take them unchanged.
+    """
+    batch, length = prefix.shape
+    states = model.encode(params, source, source_mask)
+    cache = model.init_cache(batch, length + new_slots, states, source_mask, params)
+    cache_mask = jnp.ones((batch, length + new_slots), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+    logits, cache = model.apply(params, prefix, positions, cache, cache_mask, logits_to_keep=1)
+    filler = jnp.full((batch, new_slots), pad_token_id, jnp.int32)
+    return logits, cache, cache_mask, jnp.concatenate([prefix, filler], axis=1)
+
+
+def source_tokens(source, source_length, rows_per_prompt: int) -> Array:
+    """int32[B * R, Pb]: the source ids for the ``encoder_*`` processors, one row per decoder
+    row (prompt ``b``'s row repeated ``R`` times, static), -1 in genjax's padding (slots from
+    ``source_length``, int32[])."""
+    slots = jnp.arange(source.shape[1])[None, :]
+    marked = jnp.where(slots < source_length, source, -1)
+    return jnp.repeat(marked, rows_per_prompt, axis=0)

@@ -1,0 +1,183 @@
+"""``genjax.generate`` on encoder-decoder models (T5, BART, mBART) against transformers.
+
+Recorded fixtures (``tests/fixtures/encdec_generate``, from
+``make_encdec_generate_fixtures.py``) hold transformers v5's ``generate`` outputs on the tiny
+random checkpoints of ``tests/fixtures/encdec``: greedy and beam search with rows ending early,
+sampling's first step, the processors (``encoder_*`` over the source), a forced decoder prefix,
+``max_length`` over decoder tokens and mBART's ``forced_bos_token_id``. The ``parity`` test runs
+the same cases live.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+import genjax
+from genjax.errors import InputError, UnsupportedError
+from genjax.generation.encoder_decoder import start_token_id
+from genjax.models import from_pretrained
+from genjax.testing import count_compiles
+
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
+HERE = os.path.dirname(__file__)
+FIXTURES = os.path.join(HERE, "fixtures", "encdec_generate")
+SCORES = dict(rtol=1e-5, atol=5e-5)  # float32 log-probs of magnitude up to ~30
+CASES = [
+    ("t5_v1_0", "greedy"),
+    ("t5_v1_0", "beam"),
+    ("t5_v1_0", "sample"),
+    ("t5_v1_0", "processors"),
+    ("bart", "greedy"),
+    ("bart", "beam"),
+    ("mbart", "forced_bos"),
+]
+
+
+@functools.cache
+def _model(name: str):
+    """The genjax model, params and source batch of ``tests/fixtures/encdec/<name>``."""
+    folder = os.path.join(HERE, "fixtures", "encdec", name)
+    model, params = from_pretrained(folder)
+    with np.load(os.path.join(folder, "records.npz")) as records:
+        return model, params, records["src_ids"], records["src_mask"]
+
+
+@functools.cache
+def _recorded(name: str):
+    with open(os.path.join(FIXTURES, f"{name}.json")) as f:
+        cases = {case["name"]: case for case in json.load(f)["cases"]}
+    with np.load(os.path.join(FIXTURES, f"{name}.npz")) as records:
+        return cases, dict(records)
+
+
+def _run(name: str, kwargs: dict, decoder_input_ids=None):
+    model, params, src, mask = _model(name)
+    key = jax.random.key(0) if kwargs.get("do_sample") else None
+    return genjax.generate(
+        model,
+        params,
+        src,
+        attention_mask=mask,
+        key=key,
+        output_scores=True,
+        decoder_input_ids=decoder_input_ids,
+        **kwargs,
+    )
+
+
+def _compare(out, expected: dict, kwargs: dict) -> None:
+    """genjax's output against transformers' (cut to the ``n`` steps transformers ran)."""
+    scores = expected["scores"]
+    steps = scores.shape[1]
+    got_scores = np.asarray(out.scores)[:, :steps]
+    assert np.isfinite(scores).any(axis=-1).all()
+    np.testing.assert_array_equal(np.isfinite(got_scores), np.isfinite(scores))
+    finite = np.isfinite(scores)
+    np.testing.assert_allclose(got_scores[finite], scores[finite], **SCORES)
+    if kwargs.get("do_sample"):  # torch's RNG drew the tokens: the first step's scores only
+        return
+    sequences = expected["sequences"]
+    got = np.asarray(out.sequences)
+    np.testing.assert_array_equal(got[:, : sequences.shape[1]], sequences)
+    if "sequences_scores" in expected:
+        np.testing.assert_allclose(out.sequences_scores, expected["sequences_scores"], **SCORES)
+        indices = expected["beam_indices"]
+        got_indices = np.asarray(out.beam_indices)
+        np.testing.assert_array_equal(got_indices[:, : indices.shape[1]], indices)
+        assert (got_indices[:, indices.shape[1] :] == -1).all()
+
+
+@pytest.mark.parametrize(("name", "case"), CASES)
+def test_generate_matches_recorded_transformers(name, case):
+    cases, arrays = _recorded(name)
+    kwargs = cases[case]["generate_kwargs"]
+    expected = {k.split("/", 1)[1]: v for k, v in arrays.items() if k.startswith(f"{case}/")}
+    out = _run(name, kwargs, expected.pop("decoder_input_ids", None))
+    _compare(out, expected, kwargs)
+    if case in ("greedy", "beam"):  # the recorded runs end some sequences early
+        assert cases[case]["ended_early"]
+
+
+def test_a_shorter_source_in_the_bucket_and_new_values_compile_nothing():
+    """``sequences`` start with ``decoder_start_token_id``; a shorter source in the same bucket
+    (right-padded by genjax, so BART's and T5's positions do not move) gives the recorded
+    tokens, and new traced values (EOS ids) reuse the compiled program."""
+    cases, arrays = _recorded("t5_v1_0")
+    kwargs = cases["greedy"]["generate_kwargs"]
+    model, params, src, mask = _model("t5_v1_0")
+    first = _run("t5_v1_0", kwargs)  # compiled here, or already by the recorded greedy case
+    assert (np.asarray(first.sequences)[:, 0] == model.decoder_start_token_id).all()
+    call = functools.partial(genjax.generate, model, params, output_scores=True)
+    with count_compiles() as compiled:
+        # Rows 1 and 2 keep their tokens without 2 of their padding slots (row 0 loses 2 tokens).
+        short = call(src[:, 2:], attention_mask=mask[:, 2:], **kwargs)
+        call(src, attention_mask=mask, **{**kwargs, "eos_token_id": [1, 5]})
+    assert compiled == []
+    expected = arrays["greedy/sequences"][1:]
+    np.testing.assert_array_equal(np.asarray(short.sequences)[1:, : expected.shape[1]], expected)
+    steps = arrays["greedy/scores"].shape[1]
+    recorded = arrays["greedy/scores"][1:]
+    got = np.asarray(short.scores)[1:, :steps]
+    finite = np.isfinite(recorded)
+    np.testing.assert_allclose(got[finite], recorded[finite], **SCORES)
+
+
+def test_generate_inside_jit_gives_the_recorded_tokens():
+    """``jax.jit(partial(generate, model))``: the source is traced (not padded to a bucket)."""
+    cases, arrays = _recorded("t5_v1_0")
+    kwargs = cases["greedy"]["generate_kwargs"]
+    model, params, src, mask = _model("t5_v1_0")
+    config = genjax.GenerationConfig(**kwargs, output_scores=True)
+    out = jax.jit(functools.partial(genjax.generate, model))(
+        params, src, config, attention_mask=mask
+    )
+    expected = {k[len("greedy/") :]: v for k, v in arrays.items() if k.startswith("greedy/")}
+    _compare(out, expected, kwargs)
+
+
+def test_unsupported_options_raise_by_name():
+    model, params, src, mask = _model("t5_v1_0")
+    call = functools.partial(genjax.generate, model, params, src, attention_mask=mask)
+    with pytest.raises(UnsupportedError, match="max_cache_len"):
+        call(max_new_tokens=2, max_cache_len=32)
+    with pytest.raises(UnsupportedError, match="streamer="):
+        call(max_new_tokens=2, streamer=object())
+    with pytest.raises(UnsupportedError, match="assisted generation"):
+        call(max_new_tokens=2, prompt_lookup_num_tokens=2)
+    with pytest.raises(InputError, match="decoder_input_ids must be int"):
+        call(max_new_tokens=2, decoder_input_ids=np.zeros((2, 2), np.int32))
+    with pytest.raises(InputError, match="decoder_start_token_id"):  # nothing to start from
+        start_token_id(genjax.GenerationConfig().with_defaults(), object())
+    gpt = genjax.models.from_config(genjax.testing.tiny_config("llama"))
+    with pytest.raises(InputError, match="decoder-only"):
+        genjax.generate(
+            gpt, None, np.ones((1, 2), np.int32), max_new_tokens=1, decoder_input_ids=src[:, :1]
+        )
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("name", ["t5_v1_0", "bart", "mbart"])
+def test_live_parity_with_transformers(name):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    sys.path.insert(0, os.path.join(HERE, "fixtures"))
+    try:
+        from make_encdec_generate_fixtures import build
+    finally:
+        sys.path.pop(0)
+    record = build(name)
+    for case in record["cases"]:
+        prefix = f"{case['name']}/"
+        expected = {
+            k[len(prefix) :]: v for k, v in record["arrays"].items() if k.startswith(prefix)
+        }
+        out = _run(name, case["generate_kwargs"], expected.pop("decoder_input_ids", None))
+        _compare(out, expected, case["generate_kwargs"])

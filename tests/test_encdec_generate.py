@@ -163,6 +163,21 @@ def test_unsupported_options_raise_by_name():
         )
 
 
+def test_the_cli_and_the_engine_refuse_encoder_decoder_models(capsys):
+    """Neither handles an encoder-decoder model's outputs yet: each says so by name, rather than
+    echoing a source as if the output continued it (the CLI) or running the decoder alone."""
+    from genjax import cli
+    from genjax.serving import init_continuous_batching
+
+    folder = os.path.join(HERE, "fixtures", "encdec", "t5_v1_0")
+    assert cli.main(["generate", "translate", "--model", folder]) == 2
+    err = capsys.readouterr().err
+    assert "encoder-decoder model (T5Model)" in err and "genjax.generate" in err
+    model, params, _, _ = _model("t5_v1_0")
+    with pytest.raises(UnsupportedError, match="decoder-only models; T5Model"):
+        init_continuous_batching(model, params)
+
+
 @pytest.mark.parity
 @pytest.mark.parametrize("name", ["t5_v1_0", "bart", "mbart"])
 def test_live_parity_with_transformers(name):

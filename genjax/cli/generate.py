@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from genjax.cli import options
-from genjax.errors import InputError
+from genjax.errors import InputError, UnsupportedError
 from genjax.streaming import TextStreamer
 
 MIN_BUCKET = 16  # sampled batches pad prompts to a power of two, at least this, as generate does
@@ -40,8 +40,16 @@ def run(args) -> int:
         folder = bundled.path() if args.model is None else models.loading.resolve(args.model)
         options.check_json(os.path.join(folder, "config.json"))
     config = options.generation_config(folder, args)
-    tokenizer = tokenizers.from_pretrained(folder)
     model, params = models.from_pretrained(folder, dtype=args.dtype)
+    if getattr(model, "is_encoder_decoder", False):
+        # Its sequences start at the decoder start token and its source is right-padded: the
+        # prompt echo, the bucketing and the trimming below assume a decoder-only continuation.
+        raise UnsupportedError(
+            f"genjax generate runs decoder-only models; {folder} holds an encoder-decoder model "
+            f"({type(model).__name__}). Generate with genjax.generate(model, params, ids, config) "
+            "from Python."
+        )
+    tokenizer = tokenizers.from_pretrained(folder)
     # `config` is already the folder's generation config with the flags on top; the model must not
     # fill back what a flag unset (--greedy drops the file's sampling values).
     model = model.with_generation_config(None)
@@ -49,7 +57,7 @@ def run(args) -> int:
     copies = resolved.num_return_sequences
     runner = Runner(model, params, config, tokenizer, options.seed_key(args.seed), args.chat)
     # Text continues the prompt, so the prompt is echoed; a chat reply stands alone.
-    echo = not args.chat and not getattr(model, "is_encoder_decoder", False)
+    echo = not args.chat
 
     if len(prompts) == 1 and not args.json and resolved.num_beams == 1 and copies == 1:
         runner(prompts, 0, streamer=_EchoStreamer(tokenizer, prompts[0] if echo else ""))

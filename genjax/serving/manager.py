@@ -39,7 +39,7 @@ from typing import Any
 import jax
 
 from genjax.config import GenerationConfig
-from genjax.errors import InputError
+from genjax.errors import InputError, UnsupportedError
 from genjax.generation.inputs import effective_config
 from genjax.models.quantize import library_dots
 from genjax.serving.engine import EngineShape, compile_step, init_state
@@ -528,9 +528,18 @@ def init_continuous_batching(
         continuous_batching_config: the engine's static sizes.
         tokenizer: decodes new tokens for ``stop_strings``.
 
+    Raises:
+        UnsupportedError: an encoder-decoder model (T5, BART): the engine's paged cache holds
+            decoder-only self-attention; run those with ``genjax.generate``.
+
     Example:
         >>> manager = init_continuous_batching(model, params)
     """
+    if getattr(model, "is_encoder_decoder", False):
+        raise UnsupportedError(
+            f"the continuous-batching engine runs decoder-only models; {type(model).__name__} is "
+            "an encoder-decoder model. Generate with genjax.generate(model, params, ids, config)."
+        )
     return ContinuousBatchingManager(
         model, params, generation_config, continuous_batching_config, tokenizer
     )

@@ -23,11 +23,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import platform
 import statistics
 import tempfile
 import time
 
+import _machine
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -48,17 +48,6 @@ SHAPE = dict(
     sliding_window_pattern=6,
     layer_types=None,
 )
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def _layouts(folder: str, dtype: str):
@@ -141,7 +130,8 @@ def main() -> None:
         write_random_checkpoint(tmp, "gemma3_text", sliding_window=args.check_window, **SHAPE)
         same = _same_tokens(*_layouts(tmp, args.dtype), args.check_window)
     print(
-        f"cpu: {_cpu_name()}; device: {jax.devices()[0].device_kind}; {args.dtype}; layers "
+        f"cpu: {_machine.cpu_model()}; device: {jax.devices()[0].device_kind}; {args.dtype}; "
+        f"layers "
         f"{SHAPE['num_hidden_layers']} (local share {local:.3f}); greedy tokens ring == full "
         f"(W={args.check_window}, prompt {2 * args.check_window}, 16 new): {same}"
     )
@@ -153,7 +143,7 @@ def main() -> None:
         print("| " + " | ".join(cells) + " |")
     if args.json:
         with open(args.json, "w") as f:
-            meta = dict(cpu=_cpu_name(), dtype=args.dtype, shape=SHAPE, same_tokens=same)
+            meta = dict(cpu=_machine.cpu_model(), dtype=args.dtype, shape=SHAPE, same_tokens=same)
             json.dump(dict(meta=meta, rows=rows), f, indent=1)
 
 

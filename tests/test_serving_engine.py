@@ -441,6 +441,8 @@ def test_no_compilation_after_warmup_over_a_random_workload(manager):
             spec = dict(max_new_tokens=int(rng.integers(1, 10)))
             if i % 2:
                 spec.update(do_sample=True, temperature=0.8, top_p=0.9, top_k=20, min_p=0.05)
+            if i % 4 == 1:
+                spec.update(typical_p=0.9, epsilon_cutoff=1e-4, eta_cutoff=1e-3)
             if i % 3 == 0:
                 spec.update(repetition_penalty=1.2, eos_token_id=[5, 6], min_new_tokens=2)
             if i % 2 == 0:
@@ -507,16 +509,25 @@ def test_stop_of_a_manager_never_started_cancels_its_queued_requests():
     assert m.metrics()["waiting"] == 0 and m.metrics()["blocks_in_use"] == 0
 
 
-def test_sampled_requests_equal_generate_with_the_same_seed(manager):
+@pytest.mark.parametrize(
+    "warpers",
+    [dict(temperature=0.7, top_p=0.9), dict(typical_p=0.3, epsilon_cutoff=1e-3, eta_cutoff=2e-3)],
+    ids=["top_p", "truncation"],
+)
+def test_sampled_requests_equal_generate_with_the_same_seed(manager, warpers):
     model, params = _model()
     prompt = _prompt(70, 7)
-    config = GenerationConfig(
-        max_new_tokens=REF_NEW, pad_token_id=0, do_sample=True, temperature=0.7, top_p=0.9
+    config = GenerationConfig(max_new_tokens=REF_NEW, pad_token_id=0, do_sample=True, **warpers)
+
+    def reference(config):
+        ids = np.asarray([prompt], np.int32)
+        out = genjax.generate(model, params, ids, config, key=jax.random.key(3))
+        return np.asarray(out.sequences)[0, len(prompt) :].tolist()
+
+    want = reference(config)
+    assert want != reference(
+        GenerationConfig(max_new_tokens=REF_NEW, pad_token_id=0, do_sample=True)
     )
-    ref = genjax.generate(
-        model, params, np.asarray([prompt], np.int32), config, key=jax.random.key(3)
-    )
-    want = np.asarray(ref.sequences)[0, len(prompt) :].tolist()
     rid = manager.add_request(prompt, generation_config=config, seed=3)
     assert manager.get_result(rid, timeout=120).generated_tokens == want
 

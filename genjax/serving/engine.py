@@ -26,9 +26,9 @@ decoding row's newest token is in the history but not yet in the cache::
 Token choice per row follows transformers' order: logit bias (``sequence_bias`` of single
 tokens), repetition penalty, EOS blocked until ``min_new_tokens``, OpenAI's presence and
 frequency penalties (where ``generate`` runs a user's ``logits_processor``), then temperature,
-top-k, top-p, min-p; greedy rows take the argmax (the warpers never move it), sampling rows draw
-with ``fold_in(key, new_token_index)`` as :func:`genjax.generate` does, so a preempted and
-recomputed request draws the same tokens.
+top-k, top-p, min-p, typical-p, epsilon and eta cutoffs; greedy rows take the argmax (the
+warpers never move it), sampling rows draw with ``fold_in(key, new_token_index)`` as
+:func:`genjax.generate` does, so a preempted and recomputed request draws the same tokens.
 
 Log-probabilities (rows with ``settings.logprobs >= 0``): the chosen token's log-probability
 under the model's raw distribution, ``log_softmax(logits)`` before any processor (vLLM's default
@@ -63,12 +63,15 @@ from genjax.processors import (
     LogitsContext,
     chain,
     count_penalties,
+    epsilon_cutoff,
+    eta_cutoff,
     logit_bias,
     min_p,
     repetition_penalty,
     temperature,
     top_k,
     top_p,
+    typical_p,
 )
 from genjax.processors.base import NEG_INF
 from genjax.typing import Array, PyTree
@@ -105,6 +108,9 @@ class RowSettings:
     top_k: Array  # int32[R]: 0 = off
     top_p: Array  # float32[R]: 1.0 = off
     min_p: Array  # float32[R]: 0.0 = off
+    typical_p: Array  # float32[R]: 1.0 = off
+    epsilon_cutoff: Array  # float32[R]: 0.0 = off
+    eta_cutoff: Array  # float32[R]: 0.0 = off
     repetition_penalty: Array  # float32[R]: 1.0 = off
     presence_penalty: Array  # float32[R]: 0.0 = off (OpenAI's, on generated tokens)
     frequency_penalty: Array  # float32[R]: 0.0 = off
@@ -125,6 +131,9 @@ class RowSettings:
             top_k=np.zeros((rows,), np.int32),
             top_p=np.ones((rows,), np.float32),
             min_p=np.zeros((rows,), np.float32),
+            typical_p=np.ones((rows,), np.float32),
+            epsilon_cutoff=np.zeros((rows,), np.float32),
+            eta_cutoff=np.zeros((rows,), np.float32),
             repetition_penalty=np.ones((rows,), np.float32),
             presence_penalty=np.zeros((rows,), np.float32),
             frequency_penalty=np.zeros((rows,), np.float32),
@@ -287,6 +296,17 @@ def choose_tokens(
         min_p(settings.min_p),
     )
     warped = warp(scores, context)
+    # The truncation warpers after min_p, in transformers' order, only on steps where some row
+    # uses one: each costs a softmax over V (typical_p also a partial sort).
+    truncate = chain(
+        typical_p(settings.typical_p),
+        epsilon_cutoff(settings.epsilon_cutoff),
+        eta_cutoff(settings.eta_cutoff),
+    )
+    truncating = jnp.any(
+        (settings.typical_p < 1) | (settings.epsilon_cutoff > 0) | (settings.eta_cutoff > 0)
+    )
+    warped = jax.lax.cond(truncating, lambda s: truncate(s, context), lambda s: s, warped)
     keys = jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.key(seed), i))(
         settings.seed, num_new
     )

@@ -3,7 +3,8 @@
 A request's config is its ``generation_config`` with unset fields from the manager's (itself
 filled from the model's ``generation_config``), then updated by its keyword overrides. The
 engine runs, per row: greedy or sampling with ``temperature``, ``top_k``, ``top_p``,
-``min_p``, ``repetition_penalty``, ``sequence_bias`` of single tokens (OpenAI's ``logit_bias``);
+``min_p``, ``typical_p``, ``epsilon_cutoff``, ``eta_cutoff``, ``repetition_penalty``,
+``sequence_bias`` of single tokens (OpenAI's ``logit_bias``);
 ``max_new_tokens`` (or ``max_length``), ``min_new_tokens``, EOS ids (a list), ``stop_strings``
 (matched on the host with the tokenizer) and a ``seed``. Any other field set to a non-default
 value raises :class:`~genjax.errors.UnsupportedError` naming it.
@@ -38,6 +39,9 @@ SUPPORTED = frozenset(
         "top_k",
         "top_p",
         "min_p",
+        "typical_p",
+        "epsilon_cutoff",
+        "eta_cutoff",
         "repetition_penalty",
         "sequence_bias",
         "eos_token_id",
@@ -182,6 +186,9 @@ def _row(
         top_k=value("top_k", 0, np.int32),
         top_p=value("top_p", 1.0, np.float32),
         min_p=value("min_p", 0.0, np.float32),
+        typical_p=value("typical_p", 1.0, np.float32),
+        epsilon_cutoff=value("epsilon_cutoff", 0.0, np.float32),
+        eta_cutoff=value("eta_cutoff", 0.0, np.float32),
         repetition_penalty=np.asarray([config.repetition_penalty or 1.0], np.float32),
         presence_penalty=np.asarray([extras.presence_penalty], np.float32),
         frequency_penalty=np.asarray([extras.frequency_penalty], np.float32),

@@ -23,8 +23,10 @@ Speed: int8 weights cost a quarter of float32's memory traffic where the compile
 inside the matrix product. XLA on CPU does so for one-row products (batch-1 decoding) when the
 product is written ``x @ w.T`` (``layers.linear``), and its activations are computed once
 before it (``layers._materialized``), so batch-1 decoding runs about twice as fast as float32
-(``bench/quantize.py``; figures in ``bench/README.md``). With several rows it writes each
-converted matrix to memory first, so batch > 1 and the prefill save memory but not time. The
+(``bench/quantize.py``; figures in ``bench/README.md``). With several rows XLA:CPU writes each
+converted matrix to memory first (about half float32's speed at batch 8), unless the program is
+compiled with :data:`LIBRARY_DOT_OPTIONS`, which ``generate`` and the serving engine do for int8
+params at several rows: then the products read int8 (``bench/matmul_floor.py --dtypes``). The
 conversion is kept inside the decode loop on purpose (``layers._keep_in_loop``): XLA would
 otherwise hoist it out of the ``while_loop`` and hold a float copy of every matrix for the whole
 call. GPU backends: not measured here.

@@ -6,6 +6,10 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# `genjax generate` turns on JAX's persistent compilation cache (in the user's cache folder) for
+# its whole process; tests that run the CLI in-process would leave it on for the rest of the
+# session. Tests of the cache turn it on themselves, in a temporary folder.
+os.environ["GENJAX_COMPILE_CACHE"] = "0"
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -87,15 +87,20 @@ def dtype_ratios(libs: dict) -> dict:
     return out
 
 
+WEIGHT_BYTES = {"float32": 4, "bfloat16": 2, "int8": 1}
+"""Bytes per weight a decode step reads, by column dtype."""
+
+
 def bandwidth_fractions(case: dict, checkpoint: dict, bandwidth: dict) -> dict | None:
     """How close batch-1 greedy decoding gets to the memory-bandwidth limit.
 
-    A decode step must read every weight matrix in float32 (all parameters except embedding
-    tables that are only indexed: one row of those is read) and the keys and values of the
-    tokens so far. Over the decode steps (new tokens 2..N, the i-th attending to P + i slots)
-    the cache read averages ``P + (N + 2) / 2`` tokens. Achieved bytes/s is that total over the
-    measured median ms per step; the fraction divides it by the measured bandwidth of the device
-    the library ran on.
+    A decode step must read every weight matrix (all parameters except embedding tables that are
+    only indexed: one row of those is read), at its column's width (float32 4 bytes, bfloat16 2,
+    int8 1), and the keys and values of the tokens so far; the figures printed are float32's.
+    Over the decode steps (new tokens 2..N, the i-th attending to P + i slots) the cache read
+    averages ``P + (N + 2) / 2`` tokens. Achieved bytes/s is that total over the measured median
+    ms per step; the fraction divides it by the measured bandwidth of the device the library ran
+    on.
 
     Returns:
         ``{"bytes_per_step", "param_bytes", "all_param_bytes", "kv_bytes", "libs": {lib:
@@ -116,7 +121,12 @@ def bandwidth_fractions(case: dict, checkpoint: dict, bandwidth: dict) -> dict |
         on_device = result["load"]["accelerator"]
         limit = bandwidth["device_bytes_per_s"] if on_device else bandwidth["host"]["bytes_per_s"]
         step_s = summary["step_ms"]["median"] / 1e3
-        achieved = per_step / step_s if step_s > 0 else None  # None: lost in the noise
+        # A narrow column reads its matrices at their own width (int8: one byte, its float32
+        # scales a rounding error); the cache stays in the activation dtype.
+        width = WEIGHT_BYTES[split_column(lib)[1]]
+        kv_width = 2 if split_column(lib)[1] == "bfloat16" else 4
+        step_bytes = param_bytes * width / 4 + kv_bytes * kv_width / 4
+        achieved = step_bytes / step_s if step_s > 0 else None  # None: lost in the noise
         libs[lib] = dict(
             achieved_bytes_per_s=achieved,
             limit_bytes_per_s=limit,

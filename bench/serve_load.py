@@ -83,9 +83,17 @@ def real_model_folder() -> str:
         import torch
         import transformers
 
-        model = transformers.AutoModelForCausalLM.from_pretrained(
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(
             gguf.parent, gguf_file=gguf.name, dtype=torch.float32
         )
+        # transformers refuses to save a model it read from GGUF: copy the dequantized weights
+        # into a plain model of the same config.
+        config = loaded.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config  # the weights are plain float32 now
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict(loaded.state_dict())
+        model.generation_config = loaded.generation_config
         tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         partial = folder.with_name(folder.name + ".partial")
         model.save_pretrained(partial, safe_serialization=True)

@@ -24,6 +24,7 @@ IGNORED_KEYS = frozenset(
         "model_type",
         "transformers_version",
         "_name_or_path",
+        "_model_name_or_path",  # written by transformers for a model read from GGUF
         "_commit_hash",
         "_attn_implementation_autoset",
         "torch_dtype",  # genjax takes the dtype from from_pretrained(dtype=...), float32 by default

@@ -462,6 +462,11 @@ def test_add_request_rejects_what_the_engine_cannot_run(manager):
         manager.add_request([3, 4], no_repeat_ngram_size=2)
     with pytest.raises(UnsupportedError, match="not supported in continuous batching"):
         manager.add_request([3, 4], num_beams=2)
+    with pytest.raises(UnsupportedError, match="output_attentions=True"):
+        manager.add_request([3, 4], output_attentions=True)
+    # transformers v5 writes these defaults into generation_config.json: not an option set
+    quiet = dict(output_attentions=False, output_hidden_states=False, output_logits=False)
+    manager.cancel_request(manager.add_request([3, 4], max_new_tokens=1, **quiet))
     with pytest.raises(UnsupportedError, match="sequence_bias with multi-token"):
         manager.add_request([3, 4], sequence_bias=[[[5], 1.0], [[6, 7], 2.0]])
     with pytest.raises(InputError, match="max_top_logprobs"):

@@ -60,7 +60,16 @@ SUPPORTED = frozenset(
 )
 """Fields a request may set; the others must keep their default."""
 
-_HARMLESS_DEFAULTS = {"min_length": 0, "num_return_sequences": 1, "output_scores": False}
+# Values equal to transformers' defaults, which a checkpoint's generation_config.json may spell
+# out (transformers v5 writes output_attentions/output_hidden_states false from config.json).
+_HARMLESS_DEFAULTS = {
+    "min_length": 0,
+    "num_return_sequences": 1,
+    "output_scores": False,
+    "output_logits": False,
+    "output_attentions": False,
+    "output_hidden_states": False,
+}
 
 
 @dataclasses.dataclass(frozen=True)

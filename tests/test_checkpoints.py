@@ -1,11 +1,13 @@
 """Orbax checkpoints: exact round trips, sharded restore, atomic writes, clear errors."""
 
 import json
+import logging
 import os
 import shutil
 import signal
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import jax
 import numpy as np
@@ -14,6 +16,7 @@ import pytest
 import genjax
 from genjax.errors import CheckpointError
 from genjax.io import checkpoints
+from genjax.io.abandoned_reads import quiet_abandoned_reads
 from genjax.testing import write_random_checkpoint
 
 
@@ -247,3 +250,52 @@ def _copy_safetensors(source, tmp_path):
     folder.mkdir()
     (folder / "model.safetensors").write_bytes((source / "model.safetensors").read_bytes())
     return folder
+
+
+def _report_through_hooks():
+    """Reports one repeat and one unrelated error on each channel; returns what got through."""
+    seen = []
+    excepthook, unraisablehook = sys.excepthook, sys.unraisablehook
+    sys.excepthook = lambda kind, error, tb: seen.append(("except", str(error)))
+    sys.unraisablehook = lambda u: seen.append(("unraisable", str(u.exc_value)))
+    return seen, excepthook, unraisablehook
+
+
+def test_quiet_abandoned_reads_drops_only_the_repeats_and_keeps_its_filters_after_a_failure():
+    seen, excepthook, unraisablehook = _report_through_hooks()
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("asyncio")
+    logger.addHandler(handler)
+    read_failure = Exception("Encountered error while reading array index: (slice(0, 4, 1),)")
+    try:
+        with pytest.raises(ValueError), quiet_abandoned_reads():
+            raise ValueError("the restore failed")
+        # After the failed restore, the abandoned reads report on every channel.
+        sys.excepthook(RuntimeError, RuntimeError("Event loop is closed"), None)
+        sys.excepthook(KeyError, KeyError("other"), None)
+        sys.unraisablehook(SimpleNamespace(exc_value=read_failure))
+        sys.unraisablehook(SimpleNamespace(exc_value=OSError("disk")))
+        logger.error("Task exception was never retrieved", exc_info=(Exception, read_failure, None))
+        logger.error("an unrelated asyncio error")
+    finally:
+        sys.excepthook, sys.unraisablehook = excepthook, unraisablehook
+        logger.removeHandler(handler)
+        for log_filter in list(logger.filters):
+            logger.removeFilter(log_filter)
+    assert seen == [("except", "'other'"), ("unraisable", "disk")]
+    assert [r.getMessage() for r in records] == ["an unrelated asyncio error"]
+
+
+def test_quiet_abandoned_reads_removes_its_filters_after_a_success():
+    seen, excepthook, unraisablehook = _report_through_hooks()
+    try:
+        installed = (sys.excepthook, sys.unraisablehook)
+        with quiet_abandoned_reads():
+            pass
+        assert (sys.excepthook, sys.unraisablehook) == installed
+        assert logging.getLogger("asyncio").filters == []
+    finally:
+        sys.excepthook, sys.unraisablehook = excepthook, unraisablehook
+    assert seen == []

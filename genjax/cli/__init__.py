@@ -102,8 +102,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             return args.run(args)
         except _USER_ERRORS as error:
             _print_error(error)
-            if sys.unraisablehook is sys.__unraisablehook__:  # not under a test runner's hook
-                sys.unraisablehook = _quiet  # reads orbax abandoned may fail again at exit
             return 2
         except KeyboardInterrupt:
             print("genjax: interrupted", file=sys.stderr)
@@ -302,10 +300,6 @@ def _one_line(text: str) -> str:
 
 def _print_error(error: BaseException) -> None:
     print(f"genjax: error: {_one_line(error)}", file=sys.stderr)
-
-
-def _quiet(unraisable) -> None:
-    """An unraisable-exception hook that prints nothing: after an error, the one line said all."""
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:

@@ -50,6 +50,7 @@ import numpy as np
 
 from genjax.config import GenerationConfig
 from genjax.errors import CheckpointError
+from genjax.io.abandoned_reads import quiet_abandoned_reads
 from genjax.models.loading import from_config, from_pretrained, register_folder_format, resolve
 from genjax.sharding import DEFAULT_RULES, Rules, param_shardings
 from genjax.typing import PyTree
@@ -218,9 +219,10 @@ def restore(
 def _read_params(checkpointer, params_dir: str, target: PyTree) -> PyTree:
     """``checkpointer.restore``, with a read failure (a missing or corrupt data file) turned into
     one CheckpointError. Orbax then drops reads it had started: the "coroutine was never awaited"
-    warnings they raise when collected are silenced, as they only repeat the failure."""
+    warnings they raise when collected, and the failures they report on other threads, are
+    silenced (see :mod:`genjax.io.abandoned_reads`), as they only repeat the failure."""
     failure = None
-    with warnings.catch_warnings():
+    with quiet_abandoned_reads(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", "coroutine .* was never awaited", RuntimeWarning)
         try:
             return checkpointer.restore(params_dir, target)
@@ -228,7 +230,7 @@ def _read_params(checkpointer, params_dir: str, target: PyTree) -> PyTree:
             failure = error
         failure = _unreadable(params_dir, failure)  # frees the traceback and its coroutines
         gc.collect()
-    raise failure
+        raise failure
 
 
 def _unreadable(params_dir: str, cause) -> CheckpointError:

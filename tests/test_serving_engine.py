@@ -185,6 +185,7 @@ def test_step_alone_prefills_chooses_and_decodes_a_hand_checked_request():
         row=row,
         admit=np.asarray(True),
         history=np.zeros((shape.max_length,), np.int32),
+        decode_rows=np.asarray([1], np.int32),  # bucket 1: slot 1 alone goes through the model
     )
     state, out = step(params, state, work)
     want = _reference(tuple(prompt))

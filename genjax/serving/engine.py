@@ -9,8 +9,12 @@ model ``C`` tokens per step) or decoding (one token per step). One call of :func
    ``lax.cond`` when there is none); after the prompt's last chunk it chooses the slot's first
    new token and the slot starts decoding. A prompt whose first blocks are shared from the
    prefix cache starts its chunks after them (their tokens come in ``StepInput.history``);
-3. decodes one token for every decoding slot (``B = R``, ``T = 1``), up to ``num_steps`` times
-   in a ``lax.while_loop`` that ends early when a row finishes (a scheduling event).
+3. decodes one token for every decoding slot, up to ``num_steps`` times in a
+   ``lax.while_loop`` that ends early when a row finishes (a scheduling event). Only the slots
+   the host names in ``StepInput.decode_rows`` go through the model (``B = B_k``, ``T = 1``):
+   they are gathered before the loop and written back after it, so a step with two requests
+   in flight multiplies two rows of activations, not ``R``. ``B_k`` is one of a few bucket
+   sizes (:func:`decode_buckets`), one compiled program each.
 
 So a long prompt never stalls the decoding rows: each step decodes while it prefills a chunk.
 The host (:mod:`genjax.serving.scheduler`) owns the block tables and chooses what each step does
@@ -37,12 +41,14 @@ tokens with theirs. They are computed under a ``lax.cond`` that runs only when s
 requests that do not ask pay nothing.
 
 Static or traced:
-    Static (the shape of the one compiled program): the model, ``R`` (``max_batch_size``), the
-    pool (``num_blocks``, ``block_size``, ``max_blocks_per_row``), the chunk ``C``, the most
-    decode steps per call ``K``, the most EOS ids per request ``E``. Traced: everything in
+    Static (the shape of a compiled program): the model, ``R`` (``max_batch_size``), the rows
+    decoded ``B_k`` (one program per bucket), the pool (``num_blocks``, ``block_size``,
+    ``max_blocks_per_row``), the chunk ``C``, the most decode steps per call ``K``, the most EOS
+    ids per request ``E``. Traced: everything in
     :class:`EngineState` and :class:`StepInput`: the requests' tokens, lengths, sampling values
     (``do_sample`` included), seeds, EOS ids, biased ids and biases, penalties, how many top
-    log-probabilities a row wants, limits, which slot prefills, the number of steps. Also static:
+    log-probabilities a row wants, limits, which slot prefills and which slots decode, the
+    number of steps. Also static:
     the most biased tokens per request ``L_b`` and the most top log-probabilities ``L``.
 """
 
@@ -76,7 +82,15 @@ from genjax.processors import (
 from genjax.processors.base import NEG_INF
 from genjax.typing import Array, PyTree
 
-__all__ = ["EngineShape", "EngineState", "RowSettings", "Scored", "StepInput", "StepOutput"]
+__all__ = [
+    "EngineShape",
+    "EngineState",
+    "RowSettings",
+    "Scored",
+    "StepInput",
+    "StepOutput",
+    "decode_buckets",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +111,28 @@ class EngineShape:
     def max_length(self) -> int:
         """``S``: the most tokens (prompt plus new) of one request."""
         return self.max_blocks_per_row * self.block_size
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        """The decoded-row counts ``B_k`` with a program of their own (:func:`decode_buckets`)."""
+        return decode_buckets(self.max_batch_size)
+
+
+def decode_buckets(max_batch_size: int) -> tuple[int, ...]:
+    """The powers of two below ``max_batch_size``, then ``max_batch_size``: the row counts a
+    step may decode. A step decodes the smallest bucket holding its decoding slots, so its cost
+    follows the requests in flight (at most twice them) while only ``log2(R) + 1`` programs are
+    compiled.
+
+    Example:
+        >>> decode_buckets(12)
+        (1, 2, 4, 8, 12)
+    """
+    sizes, size = [], 1
+    while size < max_batch_size:
+        sizes.append(size)
+        size *= 2
+    return (*sizes, max_batch_size)
 
 
 @struct.dataclass
@@ -177,6 +213,8 @@ class StepInput:
     admit: Array  # bool[]: first chunk of a request: write `row`, `prompt_length`, `history`
     history: Array  # int32[S]: on admission, the tokens before `prefill_start` (a cached
     #   prefix, whose blocks are shared and not prefilled again); later tokens are ignored
+    decode_rows: Array  # int32[B_k]: distinct slots, every decoding one (the prefilled slot
+    #   too when its chunk is the last); the others fill the bucket and decode nothing
 
 
 @struct.dataclass
@@ -325,6 +363,20 @@ def _rows(tree: PyTree, rows: Array) -> PyTree:
     return jax.tree.map(lambda x: x[rows], tree)
 
 
+def _take_rows(state: EngineState, rows: Array) -> EngineState:
+    """The state of slots ``rows`` alone (the pools whole, the per-row arrays gathered)."""
+    cache = state.cache.select_rows(rows)
+    per_row = state.replace(cache=None)
+    return _rows(per_row, rows).replace(cache=cache)
+
+
+def _put_rows(state: EngineState, rows: Array, part: EngineState) -> EngineState:
+    """Writes ``part`` (made by :func:`_take_rows`) back into slots ``rows``."""
+    cache = state.cache.merge_rows(rows, part.cache)
+    per_row = _set_rows(state.replace(cache=None), rows, part.replace(cache=None))
+    return per_row.replace(cache=cache)
+
+
 def _set_rows(tree: PyTree, rows: Array, values: PyTree) -> PyTree:
     return jax.tree.map(lambda x, v: x.at[rows].set(v), tree, values)
 
@@ -470,12 +522,12 @@ def engine_step(
     state, first, first_done, first_scored = jax.lax.cond(
         work.prefill_slot >= 0, with_prefill, without, state
     )
-    rows = state.lengths.shape[0]
-    buffer = jnp.full((max_steps, rows), -1, jnp.int32)
+    slots, rows = state.lengths.shape[0], work.decode_rows
+    buffer = jnp.full((max_steps, rows.shape[0]), -1, jnp.int32)
     scores = jax.tree.map(
-        lambda x: jnp.zeros((max_steps, *x.shape), x.dtype), _no_scores(rows, top)
+        lambda x: jnp.zeros((max_steps, *x.shape), x.dtype), _no_scores(rows.shape[0], top)
     )
-    finished = jnp.zeros((rows,), bool).at[jnp.maximum(work.prefill_slot, 0)].set(first_done)
+    finished = jnp.zeros((slots,), bool).at[jnp.maximum(work.prefill_slot, 0)].set(first_done)
     limit = jnp.minimum(work.num_steps, max_steps)
 
     def cond(carry):
@@ -488,12 +540,18 @@ def engine_step(
         scores = jax.tree.map(lambda all_, new: all_.at[i].set(new), scores, scored)
         return i + 1, state, buffer.at[i].set(tokens), scores, finished | done
 
-    start = (jnp.zeros((), jnp.int32), state, buffer, scores, finished)
-    steps, state, buffer, scores, finished = jax.lax.while_loop(cond, body, start)
+    start = (jnp.zeros((), jnp.int32), _take_rows(state, rows), buffer, scores, finished[rows])
+    steps, part, buffer, scores, done = jax.lax.while_loop(cond, body, start)
+    state = _put_rows(state, rows, part)
+    # Back to one column per slot: the host reads tokens and scores by slot.
+    tokens = jnp.full((max_steps, slots), -1, jnp.int32).at[:, rows].set(buffer)
+    scores = jax.tree.map(
+        lambda x: jnp.zeros((max_steps, slots, *x.shape[2:]), x.dtype).at[:, rows].set(x), scores
+    )
     return state, StepOutput(
-        tokens=buffer,
+        tokens=tokens,
         first_token=first,
-        finished=finished,
+        finished=finished.at[rows].set(done),
         steps=steps,
         logprobs=scores.logprobs,
         top_ids=scores.top_ids,

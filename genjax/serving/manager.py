@@ -132,9 +132,12 @@ class ContinuousBatchingManager:
         self.generation_config = effective_config(generation_config, {}, default)
         self.cb_config = cb_config or ContinuousBatchingConfig()
         self.shape = self.cb_config.engine_shape()
-        dots = library_dots(params, self.shape.max_batch_size)
         top = self.shape.max_top_logprobs
-        self._step = compile_step(model, self.shape.max_steps, top, dots)
+        # One jitted step per decoded-row bucket: int8 params want library dots for several rows.
+        self._steps = {
+            bucket: compile_step(model, self.shape.max_steps, top, library_dots(params, bucket))
+            for bucket in self.shape.buckets
+        }
         self._state = None
         self._scheduler = Scheduler(self.shape, tokenizer, self.cb_config.prefix_caching)
         self._inbox: queue.Queue = queue.Queue()  # ("add", request) or ("cancel", request_id)
@@ -160,13 +163,19 @@ class ContinuousBatchingManager:
 
     # ---- lifecycle ----------------------------------------------------------------------
     def warmup(self) -> None:
-        """Compiles the engine's programs (one step program and the state's allocation) now,
-        so that serving compiles nothing."""
+        """Compiles the engine's programs (a step program per decoded-row bucket, and the
+        state's allocation) now, so that serving compiles nothing."""
         if self._state is None:
             self._state = init_state(self.model, self.shape)
-        work = Scheduler(self.shape)._step_input(1)
-        self._state, out = self._step(self.params, self._state, work)
+        for bucket in self.shape.buckets:
+            work = Scheduler(self.shape)._step_input(1, bucket)
+            self._state, out = self._step(work)
         jax.block_until_ready(out)
+
+    def _step(self, work):
+        """Runs the step program of ``work``'s bucket on the current state."""
+        step = self._steps[work.decode_rows.shape[0]]
+        return step(self.params, self._state, work)
 
     def start(self) -> None:
         """Starts the background loop (warming up first if needed)."""
@@ -456,7 +465,7 @@ class ContinuousBatchingManager:
         work = scheduler.plan()
         if work is None:
             return
-        self._state, out = self._step(self.params, self._state, work)
+        self._state, out = self._step(work)
         out = jax.device_get(out)
         self._counters["step_seconds"] += time.perf_counter() - begin
         self._counters["steps"] += 1

@@ -241,7 +241,23 @@ class Scheduler:
             return None
         return self._step_input(steps)
 
-    def _step_input(self, steps: int) -> StepInput:
+    def decode_rows(self, last_chunk: bool, bucket: int | None = None) -> np.ndarray:
+        """int32[B_k]: the slots the step decodes: every running request's but the prefilling
+        one's (unless ``last_chunk``: its first token comes this step), then free slots up to
+        the smallest bucket that holds them (or ``bucket``)."""
+        active = [
+            slot
+            for slot, request in enumerate(self.slots)
+            if request is not None and (request is not self.prefilling or last_chunk)
+        ]
+        if bucket is None:
+            bucket = next(b for b in self.shape.buckets if b >= len(active))
+        chosen = set(active)
+        fill = [slot for slot in range(self.shape.max_batch_size) if slot not in chosen]
+        return np.asarray(active + fill[: bucket - len(active)], np.int32)
+
+    def _step_input(self, steps: int, bucket: int | None = None) -> StepInput:
+        """The step's input; ``bucket`` forces the decoded-row count (warm-up compiles each)."""
         chunk = np.zeros((self.shape.chunk,), np.int32)
         history = np.zeros((self.shape.max_length,), np.int32)
         request = self.prefilling
@@ -271,6 +287,7 @@ class Scheduler:
             row=row,
             admit=np.asarray(admit, bool),
             history=history,
+            decode_rows=self.decode_rows(last, bucket),
         )
         self.release[:] = False
         return work

@@ -25,11 +25,13 @@ Example:
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import copy
 import dataclasses
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
@@ -138,6 +140,7 @@ class ContinuousBatchingManager:
             bucket: compile_step(model, self.shape.max_steps, top, library_dots(params, bucket))
             for bucket in self.shape.buckets
         }
+        self._compiled: dict[int, Any] = {}  # bucket -> its compiled step (by warmup)
         self._state = None
         self._scheduler = Scheduler(self.shape, tokenizer, self.cb_config.prefix_caching)
         self._inbox: queue.Queue = queue.Queue()  # ("add", request) or ("cancel", request_id)
@@ -164,17 +167,24 @@ class ContinuousBatchingManager:
     # ---- lifecycle ----------------------------------------------------------------------
     def warmup(self) -> None:
         """Compiles the engine's programs (a step program per decoded-row bucket, and the
-        state's allocation) now, so that serving compiles nothing."""
+        state's allocation) now, so that serving compiles nothing. The programs are traced one
+        after the other and compiled side by side, one thread per CPU (XLA's compiler is
+        single-threaded and releases the GIL)."""
         if self._state is None:
             self._state = init_state(self.model, self.shape)
-        for bucket in self.shape.buckets:
-            work = Scheduler(self.shape)._step_input(1, bucket)
-            self._state, out = self._step(work)
-        jax.block_until_ready(out)
+        missing = [bucket for bucket in self.shape.buckets if bucket not in self._compiled]
+        lowered = [
+            self._steps[b].lower(self.params, self._state, Scheduler(self.shape)._step_input(1, b))
+            for b in missing
+        ]
+        workers = max(1, min(len(lowered), os.cpu_count() or 1))
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            compiled = list(pool.map(lambda program: program.compile(), lowered))
+        self._compiled.update(zip(missing, compiled, strict=True))
 
     def _step(self, work):
-        """Runs the step program of ``work``'s bucket on the current state."""
-        step = self._steps[work.decode_rows.shape[0]]
+        """Runs the compiled step of ``work``'s bucket on the current state (donated)."""
+        step = self._compiled[work.decode_rows.shape[0]]
         return step(self.params, self._state, work)
 
     def start(self) -> None:

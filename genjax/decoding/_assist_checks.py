@@ -69,6 +69,14 @@ def check_call(config, model, assistant_model, assistant_params, batch: int) -> 
         genjax.errors.InputError: assistant_model= needs its parameters: pass assistant_params= too.
     """
     check_config(config, assistant_model)
+    windows = getattr(getattr(model, "config", None), "sliding_windows", ()) or ()
+    if batch > 1 and any(w is not None for w in windows):
+        how = "speculative decoding" if assistant_model is not None else "prompt lookup"
+        raise UnsupportedError(
+            f"{how} with a sliding-window target ({sorted(set(windows) - {None})}) needs batch "
+            f"size 1: with more rows the cache holds holes, which a window counted in cache "
+            f"slots would see. Run one prompt at a time."
+        )
     if assistant_model is None:
         return
     if assistant_params is None:
@@ -79,11 +87,4 @@ def check_call(config, model, assistant_model, assistant_params, batch: int) -> 
             f"target's has {model.vocab_size}; speculative decoding needs the same tokenizer "
             f"and vocabulary (universal assisted generation is not supported). Use a draft "
             f"trained with the target's tokenizer."
-        )
-    windows = getattr(getattr(model, "config", None), "sliding_windows", ()) or ()
-    if batch > 1 and any(w is not None for w in windows):
-        raise UnsupportedError(
-            f"assisted generation with a sliding-window target ({sorted(set(windows) - {None})}) "
-            f"needs batch size 1: with more rows the cache holds holes, which a window counted "
-            f"in cache slots would see. Run one prompt at a time."
         )

@@ -146,6 +146,7 @@ def draft_candidates(
         key: the iteration's draft key; candidate ``k`` draws with ``fold_in(key, k)``.
         draft, params: the draft's step function and parameters.
     """
+    state = state.replace(draft_cache=state.draft_cache.replace(index=draft_start(state)))
     mask = _open_draft_slots(state, rules)
     carry = _read_newest(state, rules, limit, draft, params, mask)
 
@@ -168,14 +169,30 @@ def draft_candidates(
     )
 
 
+def draft_start(state: AssistState) -> Array:
+    """int32[]: the draft slot where this round writes ``x``, the token before the newest.
+
+    With several rows, the draft's index (past every slot written): ``x`` is a hole where the
+    draft had read it already. With one row the draft cache has no holes at all: its index is
+    one past the last token it holds, and ``x`` goes to ``index - 1`` (written again, the same
+    keys and values) unless the draft is behind (``x`` unread), then to ``index``. A sliding
+    window counts cache slots, so holes would shorten it: a windowed draft with holes proposes
+    tokens the target rejects."""
+    index = state.draft_cache.index
+    if state.lengths.shape[0] > 1:
+        return index
+    return index - 1 + state.draft_behind[0].astype(jnp.int32)
+
+
 def _open_draft_slots(state: AssistState, rules: AssistRules) -> Array:
-    """int32[B, Sd]: the draft mask with this round's ``T`` slots at the draft's index open:
-    slot 0 (``x``) only where the draft had not read it, the rest for the newest token and the
-    candidates."""
+    """int32[B, Sd]: the draft mask with this round's ``T`` slots from :func:`draft_start`
+    open: slot 0 (``x``) only where the draft had not read it (always with one row), the rest
+    for the newest token and the candidates."""
     batch = state.lengths.shape[0]
-    opened = jnp.concatenate(
-        [state.draft_behind[:, None], jnp.ones((batch, rules.num_candidates), bool)], axis=1
-    ).astype(jnp.int32)
+    first = state.draft_behind[:, None] | (batch == 1)
+    opened = jnp.concatenate([first, jnp.ones((batch, rules.num_candidates), bool)], axis=1).astype(
+        jnp.int32
+    )
     return jax.lax.dynamic_update_slice(state.draft_mask, opened, (0, state.draft_cache.index))
 
 

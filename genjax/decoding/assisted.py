@@ -33,9 +33,9 @@ KV caches and the memory cost:
     running row committed, so slots nobody accepted are overwritten by the next pass. With one row
     there are no holes at all; with ``B`` rows the rows that committed fewer tokens leave holes.
     The target cache therefore holds ``P + min(B, T) * (N - 1) + T`` slots, and the draft's
-    ``P + (min(B, T) + 1) * (N - 1) + T`` (the draft first re-reads the token before the newest
-    when it had not seen it, one extra slot per iteration): for ``B = 1`` about ``P + N + T`` and
-    ``P + 2N``, for large batches up to ``T`` times plain decoding's ``P + N``. Attention reads the
+    ``P + (min(B, T) + 1) * (N - 1) + T`` (the draft first re-reads the token before the newest,
+    one extra slot per iteration; with one row it writes that token over its own slot, so the
+    draft cache has no holes either): for ``B = 1`` about ``P + N + T`` each, for large batches up to ``T`` times plain decoding's ``P + N``. Attention reads the
     whole cache, so its cost grows the same way. The alternative, a per-row cache index, needs
     per-row cache writes in every model; the holes keep the model protocol unchanged.
 
@@ -113,6 +113,7 @@ from genjax.decoding._candidates import (
     Proposal,
     StepFn,
     draft_candidates,
+    draft_start,
     lookup_candidates,
     lookup_proposal,
 )
@@ -391,15 +392,20 @@ def _roll_back_draft(
     running: Array,
 ) -> AssistState:
     """Marks the draft's slots ``[x, newest, c_1 .. c_{k-1}]`` of this round: ``x`` as before,
-    the newest and the committed candidates kept, the rest holes; advances its index."""
+    the newest and the committed candidates kept, the rest holes; advances its index (with one
+    row, to just past the kept slots: see :func:`~genjax.decoding._candidates.draft_start`)."""
     width = rules.num_candidates
-    index = state.draft_cache.index
+    index = draft_start(state)
     steps = proposal.draft_steps
     read = jnp.minimum(taken - 1, steps - 1)  # committed candidates the draft has read
     slots = jnp.arange(width + 1)[None, :]
-    kept = jnp.where(slots == 0, state.draft_behind[:, None], (slots - 1 <= read[:, None]))
+    first = state.draft_behind[:, None] | (taken.shape[0] == 1)
+    kept = jnp.where(slots == 0, first, (slots - 1 <= read[:, None]))
     kept = kept & (taken[:, None] > 0)
-    advance = jnp.maximum(jnp.max(jnp.where(running, read + 2, 0)), 2)
+    if taken.shape[0] == 1:
+        advance = jnp.maximum(read[0] + 2, 1)
+    else:
+        advance = jnp.maximum(jnp.max(jnp.where(running, read + 2, 0)), 2)
     return state.replace(
         draft_cache=proposal.draft_cache.replace(index=index + advance),
         draft_mask=jax.lax.dynamic_update_slice(

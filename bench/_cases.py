@@ -24,6 +24,7 @@ class Shape:
     arch: str  # "gpt2" or "llama"
     layers: int
     config: dict
+    real: bool = False  # the real checkpoint of bench/_real.py, not random weights
 
     def hf_config(self, layers: int | None = None):
         """The transformers config, with ``layers`` hidden layers (default: full depth)."""
@@ -59,7 +60,26 @@ SHAPES = {
             max_position_embeddings=2048,
         ),
     ),
+    "real": Shape(
+        name="real",
+        title="SmolLM2-135M-Instruct (real weights)",
+        arch="llama",
+        layers=30,
+        config=dict(
+            hidden_size=576,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            intermediate_size=1536,
+            vocab_size=49152,
+            tie_word_embeddings=True,
+            rope_theta=100000.0,
+            max_position_embeddings=8192,
+        ),
+        real=True,
+    ),
 }
+RANDOM_SHAPES = [name for name, shape in SHAPES.items() if not shape.real]
+"""The shapes run by default (random weights, written on the fly)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +155,19 @@ def write_checkpoint(shape: Shape, layers: int, folder: str) -> dict:
     config = shape.hf_config(layers)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     model.save_pretrained(folder, safe_serialization=True)
+    return _facts(model, config, layers)
+
+
+def describe_checkpoint(folder: str) -> dict:
+    """:func:`write_checkpoint`'s facts about an existing Hugging Face folder (the real model)."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    return _facts(model, model.config, model.config.num_hidden_layers)
+
+
+def _facts(model, config, layers: int) -> dict:
     params = sum(p.numel() for p in model.parameters())
     return dict(
         layers=layers,

@@ -6,7 +6,7 @@ with ``cache_implementation="static"``, interleaved run by run, each library in 
 Prints a table per shape and the fraction of the memory-bandwidth limit that batch-1 greedy
 decoding reaches; ``--json`` writes every number and the environment.
 
-Run:  python bench/run.py [--quick] [--json out.json] [--shapes gpt2 smollm]
+Run:  python bench/run.py [--quick] [--json out.json] [--shapes gpt2 smollm | --real]
                           [--cases greedy_b1 ...] [--runs 3] [--libs genjax torch torch-static]
                           [--flax-python PATH] [--dtypes float32 bfloat16 int8]
 Needs the `parity` extra (torch, transformers); `--libs ... flax446` also needs the venv that
@@ -22,6 +22,7 @@ See bench/README.md for the columns.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -53,6 +54,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--json", metavar="PATH", help="also write every number here")
     parser.add_argument("--shapes", nargs="+", choices=list(_cases.SHAPES), default=None)
+    parser.add_argument(
+        "--real",
+        action="store_true",
+        help="the real SmolLM2-135M-Instruct (bench/_real.py) instead of the random shapes",
+    )
     parser.add_argument("--cases", nargs="+", choices=list(_cases.CASES), default=None)
     parser.add_argument(
         "--libs",
@@ -79,7 +85,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=None, help="default 128")
     parser.add_argument("--layers", type=int, default=None, help="default: the full depth")
     args = parser.parse_args(argv)
-    args.shapes = args.shapes or list(_cases.SHAPES)
+    if args.real and args.shapes:
+        parser.error("--real runs the real checkpoint alone; leave out --shapes")
+    args.shapes = ["real"] if args.real else args.shapes or _cases.RANDOM_SHAPES
     if args.runs is None:
         args.runs = 1 if args.quick else 3
     if args.new_tokens is None:
@@ -88,6 +96,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.layers = QUICK_LAYERS
     if args.runs < 1 or args.new_tokens < 2 or (args.layers is not None and args.layers < 1):
         parser.error("--runs and --layers must be at least 1, --new-tokens at least 2")
+    if "real" in args.shapes and args.layers is not None:
+        parser.error("the real checkpoint keeps its 30 layers: leave out --layers and --quick")
     args.columns = columns(args.libs, args.dtypes)
     args.flax_python = _flax_peer.python_path(args.flax_python)
     args.flax_versions = None
@@ -268,11 +278,20 @@ def _attempt(result: dict, during: str, step) -> tuple[bool, object]:
 
 
 def run_shape(shape: _cases.Shape, args) -> dict:
-    """Writes the shape's random checkpoint to a temporary folder and runs every case on it."""
+    """Writes the shape's random checkpoint to a temporary folder (the real one: its folder) and
+    runs every case on it."""
     layers = args.layers or shape.layers
-    with tempfile.TemporaryDirectory(prefix=f"genjax-bench-{shape.name}-") as folder:
-        log(f"{shape.name}: writing a random {layers}-layer checkpoint")
-        checkpoint = _cases.write_checkpoint(shape, layers, folder)
+    with contextlib.ExitStack() as stack:
+        if shape.real:
+            import _real
+
+            folder = _real.model_folder()
+            checkpoint = _cases.describe_checkpoint(folder)
+        else:
+            prefix = f"genjax-bench-{shape.name}-"
+            folder = stack.enter_context(tempfile.TemporaryDirectory(prefix=prefix))
+            log(f"{shape.name}: writing a random {layers}-layer checkpoint")
+            checkpoint = _cases.write_checkpoint(shape, layers, folder)
         cases = {}
         for case in _cases.select_cases(args.cases, args.quick):
             log(f"{shape.name}: {case.name} ({case.title})")

@@ -36,13 +36,12 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import _machine
+import _real
 import httpx
 import openai
 
-HERE = Path(__file__).resolve().parent
 READY_TIMEOUT = 600  # seconds a server may take to load and warm up
 MAX_LENGTH = 256  # genjax serve's tokens per request (prompt + completion): sizes its KV pool
 PROMPTS = [
@@ -70,36 +69,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if min(args.concurrency) < 1 or args.rounds < 1 or args.max_tokens < 2:
         parser.error("--concurrency and --rounds must be at least 1, --max-tokens at least 2")
     return args
-
-
-def real_model_folder() -> str:
-    """The float32 Hugging Face folder of the parity suite's GGUF, written once."""
-    sys.path.insert(0, str(HERE.parent / "tests"))
-    import real_model
-
-    gguf = real_model.smollm2_gguf()
-    folder = gguf.parent / "hf-float32"
-    if not (folder / "model.safetensors").is_file():
-        import torch
-        import transformers
-
-        loaded = transformers.AutoModelForCausalLM.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-        )
-        # transformers refuses to save a model it read from GGUF: copy the dequantized weights
-        # into a plain model of the same config.
-        config = loaded.config
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config  # the weights are plain float32 now
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        model.load_state_dict(loaded.state_dict())
-        model.generation_config = loaded.generation_config
-        tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        partial = folder.with_name(folder.name + ".partial")
-        model.save_pretrained(partial, safe_serialization=True)
-        tokenizer.save_pretrained(partial)
-        os.replace(partial, folder)
-    return str(folder)
 
 
 class Server:
@@ -311,7 +280,7 @@ def print_table(results: dict, args) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    folder = args.folder or real_model_folder()
+    folder = args.folder or _real.model_folder()
     results = {}
     for kind in args.servers:
         try:

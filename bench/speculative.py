@@ -1,16 +1,20 @@
 """What assisted generation buys: plain greedy vs speculative greedy vs prompt lookup.
 
 On the bundled pair (``genjax.io.bundled.path("genjax-tiny")`` as target, ``"genjax-tiny-draft"``
-as draft, or the folder ``--draft`` names), or with ``--random`` on random Llamas written by
+as draft, or the folder ``--draft`` names), with ``--random`` on random Llamas written by
 ``genjax.testing`` (a target of ``--layers`` layers and a 1-layer draft sharing its embeddings
-and first layer, so they agree often), this times greedy generation of ``--new-tokens`` tokens
-at each batch size of ``--batches``:
+and first layer, so they agree often), or with ``--real`` on the real SmolLM2-135M-Instruct
+(``bench/_real.py``; its draft is the same model with weight-only int8 params, which reads a
+quarter of the weight bytes per pass: self-speculative decoding), this times greedy generation
+of ``--new-tokens`` tokens at each batch size of ``--batches``:
 
 * ``plain``: ordinary greedy decoding of the target;
 * ``draft``: speculative greedy decoding with the draft (``--candidates`` per round);
 * ``lookup``: prompt-lookup decoding (``prompt_lookup_num_tokens=--candidates``), on an
   input-grounded task: continuing a file whose text repeats (a Python source file with a
-  repeated block, cut mid-way through the second copy).
+  repeated block, cut mid-way through the second copy); with ``--real``, a chat turn asking the
+  model to rewrite a function from the standard library with clearer names (the ``plain`` task
+  asks it to write one from a description).
 
 No EOS stops a row, so every variant makes the same number of tokens (and greedy outputs are
 checked to be equal). Every variant is compiled first, then the variants run interleaved
@@ -36,7 +40,7 @@ nor a draft that stops early. It is printed for batch 1 only: with more rows, ro
 different numbers of tokens and the caches hold holes (see :mod:`genjax.decoding.assisted`),
 which the passes measured here do not include.
 
-Run:  python bench/speculative.py [--random] [--draft FOLDER] [--runs 5] [--new-tokens 128]
+Run:  python bench/speculative.py [--random | --real] [--draft FOLDER] [--runs 5] [--new-tokens 128]
       [--candidates 4] [--batches 1,8]
 """
 
@@ -46,6 +50,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 
@@ -58,9 +63,20 @@ import genjax.io.bundled
 import genjax.testing
 from genjax.decoding.assisted import cache_lengths
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _machine  # noqa: E402
+
 
 def _models(args):
     """(target, target params, draft, draft params, tokenizer or None)."""
+    if args.real:
+        import _real
+
+        folder = _real.model_folder()
+        model, params = genjax.models.from_pretrained(folder)
+        model = model.with_generation_config(None)
+        draft_params = genjax.quantize_params(model, params, "int8")
+        return model, params, model, draft_params, genjax.tokenizer.from_pretrained(folder)
     if not args.random:
         from genjax import bundled
 
@@ -80,6 +96,27 @@ def _models(args):
     shared = {k: v for k, v in params.items() if k != "layers"}
     draft_params = {**draft_params, **shared, "layers": {"0": params["layers"]["0"]}}
     return model, params, draft, draft_params, None
+
+
+def _chat_prompts(tokenizer, batch: int, grounded: bool):
+    """Left-padded chat prompts: rewrite a standard-library function (``grounded``), or write
+    one from a short description."""
+    import inspect
+    import textwrap
+
+    functions = [json.dumps, json.loads, os.path.join, os.path.splitext, textwrap.dedent]
+    messages = []
+    for b in range(batch):
+        function = functions[b % len(functions)]
+        if grounded:
+            source = inspect.getsource(function)[:1500]
+            text = f"Rewrite this function with clearer variable names:\n```python\n{source}```"
+        else:
+            text = f"Write a Python function like `{function.__name__}`, with a docstring."
+        messages.append([{"role": "user", "content": text}])
+    rows = [tokenizer.apply_chat_template(m, add_generation_prompt=True) for m in messages]
+    padded = tokenizer.pad(rows)
+    return np.asarray(padded["input_ids"]), np.asarray(padded["attention_mask"])
 
 
 def _prompts(tokenizer, batch: int, vocab: int, repeated: bool):
@@ -112,6 +149,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--random", action="store_true", help="random models, not the bundled")
     parser.add_argument(
+        "--real", action="store_true", help="SmolLM2-135M-Instruct, its int8 self as the draft"
+    )
+    parser.add_argument(
         "--draft",
         default=genjax.io.bundled.path("genjax-tiny-draft"),
         help="the draft Hugging Face folder (default: the bundled draft); not with --random",
@@ -123,8 +163,10 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--width", type=int, default=256)
     args = parser.parse_args()
-    if args.random and args.draft != parser.get_default("draft"):
-        parser.error("--draft names a folder for the bundled target; --random builds its own draft")
+    if (args.random or args.real) and args.draft != parser.get_default("draft"):
+        parser.error("--draft names the bundled target's draft; --random and --real bring theirs")
+    if args.random and args.real:
+        parser.error("--random and --real choose different models: give one")
     model, params, draft, draft_params, tok = _models(args)
     config = genjax.GenerationConfig(
         max_new_tokens=args.new_tokens,
@@ -134,13 +176,20 @@ def main() -> None:
         num_assistant_tokens=args.candidates,
         assistant_confidence_threshold=0.0,
     )
-    print(f"device: {jax.devices()[0].device_kind}; {args.new_tokens} new tokens, greedy")
+    which = "real SmolLM2-135M-Instruct" if args.real else "random" if args.random else "bundled"
+    cpu = f"{_machine.cpu_model()} ({', '.join(_machine.cpu_extensions())})"
+    print(f"{cpu}, {_machine.cpu_count()} usable CPUs; device: {jax.devices()[0].device_kind}")
+    print(f"{which} models")
+    print(f"{args.new_tokens} new tokens, greedy, up to {args.candidates} candidates")
     print(f"{'batch':>5} {'task':>9} {'variant':>7} {'tok/s':>9} {'vs plain':>8} {'accept':>7}")
     models = (model, params, draft, draft_params)
     rates, prompt_lengths = {}, {}
     for batch in [int(b) for b in args.batches.split(",")]:
         for task in ("plain", "repeating"):
-            ids, mask = _prompts(tok, batch, model.vocab_size, task == "repeating")
+            if args.real:
+                ids, mask = _chat_prompts(tok, batch, task == "repeating")
+            else:
+                ids, mask = _prompts(tok, batch, model.vocab_size, task == "repeating")
             rates[batch, task] = _measure(args, models, config, ids, mask, task)
             prompt_lengths[batch] = max(ids.shape[1], prompt_lengths.get(batch, 0))
     _print_costs(args, models, rates, prompt_lengths)

@@ -88,9 +88,9 @@ class Constraint:
         """The state after ``token`` from ``state`` (host-side), -1 when it is refused.
 
         Example:
-            >>> c = genjax.constraints.choice(["yes", "no"], tok)  # doctest: +SKIP
-            >>> c.step(0, tok.encode("no")[0]) > 0  # doctest: +SKIP
-            True
+            >>> c = genjax.constraints.choice(["yes", "no"], tok)
+            >>> c.step(0, tok.encode("no")[0]) > 0, c.step(0, tok.encode("maybe")[0])
+            (True, -1)
         """
         start, stop = self.offsets[state], self.offsets[state + 1]
         at = start + np.searchsorted(self.tokens[start:stop], token)

@@ -52,7 +52,8 @@ def constraint_key(constraint: Constraint) -> bytes:
     one place in the pool.
 
     Example:
-        >>> constraint_key(c) == constraint_key(c)  # doctest: +SKIP
+        >>> c = genjax.constraints.choice(["yes", "no"], tok)
+        >>> constraint_key(c) == constraint_key(genjax.constraints.regex("(yes|no)", tok))
         True
     """
     digest = hashlib.blake2b(digest_size=16)
@@ -67,7 +68,8 @@ def walk(constraint: Constraint, tokens: Sequence[int]) -> int:
     state as it is, as :func:`genjax.decoding.automaton.advance_rows` does).
 
     Example:
-        >>> walk(genjax.constraints.choice(["yes"], tok), tok.encode("yes")) > 0  # doctest: +SKIP
+        >>> c = genjax.constraints.choice(["yes", "no"], tok)
+        >>> bool(c.final[walk(c, tok.encode("yes"))])
         True
     """
     state = 0
@@ -137,8 +139,10 @@ class ConstraintPool:
         vocab_size: the model's ``V``.
 
     Example:
-        >>> pool = ConstraintPool(4096, 2**20, 4096)  # doctest: +SKIP
-        >>> start = pool.acquire(constraint_key(c), c)  # c's state 0 is pool state `start`
+        >>> c = genjax.constraints.choice(["yes", "no"], tok)
+        >>> pool = ConstraintPool(max_states=64, max_edges=1024, vocab_size=4096)
+        >>> pool.acquire(constraint_key(c), c)  # c's state 0 is the pool's state 0
+        0
     """
 
     def __init__(self, max_states: int, max_edges: int, vocab_size: int):

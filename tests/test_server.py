@@ -24,6 +24,7 @@ from types import SimpleNamespace
 
 import httpx
 import jax
+import jsonschema
 import numpy as np
 import openai
 import pytest
@@ -31,6 +32,7 @@ import pytest
 import genjax
 from genjax.io import bundled
 from genjax.io import tokenizer as tokenizers
+from genjax.serving.guided import GuidedSpec, guided_spec
 from genjax.serving.logprobs import TokenTexts
 from genjax.serving.protocol import (
     APIError,
@@ -52,6 +54,11 @@ KEY = "sk-test-key"
 CONTEXT = 256
 READY_TIMEOUT = 600  # seconds: the subprocess loads and compiles the engine on 2 busy cores
 PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:\n", "for i in range("]
+COLOUR = {
+    "type": "object",
+    "properties": {"color": {"enum": ["red", "green", "blue"]}, "size": {"type": "integer"}},
+    "required": ["color", "size"],
+}
 
 
 # ---------------------------------------------------------------------------- the wire format
@@ -161,6 +168,41 @@ def test_generation_options_maps_openai_names_onto_the_config():
         parse_request(CompletionRequest, {"model": "m", "prompt": "x", "temperature": 0}), base, 8
     )
     assert not greedy.do_sample and greedy.temperature is None and greedy.top_k is None
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"guided_regex": "a+", "guided_choice": ["a"]}, "guided_regex, guided_choice"),
+        (
+            {"response_format": {"type": "json_object"}, "guided_json": {"type": "object"}},
+            "response_format, guided_json",
+        ),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+         "response_format"),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        ({"guided_json": "{not json"}, "guided_json"),
+        ({"guided_choice": ["a", ""]}, "guided_choice"),
+    ],
+)  # fmt: skip
+def test_guided_fields_are_refused_by_name(extra, param):
+    with pytest.raises(APIError) as error:
+        guided_spec(parse_request(CompletionRequest, {"model": "m", "prompt": "x", **extra}))
+    assert error.value.status == 400 and error.value.param == param
+
+
+def test_guided_fields_map_onto_one_constraint_spec():
+    def spec(**extra):
+        return guided_spec(parse_request(CompletionRequest, {"model": "m", "prompt": "x", **extra}))
+
+    named = {"name": "colour", "schema": COLOUR, "strict": True}
+    by_format = spec(response_format={"type": "json_schema", "json_schema": named})
+    assert by_format == GuidedSpec("response_format", "json_schema", json.dumps(COLOUR,
+        sort_keys=True, separators=(",", ":")))  # fmt: skip
+    assert spec(guided_json=json.dumps(COLOUR)).pattern == by_format.pattern
+    assert spec(response_format={"type": "text"}) is None and spec() is None
+    assert spec(response_format={"type": "json_object"}).kind == "json_object"
+    assert spec(guided_regex="[0-9]+") == GuidedSpec("guided_regex", "regex", "[0-9]+")
 
 
 # ---------------------------------------------------------------------------- a fake manager
@@ -554,6 +596,48 @@ def test_a_stop_string_split_across_tokens_and_chunks_is_caught(server):
     assert stopped[-1].choices[0].finish_reason == "stop"
     answer = client.completions.create(stop=stop, **kwargs)
     assert answer.choices[0].text == expected and answer.choices[0].finish_reason == "stop"
+
+
+def test_structured_output_follows_the_schema_the_choices_or_the_regex(server):
+    client = server.client()
+    named = {"name": "colour", "schema": COLOUR, "strict": True}
+    answer = client.chat.completions.create(
+        model=MODEL,
+        messages=CHAT,
+        temperature=0,
+        max_completion_tokens=64,
+        response_format={"type": "json_schema", "json_schema": named},
+    )
+    jsonschema.validate(json.loads(answer.choices[0].message.content), COLOUR)
+    assert answer.choices[0].finish_reason == "stop"
+    choices = ["yes", "no", "maybe"]
+    picked = client.completions.create(  # sampled: the checkpoint's settings, n = 3
+        model=MODEL, prompt=PROMPTS[0], max_tokens=8, n=3, seed=5,
+        extra_body={"guided_choice": choices},
+    )  # fmt: skip
+    assert [c.text in choices for c in picked.choices] == [True] * 3
+    kwargs = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 16, "temperature": 0}
+    phone = {"guided_regex": r"[0-9]{3}-[0-9]{4}"}
+    streamed = client.completions.create(stream=True, extra_body=phone, **kwargs)
+    text = "".join(c.choices[0].text for c in streamed if c.choices)
+    assert re.fullmatch(phone["guided_regex"], text), text
+    assert client.completions.create(extra_body=phone, **kwargs).choices[0].text == text
+
+
+def test_structured_output_errors_name_the_field(server):
+    client = server.client()
+    cases = [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x",
+          "schema": {"type": "nonsense"}}}}, "response_format"),
+        ({"guided_regex": "[0-9"}, "guided_regex"),
+        ({"guided_json": {"type": "object", "properties": 5}}, "guided_json"),
+        ({"guided_regex": "a+", "guided_choice": ["a"]}, "guided_regex, guided_choice"),
+    ]  # fmt: skip
+    for body, param in cases:
+        error = _status(
+            lambda b=body: client.completions.create(model=MODEL, prompt="x", extra_body=b)
+        )
+        assert error.status_code == 400 and error.body["param"] == param, error.body
 
 
 def _status(call) -> openai.APIStatusError:

@@ -184,6 +184,7 @@ def test_step_alone_prefills_chooses_and_decodes_a_hand_checked_request():
         prompt_length=np.asarray(3, np.int32),
         row=row,
         admit=np.asarray(True),
+        constraint_state=np.asarray(-1, np.int32),  # unconstrained
         history=np.zeros((shape.max_length,), np.int32),
         decode_rows=np.asarray([1], np.int32),  # bucket 1: slot 1 alone goes through the model
     )

@@ -79,12 +79,24 @@ class Constraint:
             ids.pop()
         state = 0
         for token in ids:
-            start, stop = self.offsets[state], self.offsets[state + 1]
-            at = start + np.searchsorted(self.tokens[start:stop], token)
-            if at >= stop or self.tokens[at] != token:
+            state = self.step(state, token)
+            if state < 0:
                 return False
-            state = int(self.targets[at])
         return bool(self.final[state])
+
+    def step(self, state: int, token: int) -> int:
+        """The state after ``token`` from ``state`` (host-side), -1 when it is refused.
+
+        Example:
+            >>> c = genjax.constraints.choice(["yes", "no"], tok)
+            >>> c.step(0, tok.encode("no")[0]) > 0, c.step(0, tok.encode("maybe")[0])
+            (True, -1)
+        """
+        start, stop = self.offsets[state], self.offsets[state + 1]
+        at = start + np.searchsorted(self.tokens[start:stop], token)
+        if at >= stop or self.tokens[at] != token:
+            return -1
+        return int(self.targets[at])
 
     def __repr__(self) -> str:
         pattern = self.pattern if len(self.pattern) <= 60 else self.pattern[:57] + "..."

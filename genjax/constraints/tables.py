@@ -32,7 +32,14 @@ from genjax.constraints.automata import Constraint
 from genjax.errors import InputError
 from genjax.typing import Array
 
-__all__ = ["DENSE_LIMIT_BYTES", "CompressedTable", "DenseTable", "device_automaton"]
+__all__ = [
+    "DENSE_LIMIT_BYTES",
+    "CompressedTable",
+    "DenseTable",
+    "bitmask",
+    "check_vocab_size",
+    "device_automaton",
+]
 
 DENSE_LIMIT_BYTES = 64 * 2**20
 """The largest dense ``int32[S, V]`` table (bytes); larger ones use :class:`CompressedTable`."""
@@ -131,11 +138,7 @@ def device_automaton(
 def _stack(unique, starts, initial, vocab_size, limit):
     """The table of the distinct automata ``unique``, whose states start at ``starts``."""
     for c in unique:
-        if c.vocab_size > vocab_size:
-            raise InputError(
-                f"the constraint was built for a tokenizer of {c.vocab_size} tokens, more than "
-                f"the model's vocab_size={vocab_size}. Build it with the model's tokenizer."
-            )
+        check_vocab_size(c, vocab_size)
     if len({c.eos_token_id for c in unique}) > 1:
         raise InputError(
             f"the per-row constraints use different EOS ids "
@@ -160,12 +163,28 @@ def _stack(unique, starts, initial, vocab_size, limit):
     return _compressed(offsets, tokens, targets, states, vocab_size, initial, eos)
 
 
-def _compressed(offsets, tokens, targets, states, vocab_size, initial, eos) -> CompressedTable:
-    edges = _bucket(tokens.shape[0])
-    words = -(-vocab_size // 32)
-    bits = np.zeros((states, words), np.uint32)
+def check_vocab_size(constraint: Constraint, vocab_size: int) -> None:
+    """Raises InputError when ``constraint`` was built for more tokens than the model's
+    ``vocab_size`` (its ids would fall outside the logits)."""
+    if constraint.vocab_size > vocab_size:
+        raise InputError(
+            f"the constraint was built for a tokenizer of {constraint.vocab_size} tokens, more "
+            f"than the model's vocab_size={vocab_size}. Build it with the model's tokenizer."
+        )
+
+
+def bitmask(offsets, tokens, states: int, vocab_size: int) -> np.ndarray:
+    """uint32[states, ceil(V / 32)]: bit ``t % 32`` of word ``t // 32`` of row ``s`` set when
+    CSR state ``s`` (``offsets`` int[states + 1], ``tokens`` int[E]) allows token ``t``."""
+    bits = np.zeros((states, -(-vocab_size // 32)), np.uint32)
     rows = np.repeat(np.arange(states), np.diff(offsets))
     np.bitwise_or.at(bits, (rows, tokens // 32), (np.uint32(1) << (tokens % 32)).astype(np.uint32))
+    return bits
+
+
+def _compressed(offsets, tokens, targets, states, vocab_size, initial, eos) -> CompressedTable:
+    edges = _bucket(tokens.shape[0])
+    bits = bitmask(offsets, tokens, states, vocab_size)
     pad = edges - tokens.shape[0]
     return CompressedTable(
         bits=jnp.asarray(bits),

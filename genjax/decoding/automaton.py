@@ -53,13 +53,25 @@ class TokenAutomaton(Protocol):
         ...
 
 
-def mask_scores(scores: Array, automaton: TokenAutomaton, state: Array) -> Array:
+def mask_scores(
+    scores: Array, automaton: TokenAutomaton, state: Array, rows: Array | None = None
+) -> Array:
     """float32[R, V] ``scores`` with ``-inf`` on the tokens the automaton refuses in ``state``.
+
+    Args:
+        scores: float32[R, V].
+        automaton: the automaton.
+        state: int32[R] states.
+        rows: bool[R], the rows to mask (the others keep every score; their state is not
+            read); None: every row.
 
     Example:
         >>> scores = mask_scores(logits, automaton, carry.automaton_state)  # doctest: +SKIP
     """
-    return jnp.where(automaton.allowed(state), scores, NEG_INF)
+    if rows is None:
+        return jnp.where(automaton.allowed(state), scores, NEG_INF)
+    allowed = automaton.allowed(jnp.where(rows, state, 0))
+    return jnp.where(allowed | ~rows[:, None], scores, NEG_INF)
 
 
 def advance_rows(

@@ -14,7 +14,7 @@ from genjax.config import GenerationConfig
 from genjax.decoding.automaton import TokenAutomaton
 from genjax.errors import InputError, UnsupportedError
 
-__all__ = ["automaton_for"]
+__all__ = ["automaton_for", "check_eos"]
 
 
 def automaton_for(
@@ -42,18 +42,20 @@ def automaton_for(
             "automaton. Drop the assistant, or the constraint."
         )
     automaton = constraints.device_automaton(constraint, batch, int(model.vocab_size))
-    _check_eos(int(automaton.eos_token_id), config.eos_token_id)
+    check_eos(int(automaton.eos_token_id), config.eos_token_id)
     return automaton
 
 
-def _check_eos(eos: int, eos_token_id: Any) -> None:
-    """The constraint ends rows with its EOS id, which must then finish them."""
+def check_eos(eos: int, eos_token_id: Any, whose: str = "call") -> None:
+    """Raises InputError unless the constraint's EOS id ``eos`` is one of ``eos_token_id`` (the
+    ``whose`` call's or request's EOS ids): the constraint ends rows with it, which must then
+    finish them."""
     if any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(eos_token_id)):
         return
     ids = [] if eos_token_id is None else np.atleast_1d(np.asarray(eos_token_id)).tolist()
     if eos not in ids:
         raise InputError(
-            f"the constraint allows EOS id {eos} in its accepting states, but the call's "
+            f"the constraint allows EOS id {eos} in its accepting states, but the {whose}'s "
             f"eos_token_id is {eos_token_id!r}, so rows would not end there. Set eos_token_id "
-            f"to include {eos} (or build the constraint with eos_token_id= one of the call's)."
+            f"to include {eos} (or build the constraint with eos_token_id= one of the {whose}'s)."
         )

@@ -1,21 +1,23 @@
 """Serving many users at once: the continuous-batching engine.
 
 ``engine`` is the device side, one pure jitted step over a donated state (paged KV cache
-:class:`genjax.cache.PagedKVCache`, token history, per-row sampling values); ``scheduler`` the
-host side (block allocator, FIFO admission, chunked prefill, preemption); ``options`` checks a
-request's generation options; ``output`` is what a request gives back; ``manager`` runs the
-loop in a background thread behind transformers v5's continuous-batching API
-(``init_continuous_batching``, ``generate_batch``).
+:class:`genjax.cache.PagedKVCache`, token history, per-row sampling values); ``choosing`` the
+per-row token choice inside it; ``constraint_pool`` the structured-output automata the engine
+shares among requests; ``scheduler`` the host side (block allocator, FIFO admission, chunked
+prefill, preemption); ``options`` checks a request's generation options; ``config`` holds the
+engine's static sizes; ``output`` is what a request gives back; ``manager`` runs the loop in a
+background thread behind transformers v5's continuous-batching API
+(``init_continuous_batching``, ``generate_batch``). ``protocol``, ``guided``, ``server`` and
+``runner`` make the OpenAI-compatible server.
 
 Layer:
     Floor 5. May import every floor below, ``generation`` included.
 """
 
+from genjax.serving.choosing import RowSettings, Scored
 from genjax.serving.engine import (
     EngineShape,
     EngineState,
-    RowSettings,
-    Scored,
     StepInput,
     StepOutput,
     compile_step,

@@ -27,18 +27,19 @@ decoding row's newest token is in the history but not yet in the cache::
     history   p0 p1 p2 p3 g0 g1          lengths = 6, prompt_lengths = 4
     cache     p0 p1 p2 p3 g0             index = 5; the next step feeds g1 at position 5
 
-Token choice per row follows transformers' order: logit bias (``sequence_bias`` of single
-tokens), repetition penalty, EOS blocked until ``min_new_tokens``, OpenAI's presence and
-frequency penalties (where ``generate`` runs a user's ``logits_processor``), then temperature,
-top-k, top-p, min-p, typical-p, epsilon and eta cutoffs; greedy rows take the argmax (the
-warpers never move it), sampling rows draw with ``fold_in(key, new_token_index)`` as
-:func:`genjax.generate` does, so a preempted and recomputed request draws the same tokens.
+Token choice (:mod:`genjax.serving.choosing`): per row, in transformers' order, the same
+processors and warpers as ``genjax.generate``, greedy or sampled with ``fold_in(key,
+new_token_index)`` (a preempted and recomputed request draws the same tokens), and raw
+log-probabilities for the rows that ask.
 
-Log-probabilities (rows with ``settings.logprobs >= 0``): the chosen token's log-probability
-under the model's raw distribution, ``log_softmax(logits)`` before any processor (vLLM's default
-``raw_logprobs``; what ``genjax.generate``'s ``output_logits`` give), and the ``L`` most likely
-tokens with theirs. They are computed under a ``lax.cond`` that runs only when some row asks, so
-requests that do not ask pay nothing.
+Structured output (:mod:`genjax.serving.constraint_pool`): the step takes the engine's pool of
+token automata as a separate argument (traced, not donated, fixed shapes), and each row carries
+its automaton state in ``EngineState.constraint_state`` (-1: unconstrained), gathered with the
+other per-row state for the decode loop. A request's first chunk writes its starting state
+(``StepInput.constraint_state``: the automaton's initial state, or, for a recomputed request,
+the state after the tokens it already generated); every token choice masks the constrained rows
+before the processors and advances their states, under a ``lax.cond`` that costs an unconstrained
+step one ``any`` reduction.
 
 Static or traced:
     Static (the shape of a compiled program): the model, ``R`` (``max_batch_size``), the rows
@@ -48,8 +49,10 @@ Static or traced:
     :class:`EngineState` and :class:`StepInput`: the requests' tokens, lengths, sampling values
     (``do_sample`` included), seeds, EOS ids, biased ids and biases, penalties, how many top
     log-probabilities a row wants, limits, which slot prefills and which slots decode, the
-    number of steps. Also static:
-    the most biased tokens per request ``L_b`` and the most top log-probabilities ``L``.
+    number of steps, the rows' automaton states and the constraint pool's contents. Also
+    static: the most biased tokens per request ``L_b``, the most top log-probabilities ``L``,
+    and the constraint pool's sizes (``S_p`` states, ``E_p`` transitions; none when ``S_p`` is
+    0).
 """
 
 from __future__ import annotations
@@ -63,23 +66,9 @@ import numpy as np
 from flax import struct
 
 from genjax.cache import PagedKVCache
-from genjax.decoding.sampling import sample
+from genjax.constraints import CompressedTable
 from genjax.models.quantize import LIBRARY_DOT_OPTIONS
-from genjax.processors import (
-    LogitsContext,
-    chain,
-    count_penalties,
-    epsilon_cutoff,
-    eta_cutoff,
-    logit_bias,
-    min_p,
-    repetition_penalty,
-    temperature,
-    top_k,
-    top_p,
-    typical_p,
-)
-from genjax.processors.base import NEG_INF
+from genjax.serving.choosing import RowSettings, Scored, choose_rows, no_scores
 from genjax.typing import Array, PyTree
 
 __all__ = [
@@ -106,6 +95,8 @@ class EngineShape:
     max_eos: int  # E: the most EOS ids per request
     max_bias: int = 0  # L_b: the most biased tokens (logit_bias) per request
     max_top_logprobs: int = 0  # L: the most top log-probabilities per token
+    constraint_states: int = 0  # S_p: states in the constraint pool (0: no pool)
+    constraint_edges: int = 0  # E_p: transitions in the constraint pool
 
     @property
     def max_length(self) -> int:
@@ -136,54 +127,6 @@ def decode_buckets(max_batch_size: int) -> tuple[int, ...]:
 
 
 @struct.dataclass
-class RowSettings:
-    """Per-request generation values, one entry per row (all traced)."""
-
-    do_sample: Array  # bool[R]: draw tokens (else argmax)
-    temperature: Array  # float32[R]: 1.0 = off
-    top_k: Array  # int32[R]: 0 = off
-    top_p: Array  # float32[R]: 1.0 = off
-    min_p: Array  # float32[R]: 0.0 = off
-    typical_p: Array  # float32[R]: 1.0 = off
-    epsilon_cutoff: Array  # float32[R]: 0.0 = off
-    eta_cutoff: Array  # float32[R]: 0.0 = off
-    repetition_penalty: Array  # float32[R]: 1.0 = off
-    presence_penalty: Array  # float32[R]: 0.0 = off (OpenAI's, on generated tokens)
-    frequency_penalty: Array  # float32[R]: 0.0 = off
-    bias_ids: Array  # int32[R, L_b]: biased token ids; -1 fills unused entries
-    bias_values: Array  # float32[R, L_b]: their biases
-    logprobs: Array  # int32[R]: -1: none; k >= 0: the chosen token's logprob and the top k
-    max_new_tokens: Array  # int32[R]
-    min_new_tokens: Array  # int32[R]: EOS is blocked before this many new tokens
-    eos_token_ids: Array  # int32[R, E]: -1 fills unused entries
-    seed: Array  # int32[R]: the request's key is jax.random.key(seed)
-
-    @classmethod
-    def empty(cls, rows: int, max_eos: int, max_bias: int = 0) -> RowSettings:
-        """Neutral settings (greedy, nothing active) for ``rows`` rows; numpy, no compilation."""
-        return cls(
-            do_sample=np.zeros((rows,), bool),
-            temperature=np.ones((rows,), np.float32),
-            top_k=np.zeros((rows,), np.int32),
-            top_p=np.ones((rows,), np.float32),
-            min_p=np.zeros((rows,), np.float32),
-            typical_p=np.ones((rows,), np.float32),
-            epsilon_cutoff=np.zeros((rows,), np.float32),
-            eta_cutoff=np.zeros((rows,), np.float32),
-            repetition_penalty=np.ones((rows,), np.float32),
-            presence_penalty=np.zeros((rows,), np.float32),
-            frequency_penalty=np.zeros((rows,), np.float32),
-            bias_ids=np.full((rows, max_bias), -1, np.int32),
-            bias_values=np.zeros((rows, max_bias), np.float32),
-            logprobs=np.full((rows,), -1, np.int32),
-            max_new_tokens=np.zeros((rows,), np.int32),
-            min_new_tokens=np.zeros((rows,), np.int32),
-            eos_token_ids=np.full((rows, max_eos), -1, np.int32),
-            seed=np.zeros((rows,), np.int32),
-        )
-
-
-@struct.dataclass
 class EngineState:
     """Everything the device keeps between steps (donated to each step)."""
 
@@ -192,6 +135,7 @@ class EngineState:
     lengths: Array  # int32[R]: tokens in `tokens` per slot
     prompt_lengths: Array  # int32[R]: the request's own prompt (new tokens are counted after it)
     decoding: Array  # bool[R]: the slot has a token to feed and decodes each step
+    constraint_state: Array  # int32[R]: the row's state in the constraint pool; -1: none
     settings: RowSettings  # [R] per-request values
 
 
@@ -210,7 +154,9 @@ class StepInput:
     prompt_length: Array  # int32[]: the request's own prompt length (for a recomputed one,
     #   shorter than the tokens prefilled)
     row: RowSettings  # [1]: the prefilling request's settings, written on its first chunk
-    admit: Array  # bool[]: first chunk of a request: write `row`, `prompt_length`, `history`
+    admit: Array  # bool[]: first chunk of a request: write `row`, `prompt_length`, `history`,
+    #   `constraint_state`
+    constraint_state: Array  # int32[]: on admission, the request's automaton state (-1: none)
     history: Array  # int32[S]: on admission, the tokens before `prefill_start` (a cached
     #   prefix, whose blocks are shared and not prefilled again); later tokens are ignored
     decode_rows: Array  # int32[B_k]: distinct slots, every decoding one (the prefilled slot
@@ -232,41 +178,6 @@ class StepOutput:
     first: Scored  # [1]: the first token's, as above
 
 
-@struct.dataclass
-class Scored:
-    """Chosen tokens with their log-probabilities (:func:`token_logprobs`)."""
-
-    logprobs: Array  # float32[B]: the chosen token's raw log-probability
-    top_ids: Array  # int32[B, L]: the L most likely tokens, most likely first (-1: none)
-    top_logprobs: Array  # float32[B, L]: their raw log-probabilities
-
-
-def token_logprobs(logits: Array, token: Array, want: Array, top: int) -> Scored:
-    """Raw log-probabilities of the chosen tokens and the ``top`` most likely ones.
-
-    Computed under ``lax.cond`` only when a row has ``want >= 0`` (zeros otherwise), so a step
-    where no request asks pays one ``any`` reduction.
-
-    Args:
-        logits: float32[B, V], the model's raw next-token logits.
-        token: int32[B], the chosen tokens.
-        want: int32[B], each row's ``RowSettings.logprobs`` (-1: none).
-        top: ``L`` (static), the most top log-probabilities any row may ask.
-    """
-    batch = logits.shape[0]
-
-    def compute(logits):
-        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-        chosen = jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
-        k = min(top, logp.shape[-1])  # a vocabulary smaller than L: pad with (-1, -inf)
-        values, ids = jax.lax.top_k(logp, k) if k else (logp[:, :0], logp[:, :0])
-        ids = jnp.pad(ids.astype(jnp.int32), ((0, 0), (0, top - k)), constant_values=-1)
-        values = jnp.pad(values, ((0, 0), (0, top - k)), constant_values=-jnp.inf)
-        return Scored(chosen, ids, values)
-
-    return jax.lax.cond(jnp.any(want >= 0), compute, lambda _: _no_scores(batch, top), logits)
-
-
 def init_state(model, shape: EngineShape, dtype=None) -> EngineState:
     """An empty engine state: every slot free, a zero pool (numpy then one device put)."""
     cache = PagedKVCache.create(
@@ -286,77 +197,10 @@ def init_state(model, shape: EngineShape, dtype=None) -> EngineState:
         lengths=np.zeros((rows,), np.int32),
         prompt_lengths=np.zeros((rows,), np.int32),
         decoding=np.zeros((rows,), bool),
+        constraint_state=np.full((rows,), -1, np.int32),
         settings=RowSettings.empty(rows, shape.max_eos, shape.max_bias),
     )
     return jax.device_put(state)
-
-
-def choose_tokens(
-    logits: Array, tokens: Array, lengths: Array, prompt_lengths: Array, settings: RowSettings
-) -> Array:
-    """Processes float32[B, V] next-token logits per row and chooses int32[B] tokens.
-
-    Args:
-        logits: float32[B, V], the logits at each row's last token.
-        tokens: int32[B, S], each row's history (valid up to ``lengths``).
-        lengths: int32[B], tokens in the history (the next token goes to slot ``lengths``).
-        prompt_lengths: int32[B], the request's prompt length.
-        settings: the rows' :class:`RowSettings` ([B] each).
-    """
-    batch, vocab = logits.shape
-    num_new = lengths - prompt_lengths  # [B]
-    context = LogitsContext(
-        tokens=tokens,
-        length=lengths[:, None],  # per row: broadcasts against the slots [1, S]
-        offset=jnp.zeros((), jnp.int32),
-        prompt_end=prompt_lengths[:, None],
-        first_valid=jnp.zeros((batch,), jnp.int32),
-    )
-    # The bias and OpenAI's penalties run under lax.cond: steps where no row uses them skip
-    # their [B, V] passes.
-    scores = logits
-    if settings.bias_ids.shape[-1]:
-        bias = logit_bias(settings.bias_ids, settings.bias_values)
-        biased = jnp.any(settings.bias_ids >= 0)
-        scores = jax.lax.cond(biased, lambda s: bias(s, context), lambda s: s, scores)
-    scores = repetition_penalty(settings.repetition_penalty)(scores, context)
-    ids = settings.eos_token_ids  # [B, E]
-    is_eos = jnp.any(jnp.arange(vocab)[None, :, None] == ids[:, None, :], axis=-1)  # [B, V]
-    blocked = is_eos & (num_new < settings.min_new_tokens)[:, None]
-    scores = jnp.where(blocked, NEG_INF, scores)
-    penalties = count_penalties(settings.presence_penalty, settings.frequency_penalty)
-    active = jnp.any((settings.presence_penalty != 0) | (settings.frequency_penalty != 0))
-    scores = jax.lax.cond(active, lambda s: penalties(s, context), lambda s: s, scores)
-    warp = chain(
-        temperature(settings.temperature),
-        top_k(settings.top_k),
-        top_p(settings.top_p),
-        min_p(settings.min_p),
-    )
-    warped = warp(scores, context)
-    # The truncation warpers after min_p, in transformers' order, only on steps where some row
-    # uses one: each costs a softmax over V (typical_p also a partial sort).
-    truncate = chain(
-        typical_p(settings.typical_p),
-        epsilon_cutoff(settings.epsilon_cutoff),
-        eta_cutoff(settings.eta_cutoff),
-    )
-    truncating = jnp.any(
-        (settings.typical_p < 1) | (settings.epsilon_cutoff > 0) | (settings.eta_cutoff > 0)
-    )
-    warped = jax.lax.cond(truncating, lambda s: truncate(s, context), lambda s: s, warped)
-    keys = jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.key(seed), i))(
-        settings.seed, num_new
-    )
-    drawn = jax.vmap(lambda key, row: sample(key, row[None])[0])(keys, warped)
-    greedy = jnp.argmax(scores, axis=-1).astype(jnp.int32)
-    return jnp.where(settings.do_sample, drawn, greedy)
-
-
-def _finished(token: Array, num_new: Array, settings: RowSettings) -> Array:
-    """bool[B]: the row's newest token (``num_new`` counted) ends it: EOS or the length limit."""
-    eos = jnp.any(token[:, None] == settings.eos_token_ids, axis=-1)
-    return eos | (num_new >= settings.max_new_tokens)
 
 
 def _rows(tree: PyTree, rows: Array) -> PyTree:
@@ -396,19 +240,16 @@ def _admit(state: EngineState, work: StepInput) -> EngineState:
     prompt = jnp.where(take, work.prompt_length, state.prompt_lengths[slot])
     before = jnp.arange(work.history.shape[0]) < work.prefill_start
     history = jnp.where(take & before, work.history, state.tokens[slot[0]])
+    automaton = jnp.where(take, work.constraint_state, state.constraint_state[slot])
     return state.replace(
         settings=settings,
         prompt_lengths=state.prompt_lengths.at[slot].set(prompt),
         tokens=state.tokens.at[slot[0]].set(history),
+        constraint_state=state.constraint_state.at[slot].set(automaton),
     )
 
 
-def _no_scores(batch: int, top: int) -> Scored:
-    zeros = jnp.zeros((batch, top), jnp.float32)
-    return Scored(jnp.zeros((batch,), jnp.float32), zeros.astype(jnp.int32), zeros)
-
-
-def _prefill(model, params, state: EngineState, work: StepInput, top: int):
+def _prefill(model, params, state: EngineState, work: StepInput, pool, top: int):
     """Runs the chunk of ``work.prefill_slot``; returns the state, the first new token after a
     prompt's last chunk (-1 otherwise), whether that token already ends the request, and its
     :class:`Scored` log-probabilities ([1])."""
@@ -427,25 +268,33 @@ def _prefill(model, params, state: EngineState, work: StepInput, top: int):
 
     def first_token(state):
         last = jax.lax.dynamic_index_in_dim(logits[0], count - 1, keepdims=True)  # [1, V]
-        settings = _rows(state.settings, slot)
-        prompt = state.prompt_lengths[slot]
-        token = choose_tokens(last, state.tokens[slot], length[None], prompt, settings)
-        scored = token_logprobs(last, token, settings.logprobs, top)
-        done = _finished(token, length + 1 - prompt, settings)
+        chosen = choose_rows(
+            last,
+            state.tokens[slot],
+            length[None],
+            state.prompt_lengths[slot],
+            _rows(state.settings, slot),
+            state.constraint_state[slot],
+            pool,
+            jnp.ones((1,), bool),
+            top,
+        )
+        token, done = chosen.token, chosen.done
         state = state.replace(
             tokens=state.tokens.at[slot, length].set(token, mode="drop"),
             lengths=state.lengths.at[slot].add(1),
             decoding=state.decoding.at[slot].set(~done),
+            constraint_state=state.constraint_state.at[slot].set(chosen.constraint_state),
         )
-        return state, token[0], done[0], scored
+        return state, token[0], done[0], chosen.scored
 
     def not_last(state):
-        return state, jnp.full((), -1, jnp.int32), jnp.zeros((), bool), _no_scores(1, top)
+        return state, jnp.full((), -1, jnp.int32), jnp.zeros((), bool), no_scores(1, top)
 
     return jax.lax.cond(work.prefill_last, first_token, not_last, state)
 
 
-def _decode_once(model, params, state: EngineState, top: int):
+def _decode_once(model, params, state: EngineState, pool, top: int):
     """One token for every decoding row; returns the state, int32[R] tokens (-1 for rows not
     decoding), bool[R] rows that finished and the tokens' :class:`Scored` ([R])."""
     live = state.decoding
@@ -459,20 +308,27 @@ def _decode_once(model, params, state: EngineState, top: int):
     cache = state.cache.replace(
         keys=view.keys, values=view.values, index=jnp.where(live, fed + 1, state.cache.index)
     )
-    token = choose_tokens(
-        logits[:, 0], state.tokens, state.lengths, state.prompt_lengths, state.settings
+    chosen = choose_rows(
+        logits[:, 0],
+        state.tokens,
+        state.lengths,
+        state.prompt_lengths,
+        state.settings,
+        state.constraint_state,
+        pool,
+        live,
+        top,
     )
-    wanted = jnp.where(live, state.settings.logprobs, -1)
-    scored = token_logprobs(logits[:, 0], token, wanted, top)
-    done = live & _finished(token, state.lengths + 1 - state.prompt_lengths, state.settings)
+    token, done = chosen.token, chosen.done
     columns = jnp.where(live, state.lengths, state.tokens.shape[1])
     state = state.replace(
         cache=cache,
         tokens=state.tokens.at[rows, columns].set(token, mode="drop"),
         lengths=state.lengths + live,
         decoding=live & ~done,
+        constraint_state=chosen.constraint_state,
     )
-    return state, jnp.where(live, token, -1), done, scored
+    return state, jnp.where(live, token, -1), done, chosen.scored
 
 
 def engine_step(
@@ -480,6 +336,7 @@ def engine_step(
     params: PyTree,
     state: EngineState,
     work: StepInput,
+    pool: CompressedTable | None = None,
     *,
     max_steps: int,
     max_top_logprobs: int = 0,
@@ -495,6 +352,8 @@ def engine_step(
         params: its parameters (traced).
         state: the :class:`EngineState` (traced, donated).
         work: the :class:`StepInput` (traced).
+        pool: the constraint pool (:mod:`genjax.serving.constraint_pool`; traced, not
+            donated), or None for an engine without one (static: nothing of it compiles).
         max_steps: ``K`` (static), the size of the output buffer; ``work.num_steps <= K``.
         max_top_logprobs: ``L`` (static), the top log-probabilities returned per token.
 
@@ -503,7 +362,7 @@ def engine_step(
 
     Example:
         >>> step = compile_step(model, max_steps=4)  # doctest: +SKIP
-        >>> state, out = step(params, state, work)  # doctest: +SKIP
+        >>> state, out = step(params, state, work, pool)  # doctest: +SKIP
     """
     state = state.replace(
         cache=state.cache.replace(block_tables=work.block_tables),
@@ -514,10 +373,10 @@ def engine_step(
     top = max_top_logprobs
 
     def with_prefill(state):
-        return _prefill(model, params, state, work, top)
+        return _prefill(model, params, state, work, pool, top)
 
     def without(state):
-        return state, jnp.full((), -1, jnp.int32), jnp.zeros((), bool), _no_scores(1, top)
+        return state, jnp.full((), -1, jnp.int32), jnp.zeros((), bool), no_scores(1, top)
 
     state, first, first_done, first_scored = jax.lax.cond(
         work.prefill_slot >= 0, with_prefill, without, state
@@ -525,7 +384,7 @@ def engine_step(
     slots, rows = state.lengths.shape[0], work.decode_rows
     buffer = jnp.full((max_steps, rows.shape[0]), -1, jnp.int32)
     scores = jax.tree.map(
-        lambda x: jnp.zeros((max_steps, *x.shape), x.dtype), _no_scores(rows.shape[0], top)
+        lambda x: jnp.zeros((max_steps, *x.shape), x.dtype), no_scores(rows.shape[0], top)
     )
     finished = jnp.zeros((slots,), bool).at[jnp.maximum(work.prefill_slot, 0)].set(first_done)
     limit = jnp.minimum(work.num_steps, max_steps)
@@ -536,7 +395,7 @@ def engine_step(
 
     def body(carry):
         i, state, buffer, scores, finished = carry
-        state, tokens, done, scored = _decode_once(model, params, state, top)
+        state, tokens, done, scored = _decode_once(model, params, state, pool, top)
         scores = jax.tree.map(lambda all_, new: all_.at[i].set(new), scores, scored)
         return i + 1, state, buffer.at[i].set(tokens), scores, finished | done
 
@@ -563,13 +422,19 @@ def engine_step(
 @functools.cache
 def compile_step(model, max_steps: int, max_top_logprobs: int = 0, library_dots: bool = False):
     """The jitted :func:`engine_step` for ``model`` with ``K = max_steps`` and ``L =
-    max_top_logprobs`` (all static), the state donated: ``step(params, state, work) -> (state,
-    output)``; compiled with :data:`~genjax.models.quantize.LIBRARY_DOT_OPTIONS` when
+    max_top_logprobs`` (all static), the state donated: ``step(params, state, work, pool=None)
+    -> (state, output)``; compiled with :data:`~genjax.models.quantize.LIBRARY_DOT_OPTIONS` when
     ``library_dots`` (int8 params: :func:`~genjax.models.quantize.library_dots`)."""
 
-    def step(params, state, work):
+    def step(params, state, work, pool=None):
         return engine_step(
-            model, params, state, work, max_steps=max_steps, max_top_logprobs=max_top_logprobs
+            model,
+            params,
+            state,
+            work,
+            pool,
+            max_steps=max_steps,
+            max_top_logprobs=max_top_logprobs,
         )
 
     options = LIBRARY_DOT_OPTIONS if library_dots else None

@@ -28,7 +28,6 @@ import collections
 import concurrent.futures
 import contextlib
 import copy
-import dataclasses
 import itertools
 import logging
 import os
@@ -44,7 +43,9 @@ from genjax.config import GenerationConfig
 from genjax.errors import InputError, UnsupportedError
 from genjax.generation.inputs import effective_config
 from genjax.models.quantize import library_dots
-from genjax.serving.engine import EngineShape, compile_step, init_state
+from genjax.serving.config import ContinuousBatchingConfig
+from genjax.serving.constraint_pool import ConstraintPool
+from genjax.serving.engine import compile_step, init_state
 from genjax.serving.metrics import ITL_EDGES, TTFT_EDGES, Histogram
 from genjax.serving.options import EngineOptions, build_request, request_config
 from genjax.serving.output import GenerationOutput, output_of
@@ -59,66 +60,6 @@ __all__ = [
 ]
 
 _log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class ContinuousBatchingConfig:
-    """Static sizes of the engine (each one shapes the compiled step).
-
-    Attributes:
-        max_batch_size: ``R``, requests decoded together.
-        block_size: slots per cache block.
-        max_length: the most tokens (prompt plus new) of one request; rounded up to blocks.
-        num_blocks: blocks in the pool (the scratch block included); None: enough for
-            ``max_batch_size`` requests of ``max_length`` (no preemption).
-        prefill_chunk_size: ``C``, prompt tokens prefilled per step.
-        max_decode_steps: ``K``, decode steps per host round trip when nothing waits.
-        max_eos_tokens: the most EOS ids per request.
-        max_logit_bias: the most single-token ``sequence_bias`` entries (OpenAI's
-            ``logit_bias``) per request.
-        max_top_logprobs: the most top log-probabilities a request may ask per token
-            (``logprobs=k``); 0 leaves them out of the compiled step.
-        prefix_caching: share the cache blocks of equal prompt prefixes (full blocks only).
-        poll_interval: the longest single wait of the loop and of callers (each is woken by the
-            event it waits for; this only bounds it).
-    """
-
-    max_batch_size: int = 8
-    block_size: int = 16
-    max_length: int = 512
-    num_blocks: int | None = None
-    prefill_chunk_size: int = 32
-    max_decode_steps: int = 8
-    max_eos_tokens: int = 4
-    max_logit_bias: int = 300
-    max_top_logprobs: int = 20
-    prefix_caching: bool = True
-    poll_interval: float = 0.05
-
-    def engine_shape(self) -> EngineShape:
-        """The :class:`EngineShape` these settings give."""
-        for name in ("max_batch_size", "block_size", "max_length", "prefill_chunk_size"):
-            if getattr(self, name) < 1:
-                raise InputError(f"ContinuousBatchingConfig.{name} must be >= 1.")
-        per_row = -(-self.max_length // self.block_size)
-        blocks = self.num_blocks or self.max_batch_size * per_row + 1
-        if blocks - 1 < per_row:
-            raise InputError(
-                f"num_blocks={blocks} holds {blocks - 1} usable blocks, fewer than the {per_row} "
-                f"one request of max_length={self.max_length} may need. Raise num_blocks to at "
-                f"least {per_row + 1} or lower max_length."
-            )
-        return EngineShape(
-            max_batch_size=self.max_batch_size,
-            num_blocks=blocks,
-            block_size=self.block_size,
-            max_blocks_per_row=per_row,
-            chunk=self.prefill_chunk_size,
-            max_steps=max(1, self.max_decode_steps),
-            max_eos=max(1, self.max_eos_tokens),
-            max_bias=max(0, self.max_logit_bias),
-            max_top_logprobs=max(0, self.max_top_logprobs),
-        )
 
 
 class ContinuousBatchingManager:
@@ -142,7 +83,14 @@ class ContinuousBatchingManager:
         }
         self._compiled: dict[int, Any] = {}  # bucket -> its compiled step (by warmup)
         self._state = None
-        self._scheduler = Scheduler(self.shape, tokenizer, self.cb_config.prefix_caching)
+        self._constraints = None  # the constraint pool's host copy (none: no constraints)
+        if self.shape.constraint_states:
+            self._constraints = ConstraintPool(
+                self.shape.constraint_states, self.shape.constraint_edges, model.vocab_size
+            )
+        self._scheduler = Scheduler(
+            self.shape, tokenizer, self.cb_config.prefix_caching, self._constraints
+        )
         self._inbox: queue.Queue = queue.Queue()  # ("add", request) or ("cancel", request_id)
         # Guards what callers read: outputs, finals, the metrics snapshot, `_ended`. Reentrant:
         # a result handler (loop thread) may call back into the manager.
@@ -174,7 +122,9 @@ class ContinuousBatchingManager:
             self._state = init_state(self.model, self.shape)
         missing = [bucket for bucket in self.shape.buckets if bucket not in self._compiled]
         lowered = [
-            self._steps[b].lower(self.params, self._state, Scheduler(self.shape)._step_input(1, b))
+            self._steps[b].lower(
+                self.params, self._state, Scheduler(self.shape)._step_input(1, b), self._pool()
+            )
             for b in missing
         ]
         workers = max(1, min(len(lowered), os.cpu_count() or 1))
@@ -183,9 +133,14 @@ class ContinuousBatchingManager:
         self._compiled.update(zip(missing, compiled, strict=True))
 
     def _step(self, work):
-        """Runs the compiled step of ``work``'s bucket on the current state (donated)."""
+        """Runs the compiled step of ``work``'s bucket on the current state (donated), with the
+        constraint pool (uploaded again when an automaton was installed)."""
         step = self._compiled[work.decode_rows.shape[0]]
-        return step(self.params, self._state, work)
+        return step(self.params, self._state, work, self._pool())
+
+    def _pool(self):
+        """The constraint pool on the device, or None when the engine has none."""
+        return None if self._constraints is None else self._constraints.device()
 
     def start(self) -> None:
         """Starts the background loop (warming up first if needed)."""
@@ -263,6 +218,7 @@ class ContinuousBatchingManager:
         streaming: bool = False,
         generation_config: GenerationConfig | None = None,
         seed: int | None = None,
+        constraint=None,
         **config_overrides,
     ) -> str:
         """Checks and queues one request; returns its id.
@@ -275,6 +231,10 @@ class ContinuousBatchingManager:
             generation_config: this request's config; its unset fields come from the
                 manager's.
             seed: the sampling seed (``jax.random.key(seed)``); None draws one.
+            constraint: structured output: a :class:`genjax.constraints.Constraint` (from
+                ``regex``, ``json_schema``, ``json_object`` or ``choice``) the new tokens follow,
+                as ``genjax.generate(..., constraint=)`` applies it; its EOS id must be one of
+                the request's. Requests with the same automaton share it on the device.
             **config_overrides: config fields for this request, and the
                 :class:`~genjax.serving.options.EngineOptions` the config has no field for:
                 ``presence_penalty``, ``frequency_penalty`` (OpenAI's) and ``logprobs`` (k:
@@ -282,10 +242,13 @@ class ContinuousBatchingManager:
 
         Raises:
             UnsupportedError, InputError, GenerationConfigError: see
-            :func:`genjax.serving.options.build_request`; also InputError for a duplicate id.
+            :func:`genjax.serving.options.build_request`; also InputError for a duplicate id
+            and for a constraint the engine cannot run (naming the config field to raise).
         """
         if max_new_tokens is not None:
             config_overrides["max_new_tokens"] = max_new_tokens
+        if constraint is not None:
+            config_overrides["constraint"] = constraint
         extras, config_overrides = EngineOptions.split(config_overrides)
         config = request_config(self.generation_config, generation_config, config_overrides)
         if request_id is None:
@@ -377,7 +340,8 @@ class ContinuousBatchingManager:
         ``blocks_free`` (held by none, cached ones included), ``blocks_cached`` (held by none
         but naming a prefix); ``prefill_tokens`` (run through prefill), ``prefix_cache_hit_rate``
         (of the tokens admitted requests looked up, the share found cached) with
-        ``prefix_cache_hit_tokens`` and ``prefix_cache_query_tokens``; ``steps``, ``tokens``
+        ``prefix_cache_hit_tokens`` and ``prefix_cache_query_tokens``;
+        ``constraint_automata`` (automata installed in the constraint pool); ``steps``, ``tokens``
         (generated), ``preemptions``, ``step_seconds`` (device calls), ``busy_seconds`` (wall
         time of steps), ``tokens_per_second`` (tokens / busy_seconds); ``ttft_seconds`` and
         ``itl_seconds``: histograms (:class:`~genjax.serving.metrics.Histogram` snapshots).
@@ -404,6 +368,9 @@ class ContinuousBatchingManager:
             "prefix_cache_hit_tokens": scheduler.prefix_hit_tokens,
             "prefix_cache_query_tokens": queried,
             "prefix_cache_hit_rate": scheduler.prefix_hit_tokens / queried if queried else 0.0,
+            "constraint_automata": 0
+            if self._constraints is None
+            else self._constraints.num_installed,
             "tokens_per_second": counters["tokens"] / busy if busy > 0 else 0.0,
             "ttft_seconds": self._ttft.snapshot(),
             "itl_seconds": self._itl.snapshot(),

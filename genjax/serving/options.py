@@ -10,13 +10,15 @@ engine runs, per row: greedy or sampling with ``temperature``, ``top_k``, ``top_
 value raises :class:`~genjax.errors.UnsupportedError` naming it.
 
 Beyond the config, :class:`EngineOptions` holds what ``GenerationConfig`` has no field for:
-OpenAI's ``presence_penalty`` and ``frequency_penalty``, and ``logprobs``.
+OpenAI's ``presence_penalty`` and ``frequency_penalty``, ``logprobs``, and a structured-output
+``constraint`` (:mod:`genjax.serving.constraint_pool`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import numpy as np
 
@@ -26,6 +28,7 @@ from genjax.errors import InputError, UnsupportedError
 from genjax.generation.inputs import effective_config
 from genjax.processors import validate_config
 from genjax.processors.ngram import bias_pairs
+from genjax.serving.constraint_pool import check_constraint, constraint_key
 from genjax.serving.engine import EngineShape, RowSettings
 from genjax.serving.scheduler import RequestState
 
@@ -82,11 +85,14 @@ class EngineOptions:
         frequency_penalty: OpenAI's, subtracted per occurrence in the generated tokens; 0: off.
         logprobs: None: none; ``k >= 0``: each new token's raw log-probability and the ``k``
             most likely tokens with theirs (``k <= ContinuousBatchingConfig.max_top_logprobs``).
+        constraint: a :class:`genjax.constraints.Constraint` the new tokens follow (regex,
+            JSON schema, choice), or None.
     """
 
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None
+    constraint: Any = None
 
     @classmethod
     def split(cls, overrides: dict) -> tuple[EngineOptions, dict]:
@@ -189,6 +195,7 @@ def _row(
         return np.asarray([neutral if (v is None or not sampling) else v], dtype)
 
     bias_ids, bias_values = _bias_table(config, shape)
+    c = extras.constraint
     return RowSettings(
         do_sample=np.asarray([sampling], bool),
         temperature=value("temperature", 1.0, np.float32),
@@ -208,6 +215,7 @@ def _row(
         min_new_tokens=np.asarray([config.min_new_tokens or 0], np.int32),
         eos_token_ids=ids,
         seed=np.asarray([seed], np.int32),
+        constraint_eos=np.asarray([-1 if c is None else c.eos_token_id], np.int32),
     )
 
 
@@ -245,7 +253,9 @@ def build_request(
             multi-token ``sequence_bias`` among them).
         InputError: ids outside ``[0, vocab_size)``, an empty prompt, a request longer than
             the engine's ``max_length``, stop strings without a tokenizer, too many EOS ids or
-            biased tokens, a bad :class:`EngineOptions` value.
+            biased tokens, a bad :class:`EngineOptions` value, a constraint the engine cannot
+            run (no constraint pool, larger than the pool, another vocabulary, an EOS id that
+            is not one of the request's).
         GenerationConfigError: invalid values (as :func:`genjax.generate` raises them).
     """
     check_supported(config)
@@ -292,6 +302,11 @@ def build_request(
     eos = _eos_ids(resolved, shape.max_eos)
     if seed is None:
         seed = int(np.random.default_rng().integers(0, 2**31 - 1))
+    constraint, key = extras.constraint, b""
+    if constraint is not None:
+        states, edges = shape.constraint_states, shape.constraint_edges
+        check_constraint(constraint, states, edges, vocab_size, eos)
+        key = constraint_key(constraint)
     row = _row(resolved, eos, int(seed), shape, extras)
     row = row.replace(max_new_tokens=np.asarray([new], np.int32))
     return RequestState(
@@ -303,4 +318,6 @@ def build_request(
         stop_strings=stops,
         streaming=streaming,
         num_logprobs=extras.logprobs,
+        constraint=constraint,
+        constraint_key=key,
     )

@@ -19,6 +19,10 @@ Request fields:
       ``logprobs`` (0 to 5), answered in OpenAI's shapes (:mod:`genjax.serving.logprobs`). The
       values are the model's raw log-probabilities, ``log_softmax`` of its logits before any
       processor (penalties, bias, temperature, top-k/top-p), as vLLM reports by default.
+    * Structured output (:mod:`genjax.serving.guided`): OpenAI's ``response_format``
+      (``{"type": "text"}``, ``{"type": "json_object"}``, ``{"type": "json_schema",
+      "json_schema": {"name", "schema", "strict", "description"}}``) and vLLM's ``guided_json``
+      (a schema), ``guided_regex`` and ``guided_choice`` (a list of strings); one per request.
     * Accepted only at their neutral value, else 400 naming the field (the engine cannot honour
       them): ``echo`` (false), ``best_of`` (null or 1), ``suffix`` (null).
     * Any other field (``top_logprobs`` on completions among them): 400 naming it.
@@ -109,6 +113,23 @@ class StreamOptions(_Strict):
     include_usage: bool | None = None
 
 
+class JsonSchemaFormat(_Strict):
+    """``response_format.json_schema``: OpenAI's named schema (``strict`` is accepted; the
+    output always follows the schema)."""
+
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's ``response_format``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _Sampling(_Strict):
     """The fields completions and chat share."""
 
@@ -130,6 +151,11 @@ class _Sampling(_Strict):
     logit_bias: dict[str, float] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    # Structured output: OpenAI's, and vLLM's extra fields (genjax.serving.guided).
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
 
 
 class CompletionRequest(_Sampling):

@@ -20,6 +20,12 @@ Policy:
   longest known prefix (:mod:`genjax.serving.blocks`) and prefills only what follows (at least
   its last token, whose logits choose the first new token); each full block it prefills is named
   for later requests. Preemption and cancellation drop the request's references like finishing.
+* Structured output: a request with a constraint takes a reference to its automaton in the
+  constraint pool (:mod:`genjax.serving.constraint_pool`) when admitted, and drops it with its
+  slot. When the automaton cannot be placed (the pool is full of automata in use), the request
+  stays at the head of the queue, and the requests behind it wait too (FIFO), until running
+  requests free space. Admitted, its row starts in the automaton's initial state, or, readmitted
+  after a preemption, in the state its generated tokens lead to (walked on the host).
 """
 
 from __future__ import annotations
@@ -33,7 +39,9 @@ from typing import Any
 import numpy as np
 
 from genjax.cache import SCRATCH_BLOCK
+from genjax.constraints import Constraint
 from genjax.serving.blocks import BlockAllocator, block_hashes
+from genjax.serving.constraint_pool import ConstraintPool, walk
 from genjax.serving.engine import EngineShape, RowSettings, StepInput, StepOutput
 
 __all__ = ["BlockAllocator", "RequestState", "RequestStatus", "Scheduler"]
@@ -79,6 +87,9 @@ class RequestState:
     admitted: bool = False  # its settings were written into the slot
     order: int = 0  # admission counter: the largest is the newest (preempted first)
     text_checked: int = 0  # characters of the decoded text already searched for stop strings
+    constraint: Constraint | None = None  # structured output: the automaton the tokens follow
+    constraint_key: bytes = b""  # its content digest (the pool's key)
+    constraint_state: int = -1  # while it holds a slot: its row's starting pool state
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
@@ -103,10 +114,18 @@ class Scheduler:
         shape: the engine's static sizes.
         tokenizer: decodes tokens for stop strings; None when no request has stop strings.
         prefix_caching: share the cached blocks of equal prompt prefixes.
+        constraints: the constraint pool's host copy; None: no request has a constraint.
     """
 
-    def __init__(self, shape: EngineShape, tokenizer=None, prefix_caching: bool = True):
+    def __init__(
+        self,
+        shape: EngineShape,
+        tokenizer=None,
+        prefix_caching: bool = True,
+        constraints: ConstraintPool | None = None,
+    ):
         self.shape = shape
+        self.constraints = constraints
         self.tokenizer = tokenizer
         self.prefix_caching = prefix_caching
         self.allocator = BlockAllocator(shape.num_blocks)
@@ -146,6 +165,9 @@ class Scheduler:
             request.slot = None
         self.allocator.free(request.blocks)
         request.blocks = []
+        if request.constraint_state >= 0:
+            self.constraints.release(request.constraint_key)
+            request.constraint_state = -1
         if self.prefilling is request:
             self.prefilling = None
 
@@ -167,7 +189,13 @@ class Scheduler:
     def _admit(self) -> None:
         if self.prefilling is not None or not self.waiting or None not in self.slots:
             return
-        request = self.waiting.popleft()
+        request = self.waiting[0]
+        if request.constraint is not None:
+            start = self.constraints.acquire(request.constraint_key, request.constraint)
+            if start is None:  # no room in the pool until running requests end
+                return
+            request.constraint_state = start + walk(request.constraint, request.generated)
+        self.waiting.popleft()
         request.slot = self.slots.index(None)
         self.slots[request.slot] = request
         request.pending = request.prompt + request.generated
@@ -263,13 +291,14 @@ class Scheduler:
         request = self.prefilling
         slot, start, count, last, admit = -1, 0, 1, False, False
         row = RowSettings.empty(1, self.shape.max_eos, self.shape.max_bias)
-        prompt_length = 0
+        prompt_length, automaton = 0, -1
         if request is not None:
             slot, start = request.slot, request.prefilled
             count = min(self.shape.chunk, len(request.pending) - start)
             last = start + count == len(request.pending)
             chunk[:count] = request.pending[start : start + count]
             admit, row, prompt_length = not request.admitted, request.row, len(request.prompt)
+            automaton = request.constraint_state
             if admit:  # the cached prefix's tokens, which no chunk carries
                 history[:start] = request.pending[:start]
             request.admitted = True
@@ -286,6 +315,7 @@ class Scheduler:
             prompt_length=np.asarray(prompt_length, np.int32),
             row=row,
             admit=np.asarray(admit, bool),
+            constraint_state=np.asarray(automaton, np.int32),
             history=history,
             decode_rows=self.decode_rows(last, bucket),
         )

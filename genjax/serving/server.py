@@ -6,14 +6,15 @@ uvicorn until SIGTERM or Ctrl-C.
 
 Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (the
 tokenizer's chat template), ``GET /health``, ``GET /metrics`` (Prometheus text). The request
-fields honoured or refused are listed in :mod:`genjax.serving.protocol`. Streams are server-sent
+fields honoured or refused are listed in :mod:`genjax.serving.protocol`; structured output
+(``response_format``, ``guided_*``) in :mod:`genjax.serving.guided`. Streams are server-sent
 events: ``data: {json}`` chunks, one final chunk per choice with its ``finish_reason``, the usage
 chunk (``choices: []``) when ``stream_options.include_usage``, then ``data: [DONE]``.
 
 Design:
     * The manager's one result handler hands each output to the asyncio queue of the HTTP
       request that owns it (``loop.call_soon_threadsafe``); nothing blocks the event loop, and
-      tokenizing and chat templates run in a worker thread.
+      tokenizing, chat templates and building constraints run in a worker thread.
     * Admission: at most ``max_batch_size + max_waiting`` engine requests are outstanding; a
       request that would pass that gets 429 with ``Retry-After``. An engine request stays
       outstanding until its final output, so a cancelled one is counted until the engine drops it.
@@ -48,6 +49,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from genjax.errors import GenerationConfigError, InputError, UnsupportedError
+from genjax.serving.guided import ConstraintCache, constraint_eos, guided_spec
 from genjax.serving.logprobs import ChoiceLogprobs, TokenTexts
 from genjax.serving.prometheus import CONTENT_TYPE, ServerMetrics
 from genjax.serving.protocol import (
@@ -146,6 +148,7 @@ class _Server:
         self.vocab_size = manager.model.vocab_size
         self.token_texts = TokenTexts(tokenizer)
         self.dispatch = _Dispatcher(manager)
+        self.guided = ConstraintCache(tokenizer, manager)
         self.metrics = ServerMetrics(manager)
         self.draining = False
         self.in_flight = 0
@@ -267,6 +270,10 @@ class _Server:
             max_logit_bias=limits.max_logit_bias,
         )
         extras = engine_options(body, limits.max_top_logprobs)
+        spec = guided_spec(body)
+        if spec is not None:
+            eos, config = constraint_eos(config, self.tokenizer)
+            extras["constraint"] = await run_in_threadpool(self.guided.build, spec, eos)
         kind = "chat" if isinstance(body, ChatRequest) else "completion"
         rows = await run_in_threadpool(self.prompts, body)
         param = "messages" if isinstance(body, ChatRequest) else "prompt"

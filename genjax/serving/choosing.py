@@ -1,0 +1,281 @@
+"""Token choice for the engine's rows: the constraint mask, the processors and warpers, greedy
+or sampled choice, the constraint's next state, the end rules and raw log-probabilities.
+
+Token choice per row follows transformers' order: the structured-output mask of a constrained
+row (:mod:`genjax.serving.constraint_pool`; before every processor, as ``genjax.generate``
+applies it), logit bias (``sequence_bias`` of single tokens), repetition penalty, EOS blocked
+until ``min_new_tokens``, OpenAI's presence and frequency penalties (where ``generate`` runs a
+user's ``logits_processor``), then temperature, top-k, top-p, min-p, typical-p, epsilon and eta
+cutoffs; greedy rows take the argmax (the warpers never move it), sampling rows draw with
+``fold_in(key, new_token_index)`` as :func:`genjax.generate` does, so a preempted and recomputed
+request draws the same tokens. A constrained row's automaton state then follows its token; a
+token the automaton refuses (a processor removed every allowed one) becomes the constraint's EOS
+id (:func:`genjax.decoding.automaton.advance_rows`).
+
+The mask and the automaton step, the bias, OpenAI's penalties, the truncation warpers and the
+log-probabilities each run under a ``lax.cond`` that skips them in steps where no row uses them,
+so requests that do not use an option pay one ``any`` reduction for it.
+
+Log-probabilities (rows with ``settings.logprobs >= 0``): the chosen token's log-probability
+under the model's raw distribution, ``log_softmax(logits)`` before any processor (vLLM's default
+``raw_logprobs``; what ``genjax.generate``'s ``output_logits`` give), and the ``L`` most likely
+tokens with theirs.
+
+Static or traced:
+    Static: ``L``, ``L_b``, ``E``, whether the engine has a constraint pool and its shapes.
+    Traced: every :class:`RowSettings` value, the pool's contents and the rows' automaton states.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from genjax.constraints import CompressedTable
+from genjax.decoding.automaton import advance_rows, mask_scores
+from genjax.decoding.sampling import sample
+from genjax.processors import (
+    LogitsContext,
+    chain,
+    count_penalties,
+    epsilon_cutoff,
+    eta_cutoff,
+    logit_bias,
+    min_p,
+    repetition_penalty,
+    temperature,
+    top_k,
+    top_p,
+    typical_p,
+)
+from genjax.processors.base import NEG_INF
+from genjax.typing import Array
+
+__all__ = [
+    "Chosen",
+    "RowSettings",
+    "Scored",
+    "choose_rows",
+    "choose_tokens",
+    "no_scores",
+    "reached_end",
+    "token_logprobs",
+]
+
+
+@struct.dataclass
+class RowSettings:
+    """Per-request generation values, one entry per row (all traced)."""
+
+    do_sample: Array  # bool[R]: draw tokens (else argmax)
+    temperature: Array  # float32[R]: 1.0 = off
+    top_k: Array  # int32[R]: 0 = off
+    top_p: Array  # float32[R]: 1.0 = off
+    min_p: Array  # float32[R]: 0.0 = off
+    typical_p: Array  # float32[R]: 1.0 = off
+    epsilon_cutoff: Array  # float32[R]: 0.0 = off
+    eta_cutoff: Array  # float32[R]: 0.0 = off
+    repetition_penalty: Array  # float32[R]: 1.0 = off
+    presence_penalty: Array  # float32[R]: 0.0 = off (OpenAI's, on generated tokens)
+    frequency_penalty: Array  # float32[R]: 0.0 = off
+    bias_ids: Array  # int32[R, L_b]: biased token ids; -1 fills unused entries
+    bias_values: Array  # float32[R, L_b]: their biases
+    logprobs: Array  # int32[R]: -1: none; k >= 0: the chosen token's logprob and the top k
+    max_new_tokens: Array  # int32[R]
+    min_new_tokens: Array  # int32[R]: EOS is blocked before this many new tokens
+    eos_token_ids: Array  # int32[R, E]: -1 fills unused entries
+    seed: Array  # int32[R]: the request's key is jax.random.key(seed)
+    constraint_eos: Array  # int32[R]: the EOS id of the request's constraint (-1: none)
+
+    @classmethod
+    def empty(cls, rows: int, max_eos: int, max_bias: int = 0) -> RowSettings:
+        """Neutral settings (greedy, nothing active) for ``rows`` rows; numpy, no compilation."""
+        return cls(
+            do_sample=np.zeros((rows,), bool),
+            temperature=np.ones((rows,), np.float32),
+            top_k=np.zeros((rows,), np.int32),
+            top_p=np.ones((rows,), np.float32),
+            min_p=np.zeros((rows,), np.float32),
+            typical_p=np.ones((rows,), np.float32),
+            epsilon_cutoff=np.zeros((rows,), np.float32),
+            eta_cutoff=np.zeros((rows,), np.float32),
+            repetition_penalty=np.ones((rows,), np.float32),
+            presence_penalty=np.zeros((rows,), np.float32),
+            frequency_penalty=np.zeros((rows,), np.float32),
+            bias_ids=np.full((rows, max_bias), -1, np.int32),
+            bias_values=np.zeros((rows, max_bias), np.float32),
+            logprobs=np.full((rows,), -1, np.int32),
+            max_new_tokens=np.zeros((rows,), np.int32),
+            min_new_tokens=np.zeros((rows,), np.int32),
+            eos_token_ids=np.full((rows, max_eos), -1, np.int32),
+            seed=np.zeros((rows,), np.int32),
+            constraint_eos=np.full((rows,), -1, np.int32),
+        )
+
+
+@struct.dataclass
+class Scored:
+    """Chosen tokens with their log-probabilities (:func:`token_logprobs`)."""
+
+    logprobs: Array  # float32[B]: the chosen token's raw log-probability
+    top_ids: Array  # int32[B, L]: the L most likely tokens, most likely first (-1: none)
+    top_logprobs: Array  # float32[B, L]: their raw log-probabilities
+
+
+def token_logprobs(logits: Array, token: Array, want: Array, top: int) -> Scored:
+    """Raw log-probabilities of the chosen tokens and the ``top`` most likely ones.
+
+    Computed under ``lax.cond`` only when a row has ``want >= 0`` (zeros otherwise), so a step
+    where no request asks pays one ``any`` reduction.
+
+    Args:
+        logits: float32[B, V], the model's raw next-token logits.
+        token: int32[B], the chosen tokens.
+        want: int32[B], each row's ``RowSettings.logprobs`` (-1: none).
+        top: ``L`` (static), the most top log-probabilities any row may ask.
+    """
+    batch = logits.shape[0]
+
+    def compute(logits):
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        chosen = jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
+        k = min(top, logp.shape[-1])  # a vocabulary smaller than L: pad with (-1, -inf)
+        values, ids = jax.lax.top_k(logp, k) if k else (logp[:, :0], logp[:, :0])
+        ids = jnp.pad(ids.astype(jnp.int32), ((0, 0), (0, top - k)), constant_values=-1)
+        values = jnp.pad(values, ((0, 0), (0, top - k)), constant_values=-jnp.inf)
+        return Scored(chosen, ids, values)
+
+    return jax.lax.cond(jnp.any(want >= 0), compute, lambda _: no_scores(batch, top), logits)
+
+
+def choose_tokens(
+    logits: Array, tokens: Array, lengths: Array, prompt_lengths: Array, settings: RowSettings
+) -> Array:
+    """Processes float32[B, V] next-token logits per row and chooses int32[B] tokens.
+
+    Args:
+        logits: float32[B, V], the logits at each row's last token.
+        tokens: int32[B, S], each row's history (valid up to ``lengths``).
+        lengths: int32[B], tokens in the history (the next token goes to slot ``lengths``).
+        prompt_lengths: int32[B], the request's prompt length.
+        settings: the rows' :class:`RowSettings` ([B] each).
+    """
+    batch, vocab = logits.shape
+    num_new = lengths - prompt_lengths  # [B]
+    context = LogitsContext(
+        tokens=tokens,
+        length=lengths[:, None],  # per row: broadcasts against the slots [1, S]
+        offset=jnp.zeros((), jnp.int32),
+        prompt_end=prompt_lengths[:, None],
+        first_valid=jnp.zeros((batch,), jnp.int32),
+    )
+    # The bias and OpenAI's penalties run under lax.cond: steps where no row uses them skip
+    # their [B, V] passes.
+    scores = logits
+    if settings.bias_ids.shape[-1]:
+        bias = logit_bias(settings.bias_ids, settings.bias_values)
+        biased = jnp.any(settings.bias_ids >= 0)
+        scores = jax.lax.cond(biased, lambda s: bias(s, context), lambda s: s, scores)
+    scores = repetition_penalty(settings.repetition_penalty)(scores, context)
+    ids = settings.eos_token_ids  # [B, E]
+    is_eos = jnp.any(jnp.arange(vocab)[None, :, None] == ids[:, None, :], axis=-1)  # [B, V]
+    blocked = is_eos & (num_new < settings.min_new_tokens)[:, None]
+    scores = jnp.where(blocked, NEG_INF, scores)
+    penalties = count_penalties(settings.presence_penalty, settings.frequency_penalty)
+    active = jnp.any((settings.presence_penalty != 0) | (settings.frequency_penalty != 0))
+    scores = jax.lax.cond(active, lambda s: penalties(s, context), lambda s: s, scores)
+    warp = chain(
+        temperature(settings.temperature),
+        top_k(settings.top_k),
+        top_p(settings.top_p),
+        min_p(settings.min_p),
+    )
+    warped = warp(scores, context)
+    # The truncation warpers after min_p, in transformers' order, only on steps where some row
+    # uses one: each costs a softmax over V (typical_p also a partial sort).
+    truncate = chain(
+        typical_p(settings.typical_p),
+        epsilon_cutoff(settings.epsilon_cutoff),
+        eta_cutoff(settings.eta_cutoff),
+    )
+    truncating = jnp.any(
+        (settings.typical_p < 1) | (settings.epsilon_cutoff > 0) | (settings.eta_cutoff > 0)
+    )
+    warped = jax.lax.cond(truncating, lambda s: truncate(s, context), lambda s: s, warped)
+    keys = jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.key(seed), i))(
+        settings.seed, num_new
+    )
+    drawn = jax.vmap(lambda key, row: sample(key, row[None])[0])(keys, warped)
+    greedy = jnp.argmax(scores, axis=-1).astype(jnp.int32)
+    return jnp.where(settings.do_sample, drawn, greedy)
+
+
+def reached_end(token: Array, num_new: Array, settings: RowSettings) -> Array:
+    """bool[B]: the row's newest token (``num_new`` counted) ends it: EOS or the length limit."""
+    eos = jnp.any(token[:, None] == settings.eos_token_ids, axis=-1)
+    return eos | (num_new >= settings.max_new_tokens)
+
+
+def no_scores(batch: int, top: int) -> Scored:
+    zeros = jnp.zeros((batch, top), jnp.float32)
+    return Scored(jnp.zeros((batch,), jnp.float32), zeros.astype(jnp.int32), zeros)
+
+
+@struct.dataclass
+class Chosen:
+    """What :func:`choose_rows` gives for each row."""
+
+    token: Array  # int32[B]: the chosen token (the constraint's EOS where it refused it)
+    done: Array  # bool[B]: the token ends a live row (EOS or the length limit)
+    constraint_state: Array  # int32[B]: the automaton state after the token (-1: none)
+    scored: Scored  # [B]: its log-probabilities
+
+
+def choose_rows(
+    logits: Array,
+    tokens: Array,
+    lengths: Array,
+    prompt_lengths: Array,
+    settings: RowSettings,
+    constraint_state: Array,
+    pool: CompressedTable | None,
+    live: Array,
+    top: int,
+) -> Chosen:
+    """Chooses the next token of every live row and everything that follows from it.
+
+    Args:
+        logits: float32[B, V], the model's raw logits at each row's last token.
+        tokens: int32[B, S], each row's history (valid up to ``lengths``).
+        lengths: int32[B], tokens in the history.
+        prompt_lengths: int32[B], the request's prompt length.
+        settings: the rows' :class:`RowSettings` ([B] each).
+        constraint_state: int32[B], each row's pool state (-1: unconstrained).
+        pool: the engine's constraint pool, or None when it has none (static).
+        live: bool[B], rows choosing a token; the others keep their automaton state, end
+            nothing and ask no log-probabilities.
+        top: ``L`` (static), the most top log-probabilities any row may ask.
+    """
+    scores, state = logits.astype(jnp.float32), constraint_state
+    if pool is not None:
+        table = pool.replace(eos_token_id=settings.constraint_eos)
+        rows = live & (state >= 0)
+        any_rows = jnp.any(rows)
+
+        def masked(scores):
+            return mask_scores(scores, table, state, rows)
+
+        scores = jax.lax.cond(any_rows, masked, lambda s: s, scores)
+    token = choose_tokens(scores, tokens, lengths, prompt_lengths, settings)
+    if pool is not None:
+        token, state = jax.lax.cond(
+            any_rows,
+            lambda: advance_rows(table, state, token, rows),
+            lambda: (token, state),
+        )
+    wanted = jnp.where(live, settings.logprobs, -1)
+    scored = token_logprobs(logits, token, wanted, top)
+    done = live & reached_end(token, lengths + 1 - prompt_lengths, settings)
+    return Chosen(token=token, done=done, constraint_state=state, scored=scored)

@@ -35,7 +35,8 @@ KV caches and the memory cost:
     The target cache therefore holds ``P + min(B, T) * (N - 1) + T`` slots, and the draft's
     ``P + (min(B, T) + 1) * (N - 1) + T`` (the draft first re-reads the token before the newest,
     one extra slot per iteration; with one row it writes that token over its own slot, so the
-    draft cache has no holes either): for ``B = 1`` about ``P + N + T`` each, for large batches up to ``T`` times plain decoding's ``P + N``. Attention reads the
+    draft cache has no holes either): for ``B = 1`` about ``P + N + T`` each, for large
+    batches up to ``T`` times plain decoding's ``P + N``. Attention reads the
     whole cache, so its cost grows the same way. The alternative, a per-row cache index, needs
     per-row cache writes in every model; the holes keep the model protocol unchanged.
 

@@ -22,8 +22,10 @@ import pytest
 
 import genjax
 from genjax import GenerationConfig
+from genjax import processors as P
 from genjax.cache import KVCache, PagedKVCache, attention_bias
 from genjax.errors import GenerationConfigError, InputError, UnsupportedError
+from genjax.processors import LogitsContext
 from genjax.serving import (
     BlockAllocator,
     ContinuousBatchingConfig,
@@ -35,6 +37,8 @@ from genjax.serving import (
     init_state,
 )
 from genjax.serving.blocks import block_hashes
+from genjax.serving.choosing import ban_repeated_ngrams
+from genjax.serving.options import build_request
 from genjax.testing import count_compiles as compiles
 from genjax.testing import write_random_checkpoint
 
@@ -93,8 +97,9 @@ def _prompt(seed, length):
 
 
 @functools.cache
-def _reference(prompt: tuple, repetition_penalty=None, eos=None, min_new=None):
-    """Greedy new tokens of ``genjax.generate`` on the prompt alone, cut after EOS."""
+def _reference(prompt: tuple, repetition_penalty=None, eos=None, min_new=None, extra=()):
+    """Greedy new tokens of ``genjax.generate`` on the prompt alone, cut after EOS; ``extra``:
+    more config fields as ``(name, value)`` pairs (hashable values)."""
     model, params = _model()
     config = GenerationConfig(
         max_new_tokens=REF_NEW,
@@ -102,6 +107,7 @@ def _reference(prompt: tuple, repetition_penalty=None, eos=None, min_new=None):
         repetition_penalty=repetition_penalty,
         eos_token_id=list(eos) if eos else None,
         min_new_tokens=min_new,
+        **{name: _lists(value) for name, value in extra},
     )
     out = genjax.generate(model, params, np.asarray([prompt], np.int32), config)
     new = np.asarray(out.sequences)[0, len(prompt) :].tolist()
@@ -168,7 +174,7 @@ def test_step_alone_prefills_chooses_and_decodes_a_hand_checked_request():
     prompt = _prompt(3, 3)
     tables = np.zeros((3, shape.max_blocks_per_row), np.int32)
     tables[1, :2] = [9, 4]  # slot 1 holds positions 0..7 in blocks 9 and 4
-    row = RowSettings.empty(1, shape.max_eos, shape.max_bias)
+    row = RowSettings.empty(1, shape.max_eos, shape.max_bias, shape.max_ngram)
     row = row.replace(max_new_tokens=np.asarray([4], np.int32))
     chunk = np.zeros((shape.chunk,), np.int32)
     chunk[:3] = prompt
@@ -218,19 +224,30 @@ def _bounded(call, timeout=120.0):
     return result[0]
 
 
+def _lists(value):
+    """Tuples back to the lists a GenerationConfig field takes."""
+    return [_lists(v) for v in value] if isinstance(value, tuple) else value
+
+
 def test_engine_greedy_equals_generate_alone_across_a_mixed_workload(manager):
     prompts = [_prompt(10 + i, n) for i, n in enumerate((5, 13, 3, 20, 9, 17, 2))]
     first = _reference(tuple(prompts[2]))
     eos = (first[3], 7)  # an id the greedy run meets at its 4th token, and one more
+    plain = _reference(tuple(prompts[6]))
+    # Bans that change the greedy tokens: its first token suppressed, its third a bad word.
+    bans = (("no_repeat_ngram_size", 2), ("suppress_tokens", (plain[0],)))
+    bans += (("bad_words_ids", ((plain[2],),)),)
     specs = [
-        dict(max_new_tokens=12),
+        dict(max_new_tokens=12, no_repeat_ngram_size=1),
         dict(max_new_tokens=6, repetition_penalty=1.3),
         dict(max_new_tokens=10, eos_token_id=list(eos)),
         dict(max_new_tokens=11, logprobs=1),
         dict(max_new_tokens=10, eos_token_id=list(eos), min_new_tokens=5),
         dict(max_new_tokens=9, logprobs=2),
-        dict(max_new_tokens=12, repetition_penalty=1.3),
+        dict(max_new_tokens=12, repetition_penalty=1.3, **{k: _lists(v) for k, v in bans}),
     ]
+    extras = [()] * 7
+    extras[0], extras[6] = (("no_repeat_ngram_size", 1),), bans
     ids = ["mixed-0"]
 
     def arrive_while_the_first_decodes(out):
@@ -243,20 +260,31 @@ def test_engine_greedy_equals_generate_alone_across_a_mixed_workload(manager):
     first_out = manager.get_result("mixed-0", timeout=300)
     assert len(ids) == 7, "the handler did not add the other requests"
     outputs = [first_out] + [manager.get_result(i, timeout=300) for i in ids[1:]]
-    for prompt, spec, out in zip(prompts, specs, outputs, strict=True):
+    for prompt, spec, extra, out in zip(prompts, specs, extras, outputs, strict=True):
         eos_ids = tuple(spec.get("eos_token_id", ())) or None
         if "logprobs" in spec:  # plain greedy: each token is its raw distribution's argmax
             assert [top[0][0] for top in out.top_logprobs] == out.generated_tokens
             assert [top[0][1] for top in out.top_logprobs] == out.logprobs
             assert {len(top) for top in out.top_logprobs} == {spec["logprobs"]}
         want = _reference(
-            tuple(prompt), spec.get("repetition_penalty"), eos_ids, spec.get("min_new_tokens")
+            tuple(prompt),
+            spec.get("repetition_penalty"),
+            eos_ids,
+            spec.get("min_new_tokens"),
+            extra,
         )[: spec["max_new_tokens"]]
         assert out.status is RequestStatus.FINISHED
         assert out.generated_tokens == want, (spec, out.generated_tokens, want)
         assert out.finish_reason == ("stop" if eos_ids and want[-1] in eos_ids else "length")
         assert out.prompt_ids == prompt and len(out.timestamps) == len(want)
     assert outputs[2].finish_reason == "stop" and len(outputs[2].generated_tokens) == 4
+    # The n-gram and token bans changed what the same requests give without them.
+    for i, penalty in ((0, None), (6, 1.3)):
+        unbanned = _reference(tuple(prompts[i]), penalty)[: specs[i]["max_new_tokens"]]
+        assert outputs[i].generated_tokens != unbanned
+    assert not {plain[0], plain[2]} & set(outputs[6].generated_tokens)
+    new = outputs[0].generated_tokens  # size 1: no token of the prompt, none twice
+    assert not set(new) & set(prompts[0]) and len(set(new)) == len(new), new
     metrics = manager.metrics()
     assert metrics["preemptions"] > 0  # 13 usable blocks for 7 requests of ~20
     assert metrics["blocks_in_use"] == 0  # freed before the last final output was published
@@ -460,8 +488,16 @@ def test_no_compilation_after_warmup_over_a_random_workload(manager):
 
 def test_add_request_rejects_what_the_engine_cannot_run(manager):
     model, _ = _model()
-    with pytest.raises(UnsupportedError, match="no_repeat_ngram_size.*continuous-batching engine"):
-        manager.add_request([3, 4], no_repeat_ngram_size=2)
+    with pytest.raises(UnsupportedError, match="encoder_no_repeat_ngram_size.*continuous-batch"):
+        manager.add_request([3, 4], encoder_no_repeat_ngram_size=2)
+    with pytest.raises(InputError, match="max_no_repeat_ngram_size to 9"):
+        manager.add_request([3, 4], no_repeat_ngram_size=9)
+    with pytest.raises(UnsupportedError, match="bad_words_ids with multi-token"):
+        manager.add_request([3, 4], bad_words_ids=[[5], [6, 7]])
+    with pytest.raises(InputError, match="give 4 biased tokens.*max_logit_bias"):
+        small = dataclasses.replace(manager.shape, max_bias=3)
+        config = GenerationConfig(suppress_tokens=[3, 4, 5, 6], max_new_tokens=2)
+        build_request("x", [3, 4], config, small, 64, seed=0, streaming=False)
     with pytest.raises(UnsupportedError, match="not supported in continuous batching"):
         manager.add_request([3, 4], num_beams=2)
     with pytest.raises(UnsupportedError, match="output_attentions=True"):
@@ -481,6 +517,23 @@ def test_add_request_rejects_what_the_engine_cannot_run(manager):
         manager.add_request(list(range(3, 43)), max_new_tokens=10)
     with pytest.raises(GenerationConfigError):
         manager.add_request([3, 4], do_sample=True, temperature=-1.0)
+
+
+def test_per_row_ngram_bans_equal_the_processor_at_each_size():
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 6, (4, 24)).astype(np.int32)  # a small alphabet: many repeats
+    tokens[2, 7:9] = tokens[2, 2:4]  # row 2 (size 3, 9 tokens) ends with an earlier 2-gram
+    lengths = np.asarray([24, 17, 9, 20], np.int32)
+    sizes = np.asarray([1, 2, 3, 0], np.int32)
+    scores = jnp.asarray(rng.normal(size=(4, 6)), jnp.float32)
+    got = ban_repeated_ngrams(scores, tokens, lengths, sizes, 4)
+    for row, (length, size) in enumerate(zip(lengths, sizes, strict=True)):
+        want = scores[row : row + 1]
+        if size:
+            context = LogitsContext.for_prompt(tokens[row : row + 1, :length])
+            want = P.no_repeat_ngram_size(int(size))(want, context)
+        np.testing.assert_array_equal(got[row : row + 1], want)
+    assert np.isinf(np.asarray(got[:3])).any(axis=1).all()  # every size banned something
 
 
 def test_stop_ends_every_request_and_waits_never_hang():

@@ -3,14 +3,16 @@ or sampled choice, the constraint's next state, the end rules and raw log-probab
 
 Token choice per row follows transformers' order: the structured-output mask of a constrained
 row (:mod:`genjax.serving.constraint_pool`; before every processor, as ``genjax.generate``
-applies it), logit bias (``sequence_bias`` of single tokens), repetition penalty, EOS blocked
-until ``min_new_tokens``, OpenAI's presence and frequency penalties (where ``generate`` runs a
-user's ``logits_processor``), then temperature, top-k, top-p, min-p, typical-p, epsilon and eta
-cutoffs; greedy rows take the argmax (the warpers never move it), sampling rows draw with
-``fold_in(key, new_token_index)`` as :func:`genjax.generate` does, so a preempted and recomputed
-request draws the same tokens. A constrained row's automaton state then follows its token; a
-token the automaton refuses (a processor removed every allowed one) becomes the constraint's EOS
-id (:func:`genjax.decoding.automaton.advance_rows`).
+applies it), logit bias (``sequence_bias`` of single tokens; ``suppress_tokens`` and one-token
+``bad_words_ids`` as a bias of -inf, which every later step keeps at -inf, so the place in the
+chain does not matter), repetition penalty, no-repeat n-grams (``no_repeat_ngram_size``, each
+row its own size), EOS blocked until ``min_new_tokens``, OpenAI's presence and frequency
+penalties (where ``generate`` runs a user's ``logits_processor``), then temperature, top-k,
+top-p, min-p, typical-p, epsilon and eta cutoffs; greedy rows take the argmax (the warpers never
+move it), sampling rows draw with ``fold_in(key, new_token_index)`` as :func:`genjax.generate`
+does, so a preempted and recomputed request draws the same tokens. A constrained row's automaton
+state then follows its token; a token the automaton refuses (a processor removed every allowed
+one) becomes the constraint's EOS id (:func:`genjax.decoding.automaton.advance_rows`).
 
 The mask and the automaton step, the bias, OpenAI's penalties, the truncation warpers and the
 log-probabilities each run under a ``lax.cond`` that skips them in steps where no row uses them,
@@ -22,7 +24,9 @@ under the model's raw distribution, ``log_softmax(logits)`` before any processor
 tokens with theirs.
 
 Static or traced:
-    Static: ``L``, ``L_b``, ``E``, whether the engine has a constraint pool and its shapes.
+    Static: ``L``, ``L_b``, ``E``, the largest no-repeat n-gram size ``N`` (a field of
+    :class:`RowSettings` outside its leaves), whether the engine has a constraint pool and its
+    shapes.
     Traced: every :class:`RowSettings` value, the pool's contents and the rows' automaton states.
 """
 
@@ -57,6 +61,7 @@ __all__ = [
     "Chosen",
     "RowSettings",
     "Scored",
+    "ban_repeated_ngrams",
     "choose_rows",
     "choose_tokens",
     "no_scores",
@@ -88,9 +93,11 @@ class RowSettings:
     eos_token_ids: Array  # int32[R, E]: -1 fills unused entries
     seed: Array  # int32[R]: the request's key is jax.random.key(seed)
     constraint_eos: Array  # int32[R]: the EOS id of the request's constraint (-1: none)
+    no_repeat_ngram_size: Array  # int32[R]: 0 = off; at most max_ngram
+    max_ngram: int = struct.field(pytree_node=False, default=0)  # N (static)
 
     @classmethod
-    def empty(cls, rows: int, max_eos: int, max_bias: int = 0) -> RowSettings:
+    def empty(cls, rows: int, max_eos: int, max_bias: int = 0, max_ngram: int = 0) -> RowSettings:
         """Neutral settings (greedy, nothing active) for ``rows`` rows; numpy, no compilation."""
         return cls(
             do_sample=np.zeros((rows,), bool),
@@ -112,6 +119,8 @@ class RowSettings:
             eos_token_ids=np.full((rows, max_eos), -1, np.int32),
             seed=np.zeros((rows,), np.int32),
             constraint_eos=np.full((rows,), -1, np.int32),
+            no_repeat_ngram_size=np.zeros((rows,), np.int32),
+            max_ngram=max_ngram,
         )
 
 
@@ -179,6 +188,13 @@ def choose_tokens(
         biased = jnp.any(settings.bias_ids >= 0)
         scores = jax.lax.cond(biased, lambda s: bias(s, context), lambda s: s, scores)
     scores = repetition_penalty(settings.repetition_penalty)(scores, context)
+    if settings.max_ngram:
+        sizes = settings.no_repeat_ngram_size
+
+        def ban(scores):
+            return ban_repeated_ngrams(scores, tokens, lengths, sizes, settings.max_ngram)
+
+        scores = jax.lax.cond(jnp.any(sizes > 0), ban, lambda s: s, scores)
     ids = settings.eos_token_ids  # [B, E]
     is_eos = jnp.any(jnp.arange(vocab)[None, :, None] == ids[:, None, :], axis=-1)  # [B, V]
     blocked = is_eos & (num_new < settings.min_new_tokens)[:, None]
@@ -210,6 +226,48 @@ def choose_tokens(
     drawn = jax.vmap(lambda key, row: sample(key, row[None])[0])(keys, warped)
     greedy = jnp.argmax(scores, axis=-1).astype(jnp.int32)
     return jnp.where(settings.do_sample, drawn, greedy)
+
+
+def ban_repeated_ngrams(
+    scores: Array, tokens: Array, lengths: Array, sizes: Array, max_size: int
+) -> Array:
+    """transformers' ``NoRepeatNGramLogitsProcessor`` with a size per row: bans every token that
+    would complete an n-gram already in the row's history.
+
+    Row ``b`` with ``n = sizes[b]`` (0: off) compares its newest ``n - 1`` tokens with every
+    window ``tokens[b, i : i + n - 1]`` whose n-gram lies in the history (``i + n <=
+    lengths[b]``) and sets the token after each matching window to -inf; ``n = 1`` bans every
+    token present. The sizes are traced, so the comparisons run over ``max_size - 1`` offsets
+    (static), those past ``n - 1`` counting as matches.
+
+    Args:
+        scores: float32[B, V].
+        tokens: int32[B, S], the histories (valid up to ``lengths``).
+        lengths: int32[B].
+        sizes: int32[B], each row's n-gram size, at most ``max_size``.
+        max_size: ``N`` (static).
+
+    Example:
+        >>> scores = jnp.zeros((1, 4))
+        >>> history = jnp.asarray([[1, 2, 1, 0]])  # "1 2 1": after "1", 2 would repeat "1 2"
+        >>> ban_repeated_ngrams(scores, history, jnp.asarray([3]), jnp.asarray([2]), 4)[0, 2] < 0
+        Array(True, dtype=bool)
+    """
+    batch, vocab = scores.shape
+    slots = tokens.shape[1]
+    starts = jnp.arange(slots)[None, :]  # [1, S]: window starts
+    n = sizes[:, None]  # [B, 1]
+    match = (n > 0) & (starts + n <= lengths[:, None])  # [B, S]
+    padded = jnp.pad(tokens, ((0, 0), (0, max_size)))
+    for k in range(max_size - 1):
+        newest = jnp.take_along_axis(
+            tokens, jnp.clip(lengths - sizes + 1 + k, 0, slots - 1)[:, None], axis=1
+        )
+        match &= (k >= n - 1) | (padded[:, k : k + slots] == newest)
+    following = jnp.take_along_axis(padded, starts + jnp.maximum(n - 1, 0), axis=1)  # [B, S]
+    ids = jnp.where(match, jnp.clip(following, 0, vocab), vocab)  # vocab: a spare column
+    banned = jnp.zeros((batch, vocab + 1), bool).at[jnp.arange(batch)[:, None], ids].set(True)
+    return jnp.where(banned[:, :vocab], NEG_INF, scores)
 
 
 def reached_end(token: Array, num_new: Array, settings: RowSettings) -> Array:

@@ -27,6 +27,9 @@ class ContinuousBatchingConfig:
             ``logit_bias``) per request.
         max_top_logprobs: the most top log-probabilities a request may ask per token
             (``logprobs=k``); 0 leaves them out of the compiled step.
+        max_no_repeat_ngram_size: ``N``, the largest ``no_repeat_ngram_size`` a request may
+            set; each step compares ``N - 1`` offsets of every history (in steps where a row
+            uses it); 0 leaves the option out of the compiled step.
         max_constraint_states: ``S_p``, states in the engine's pool of structured-output
             automata (:mod:`genjax.serving.constraint_pool`); an automaton of ``n`` states takes
             ``n + 1``. 0: no pool, and a request with a constraint raises InputError.
@@ -48,6 +51,7 @@ class ContinuousBatchingConfig:
     max_eos_tokens: int = 4
     max_logit_bias: int = 300
     max_top_logprobs: int = 20
+    max_no_repeat_ngram_size: int = 8
     max_constraint_states: int = 4096
     max_constraint_edges: int = 2**20
     prefix_caching: bool = True
@@ -83,6 +87,7 @@ class ContinuousBatchingConfig:
             max_eos=max(1, self.max_eos_tokens),
             max_bias=max(0, self.max_logit_bias),
             max_top_logprobs=max(0, self.max_top_logprobs),
+            max_ngram=max(0, self.max_no_repeat_ngram_size),
             constraint_states=states,
             constraint_edges=edges if states else 0,
         )

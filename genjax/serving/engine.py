@@ -94,6 +94,7 @@ class EngineShape:
     max_steps: int  # K: the most decode steps per call
     max_eos: int  # E: the most EOS ids per request
     max_bias: int = 0  # L_b: the most biased tokens (logit_bias) per request
+    max_ngram: int = 0  # N: the largest no_repeat_ngram_size of a request
     max_top_logprobs: int = 0  # L: the most top log-probabilities per token
     constraint_states: int = 0  # S_p: states in the constraint pool (0: no pool)
     constraint_edges: int = 0  # E_p: transitions in the constraint pool
@@ -198,7 +199,7 @@ def init_state(model, shape: EngineShape, dtype=None) -> EngineState:
         prompt_lengths=np.zeros((rows,), np.int32),
         decoding=np.zeros((rows,), bool),
         constraint_state=np.full((rows,), -1, np.int32),
-        settings=RowSettings.empty(rows, shape.max_eos, shape.max_bias),
+        settings=RowSettings.empty(rows, shape.max_eos, shape.max_bias, shape.max_ngram),
     )
     return jax.device_put(state)
 

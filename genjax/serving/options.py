@@ -4,7 +4,9 @@ A request's config is its ``generation_config`` with unset fields from the manag
 filled from the model's ``generation_config``), then updated by its keyword overrides. The
 engine runs, per row: greedy or sampling with ``temperature``, ``top_k``, ``top_p``,
 ``min_p``, ``typical_p``, ``epsilon_cutoff``, ``eta_cutoff``, ``repetition_penalty``,
-``sequence_bias`` of single tokens (OpenAI's ``logit_bias``);
+``no_repeat_ngram_size`` (up to ``ContinuousBatchingConfig.max_no_repeat_ngram_size``),
+``sequence_bias``, ``suppress_tokens`` and ``bad_words_ids`` of single tokens (OpenAI's
+``logit_bias``; the bans as -inf biases);
 ``max_new_tokens`` (or ``max_length``), ``min_new_tokens``, EOS ids (a list), ``stop_strings``
 (matched on the host with the tokenizer) and a ``seed``. Any other field set to a non-default
 value raises :class:`~genjax.errors.UnsupportedError` naming it.
@@ -27,6 +29,7 @@ from genjax.config.fields import DEFAULT_GENERATION_PARAMS, FIELD_NAMES, METADAT
 from genjax.errors import InputError, UnsupportedError
 from genjax.generation.inputs import effective_config
 from genjax.processors import validate_config
+from genjax.processors.base import NEG_INF
 from genjax.processors.ngram import bias_pairs
 from genjax.serving.constraint_pool import check_constraint, constraint_key
 from genjax.serving.engine import EngineShape, RowSettings
@@ -46,7 +49,10 @@ SUPPORTED = frozenset(
         "epsilon_cutoff",
         "eta_cutoff",
         "repetition_penalty",
+        "no_repeat_ngram_size",
         "sequence_bias",
+        "suppress_tokens",
+        "bad_words_ids",
         "eos_token_id",
         "pad_token_id",
         "bos_token_id",
@@ -123,13 +129,15 @@ class EngineOptions:
             )
 
 
-def _bias_table(config: GenerationConfig, shape: EngineShape) -> tuple[np.ndarray, np.ndarray]:
-    """``sequence_bias`` of single tokens as (int32[1, L_b] ids, float32[1, L_b] biases)."""
-    ids = np.full((1, shape.max_bias), -1, np.int32)
-    values = np.zeros((1, shape.max_bias), np.float32)
-    if config.sequence_bias is None:
-        return ids, values
-    pairs = bias_pairs(config.sequence_bias)
+def _bias_table(
+    config: GenerationConfig, shape: EngineShape, eos: tuple[int, ...]
+) -> tuple[np.ndarray, np.ndarray]:
+    """The request's bias table (int32[1, L_b] ids, float32[1, L_b] biases): ``sequence_bias``
+    of single tokens, then -inf for ``suppress_tokens`` and one-token ``bad_words_ids`` (an
+    EOS id among the bad words is dropped, as transformers drops ``[eos]``). -inf stays -inf
+    through every later processor and warper, so banning at the bias's place in the chain
+    gives transformers' scores; a token both biased and banned sums to -inf."""
+    pairs = [] if config.sequence_bias is None else bias_pairs(config.sequence_bias)
     longer = [list(seq) for seq, _ in pairs if len(seq) > 1]
     if longer:
         raise UnsupportedError(
@@ -137,14 +145,38 @@ def _bias_table(config: GenerationConfig, shape: EngineShape) -> tuple[np.ndarra
             "continuous-batching engine yet; it biases single tokens only. Use one-token "
             "sequences, or genjax.generate for this request."
         )
-    if len(pairs) > shape.max_bias:
-        raise InputError(
-            f"sequence_bias has {len(pairs)} entries, but the engine holds at most "
-            f"{shape.max_bias} per request. Raise ContinuousBatchingConfig.max_logit_bias."
+    bad = [list(seq) for seq in config.bad_words_ids or ()]
+    if any(len(seq) > 1 for seq in bad):
+        raise UnsupportedError(
+            f"bad_words_ids with multi-token sequences ({[s for s in bad if len(s) > 1][:3]}) "
+            "are not supported by the continuous-batching engine yet; it bans single tokens "
+            "only. Use one-token lists, or genjax.generate for this request."
         )
-    for k, (seq, bias) in enumerate(pairs):
-        ids[0, k], values[0, k] = seq[0], float(bias)
+    banned = [int(t) for t in np.atleast_1d(config.suppress_tokens or ())]
+    banned += [seq[0] for seq in bad if seq[0] not in eos]
+    entries = [(seq[0], float(bias)) for seq, bias in pairs] + [(t, NEG_INF) for t in banned]
+    if len(entries) > shape.max_bias:
+        raise InputError(
+            f"sequence_bias, suppress_tokens and bad_words_ids give {len(entries)} biased "
+            f"tokens, but the engine holds at most {shape.max_bias} per request. Raise "
+            "ContinuousBatchingConfig.max_logit_bias."
+        )
+    ids = np.full((1, shape.max_bias), -1, np.int32)
+    values = np.zeros((1, shape.max_bias), np.float32)
+    for k, (token, bias) in enumerate(entries):
+        ids[0, k], values[0, k] = token, bias
     return ids, values
+
+
+def _ngram_size(config: GenerationConfig, shape: EngineShape) -> int:
+    size = int(config.no_repeat_ngram_size or 0)
+    if size > shape.max_ngram:
+        raise InputError(
+            f"no_repeat_ngram_size={size}, but the engine compares n-grams of at most "
+            f"{shape.max_ngram} tokens. Raise ContinuousBatchingConfig.max_no_repeat_ngram_size "
+            f"to {size}."
+        )
+    return size
 
 
 def check_supported(config: GenerationConfig) -> None:
@@ -194,7 +226,7 @@ def _row(
         v = getattr(config, name)
         return np.asarray([neutral if (v is None or not sampling) else v], dtype)
 
-    bias_ids, bias_values = _bias_table(config, shape)
+    bias_ids, bias_values = _bias_table(config, shape, eos)
     c = extras.constraint
     return RowSettings(
         do_sample=np.asarray([sampling], bool),
@@ -216,6 +248,8 @@ def _row(
         eos_token_ids=ids,
         seed=np.asarray([seed], np.int32),
         constraint_eos=np.asarray([-1 if c is None else c.eos_token_id], np.int32),
+        no_repeat_ngram_size=np.asarray([_ngram_size(config, shape)], np.int32),
+        max_ngram=shape.max_ngram,
     )
 
 

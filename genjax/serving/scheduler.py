@@ -290,7 +290,8 @@ class Scheduler:
         history = np.zeros((self.shape.max_length,), np.int32)
         request = self.prefilling
         slot, start, count, last, admit = -1, 0, 1, False, False
-        row = RowSettings.empty(1, self.shape.max_eos, self.shape.max_bias)
+        shape = self.shape
+        row = RowSettings.empty(1, shape.max_eos, shape.max_bias, shape.max_ngram)
         prompt_length, automaton = 0, -1
         if request is not None:
             slot, start = request.slot, request.prefilled

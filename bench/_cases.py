@@ -36,6 +36,15 @@ class Shape:
         return transformers.LlamaConfig(num_hidden_layers=layers, **self.config)
 
 
+_SMOLLM_SIZES = dict(
+    hidden_size=576,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    intermediate_size=1536,
+    vocab_size=49152,
+)
+"""SmolLM-135M's sizes, shared by its random shape and the real SmolLM2-135M-Instruct."""
+
 SHAPES = {
     "gpt2": Shape(
         name="gpt2",
@@ -50,14 +59,7 @@ SHAPES = {
         arch="llama",
         layers=30,
         config=dict(
-            hidden_size=576,
-            num_attention_heads=9,
-            num_key_value_heads=3,
-            intermediate_size=1536,
-            vocab_size=49152,
-            tie_word_embeddings=False,
-            rope_theta=10000.0,
-            max_position_embeddings=2048,
+            _SMOLLM_SIZES, tie_word_embeddings=False, rope_theta=1e4, max_position_embeddings=2048
         ),
     ),
     "real": Shape(
@@ -66,14 +68,7 @@ SHAPES = {
         arch="llama",
         layers=30,
         config=dict(
-            hidden_size=576,
-            num_attention_heads=9,
-            num_key_value_heads=3,
-            intermediate_size=1536,
-            vocab_size=49152,
-            tie_word_embeddings=True,
-            rope_theta=100000.0,
-            max_position_embeddings=8192,
+            _SMOLLM_SIZES, tie_word_embeddings=True, rope_theta=1e5, max_position_embeddings=8192
         ),
         real=True,
     ),

@@ -11,6 +11,7 @@ import numpy as np
 import genjax
 from genjax.io import bundled
 from genjax.io import tokenizer as tokenizers
+from genjax.testing import write_random_checkpoint
 
 README = os.path.join(os.path.dirname(__file__), "..", "README.md")
 
@@ -37,19 +38,18 @@ def test_the_use_snippet_runs_on_the_bundled_model():
     assert scores.shape == (2, 3) and np.all(np.asarray(scores) <= 0)
 
 
-def test_disable_jit_runs_generate_eagerly_with_the_same_tokens():
+def test_disable_jit_runs_generate_eagerly_with_the_same_tokens(tmp_path):
     assert "jax.disable_jit()" in _section("Use")  # the README says how to debug eagerly
-    model, params = genjax.models.from_pretrained(bundled.path())
-    batch = tokenizers.from_pretrained(bundled.path())(["def f():", "import"])
-    config = genjax.GenerationConfig(max_new_tokens=3, do_sample=True, top_k=20)
+    # A one-layer model: eager mode dispatches every op by itself, so depth is most of its time.
+    folder = tmp_path / "tiny"
+    write_random_checkpoint(folder, "llama", num_hidden_layers=1, eos_token_id=None)
+    model, params = genjax.models.from_pretrained(folder)
+    ids = np.asarray([[0, 5, 6, 7], [8, 9, 10, 11]], np.int32)
+    mask = np.asarray([[0, 1, 1, 1], [1, 1, 1, 1]], np.int32)
+    config = genjax.GenerationConfig(max_new_tokens=3, do_sample=True, top_k=20, pad_token_id=0)
     run = lambda: (
         genjax.generate(  # noqa: E731
-            model,
-            params,
-            batch["input_ids"],
-            config,
-            attention_mask=batch["attention_mask"],
-            key=jax.random.key(5),
+            model, params, ids, config, attention_mask=mask, key=jax.random.key(5)
         ).sequences
     )
     jitted = np.asarray(run())

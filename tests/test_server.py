@@ -387,7 +387,7 @@ def _start_server(tmp_dir) -> _Server:
     stderr_path = os.path.join(tmp_dir, "server.stderr")
     env = {**os.environ, "JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}
     args = ["serve", "--port", "0", "--api-key", KEY, "--max-length", str(CONTEXT)]
-    args += ["--max-batch-size", "8", "--max-waiting", "64", "--log-level", "warning"]
+    args += ["--max-batch-size", "4", "--max-waiting", "64", "--log-level", "warning"]
     with open(stderr_path, "w") as stderr:
         process = subprocess.Popen(
             [sys.executable, "-m", "genjax.cli", *args],

@@ -536,10 +536,12 @@ def test_per_row_ngram_bans_equal_the_processor_at_each_size():
     assert np.isinf(np.asarray(got[:3])).any(axis=1).all()  # every size banned something
 
 
-def test_stop_ends_every_request_and_waits_never_hang():
+def test_stop_ends_every_request_and_waits_never_hang(manager):
     model, params = _model()
     m = init_continuous_batching(model, params, GenerationConfig(pad_token_id=0), CB)
-    m.start()
+    with compiles() as compiled:  # the module's manager compiled these sizes' programs
+        m.start()
+    assert compiled == []
     ids = m.add_requests([_prompt(60 + i, 8) for i in range(5)], max_new_tokens=40)
     m.stop(block=True, timeout=60)
     assert not m.is_running()

@@ -25,12 +25,10 @@ Example:
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import contextlib
 import copy
 import itertools
 import logging
-import os
 import queue
 import threading
 import time
@@ -49,6 +47,7 @@ from genjax.serving.engine import compile_step, init_state
 from genjax.serving.metrics import ITL_EDGES, TTFT_EDGES, Histogram
 from genjax.serving.options import EngineOptions, build_request, request_config
 from genjax.serving.output import GenerationOutput, output_of
+from genjax.serving.programs import compile_buckets
 from genjax.serving.scheduler import RequestState, RequestStatus, Scheduler
 
 __all__ = [
@@ -115,22 +114,15 @@ class ContinuousBatchingManager:
     # ---- lifecycle ----------------------------------------------------------------------
     def warmup(self) -> None:
         """Compiles the engine's programs (a step program per decoded-row bucket, and the
-        state's allocation) now, so that serving compiles nothing. The programs are traced one
-        after the other and compiled side by side, one thread per CPU (XLA's compiler is
-        single-threaded and releases the GIL)."""
+        state's allocation) now, so that serving compiles nothing
+        (:func:`~genjax.serving.programs.compile_buckets`: programs another manager of the same
+        model and sizes compiled are reused)."""
         if self._state is None:
             self._state = init_state(self.model, self.shape)
-        missing = [bucket for bucket in self.shape.buckets if bucket not in self._compiled]
-        lowered = [
-            self._steps[b].lower(
-                self.params, self._state, Scheduler(self.shape)._step_input(1, b), self._pool()
-            )
-            for b in missing
-        ]
-        workers = max(1, min(len(lowered), os.cpu_count() or 1))
-        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            compiled = list(pool.map(lambda program: program.compile(), lowered))
-        self._compiled.update(zip(missing, compiled, strict=True))
+        work = {b: Scheduler(self.shape)._step_input(1, b) for b in self.shape.buckets}
+        self._compiled = compile_buckets(
+            self._steps, lambda b: (self.params, self._state, work[b], self._pool())
+        )
 
     def _step(self, work):
         """Runs the compiled step of ``work``'s bucket on the current state (donated), with the

@@ -53,6 +53,7 @@ CB = ContinuousBatchingConfig(
     num_blocks=14,
     prefill_chunk_size=8,
     max_decode_steps=4,
+    max_constraint_states=0,  # constraints: tests/test_serving_constraints.py
     poll_interval=0.01,
 )
 REF_NEW = 12  # reference generate calls make 12 tokens; shorter requests compare a prefix

@@ -14,7 +14,8 @@ what is left, and an error in the loop fails every request, so ``get_result`` an
 steps (to replace ``params``).
 
 Example:
-    >>> manager = init_continuous_batching(model, params, config)
+    >>> sizes = ContinuousBatchingConfig(max_batch_size=2, max_length=64)
+    >>> manager = init_continuous_batching(model, params, config, sizes)
     >>> manager.start()
     >>> rid = manager.add_request([483, 288, 860], max_new_tokens=4)  # "def f():"
     >>> manager.get_result(rid, timeout=60).generated_tokens
@@ -540,7 +541,10 @@ def generate_batch(
     number of finished requests. ``timeout`` bounds the whole call (None: no bound).
 
     Example:
-        >>> results = generate_batch(model, params, [[483, 288, 860], [794, 664]], config)
+        >>> sizes = ContinuousBatchingConfig(max_batch_size=2, max_length=64)
+        >>> prompts = [[483, 288, 860], [794, 664]]
+        >>> batched = dict(continuous_batching_config=sizes)
+        >>> results = generate_batch(model, params, prompts, config, **batched)
         >>> results["req_0"].generated_tokens
         [267, 342, 783, 328]
     """

@@ -834,3 +834,16 @@ def test_serve_flags_are_checked_before_anything_loads(capsys):
     assert "must be at least 1" in capsys.readouterr().err
     assert main(["serve", "--help"]) == 0
     assert "--served-model-name" in capsys.readouterr().out
+    assert main(["serve", "--max-constraint-edges", "0"]) == 2
+    assert "must be at least 1" in capsys.readouterr().err
+
+
+def test_serve_pool_flags_size_the_engine(model_and_params):
+    from genjax.serving.runner import ServeOptions, engine_sizes
+
+    model, _ = model_and_params
+    sizes = engine_sizes(ServeOptions(max_constraint_states=0, max_constraint_edges=64), model)
+    assert (sizes.max_constraint_states, sizes.max_constraint_edges) == (0, 64)
+    default = engine_sizes(ServeOptions(max_length=128), model)
+    assert (default.max_constraint_states, default.max_constraint_edges) == (4096, 2**20)
+    assert default.max_length == 128 and default.max_batch_size == 8

@@ -4,7 +4,8 @@ Usage::
 
     genjax serve [--model PATH_OR_HUB_ID] [--host H] [--port P] [--api-key KEY]
                  [--served-model-name NAME] [--dtype D] [--max-batch-size N] [--max-waiting N]
-                 [--max-length N] [--shutdown-timeout S] [--log-level L]
+                 [--max-length N] [--max-constraint-states N] [--max-constraint-edges N]
+                 [--shutdown-timeout S] [--log-level L]
 
 The server and its web dependencies are imported only when the command runs.
 """
@@ -47,6 +48,18 @@ def add_parser(commands) -> None:
         help="requests queued beyond the batch before new ones get 429 (default 64)",
     )
     serve.add_argument("--max-length", type=options.positive, metavar="N", help="tokens/request")
+    serve.add_argument(
+        "--max-constraint-states",
+        type=_at_least_zero,
+        metavar="N",
+        help="states of the structured-output automata pool (default 4096; 0: no response_format)",
+    )
+    serve.add_argument(
+        "--max-constraint-edges",
+        type=options.positive,
+        metavar="N",
+        help="transitions of that pool, 8 bytes each (default 2**20)",
+    )
     serve.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S")
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning"))
     serve.set_defaults(run=run)

@@ -113,7 +113,8 @@ def check_constraint(
             f"the constraint needs {states} states ({constraint.num_states} + 1) and {edges} "
             f"transitions of the engine's constraint pool, which holds {max_states} states and "
             f"{max_edges} transitions. Raise ContinuousBatchingConfig.max_constraint_states "
-            f"(to at least {states}) and max_constraint_edges (to at least {edges})."
+            f"(to at least {states}) and max_constraint_edges (to at least {edges}); for "
+            f"`genjax serve`, --max-constraint-states and --max-constraint-edges."
         )
 
 

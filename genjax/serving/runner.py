@@ -36,6 +36,8 @@ class ServeOptions:
         max_waiting: requests that may wait for a slot before new ones get 429.
         max_length: tokens (prompt plus completion) of one request; None: the model's
             ``max_position_embeddings``, at most 4096.
+        max_constraint_states, max_constraint_edges: the structured-output pool's sizes
+            (``ContinuousBatchingConfig``); None: its defaults.
         shutdown_timeout: seconds draining waits for requests in flight.
         log_level: uvicorn's log level.
     """
@@ -49,6 +51,8 @@ class ServeOptions:
     max_batch_size: int = 8
     max_waiting: int = 64
     max_length: int | None = None
+    max_constraint_states: int | None = None
+    max_constraint_edges: int | None = None
     shutdown_timeout: float = 30.0
     log_level: str = "info"
 
@@ -71,12 +75,26 @@ def _load(options: ServeOptions):
     return model, params, tokenizer, config, name
 
 
-def _start_engine(options: ServeOptions, model, params, tokenizer, config):
-    """A started and warmed-up manager (one short request run through it)."""
-    from genjax.serving.manager import ContinuousBatchingConfig, init_continuous_batching
+def engine_sizes(options: ServeOptions, model):
+    """The engine's :class:`~genjax.serving.ContinuousBatchingConfig` for the server's options."""
+    from genjax.serving.config import ContinuousBatchingConfig
 
     max_length = options.max_length or min(model.max_position_embeddings or 4096, 4096)
-    sizes = ContinuousBatchingConfig(max_batch_size=options.max_batch_size, max_length=max_length)
+    pool = {
+        name: getattr(options, name)
+        for name in ("max_constraint_states", "max_constraint_edges")
+        if getattr(options, name) is not None
+    }
+    return ContinuousBatchingConfig(
+        max_batch_size=options.max_batch_size, max_length=max_length, **pool
+    )
+
+
+def _start_engine(options: ServeOptions, model, params, tokenizer, config):
+    """A started and warmed-up manager (one short request run through it)."""
+    from genjax.serving.manager import init_continuous_batching
+
+    sizes = engine_sizes(options, model)
     manager = init_continuous_batching(model, params, config, sizes, tokenizer=tokenizer)
     manager.start()
     probe = manager.add_request([tokenizer.bos_token_id or 0], max_new_tokens=2)

@@ -184,15 +184,20 @@ def draft_start(state: AssistState) -> Array:
     return index - 1 + state.draft_behind[0].astype(jnp.int32)
 
 
+def x_slot_valid(state: AssistState) -> Array:
+    """bool[B, 1]: whether this round's ``x`` slot (see :func:`draft_start`) holds a token the
+    draft reads: where it had not read ``x``, and always with one row (``x`` written again)."""
+    return state.draft_behind[:, None] | (state.lengths.shape[0] == 1)
+
+
 def _open_draft_slots(state: AssistState, rules: AssistRules) -> Array:
     """int32[B, Sd]: the draft mask with this round's ``T`` slots from :func:`draft_start`
     open: slot 0 (``x``) only where the draft had not read it (always with one row), the rest
     for the newest token and the candidates."""
     batch = state.lengths.shape[0]
-    first = state.draft_behind[:, None] | (batch == 1)
-    opened = jnp.concatenate([first, jnp.ones((batch, rules.num_candidates), bool)], axis=1).astype(
-        jnp.int32
-    )
+    opened = jnp.concatenate(
+        [x_slot_valid(state), jnp.ones((batch, rules.num_candidates), bool)], axis=1
+    ).astype(jnp.int32)
     return jax.lax.dynamic_update_slice(state.draft_mask, opened, (0, state.draft_cache.index))
 
 

@@ -117,6 +117,7 @@ from genjax.decoding._candidates import (
     draft_start,
     lookup_candidates,
     lookup_proposal,
+    x_slot_valid,
 )
 from genjax.stopping import time_is_up
 from genjax.typing import Array, PyTree
@@ -400,8 +401,7 @@ def _roll_back_draft(
     steps = proposal.draft_steps
     read = jnp.minimum(taken - 1, steps - 1)  # committed candidates the draft has read
     slots = jnp.arange(width + 1)[None, :]
-    first = state.draft_behind[:, None] | (taken.shape[0] == 1)
-    kept = jnp.where(slots == 0, first, (slots - 1 <= read[:, None]))
+    kept = jnp.where(slots == 0, x_slot_valid(state), (slots - 1 <= read[:, None]))
     kept = kept & (taken[:, None] > 0)
     if taken.shape[0] == 1:
         advance = jnp.maximum(read[0] + 2, 1)

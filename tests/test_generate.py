@@ -348,7 +348,7 @@ def test_transition_scores_match_live_transformers(arch):
         (dict(max_new_tokens=100), InputError, "max_position_embeddings"),
         (dict(do_sample=True), InputError, "key"),
         (dict(num_beams=4, num_beam_groups=2), UnsupportedError, "group_beam_search"),
-        (dict(guidance_scale=2.0), UnsupportedError, "guidance_scale"),
+        (dict(guidance_scale=2.0, num_beams=2), UnsupportedError, "guidance_scale"),
     ],
 )
 def test_bad_input_raises_a_clear_error(change, error, words):

@@ -410,7 +410,6 @@ def test_bad_processor_settings_raise_clear_errors(factory, words):
     [
         (dict(bad_words_ids=[[3], [12]]), GenerationConfigError, "GenerationConfig.bad_words_ids"),
         (dict(forced_eos_token_id=[2, 40]), GenerationConfigError, "[40] outside"),
-        (dict(guidance_scale=1.5), UnsupportedError, "guidance_scale=1.5"),
         (dict(token_healing=True), UnsupportedError, "token_healing"),
     ],
 )

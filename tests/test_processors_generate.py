@@ -135,7 +135,6 @@ def test_new_processor_values_compile_nothing():
             GenerationConfigError,
             "eos_token_id",
         ),
-        (dict(guidance_scale=2.0), UnsupportedError, "not supported"),
         (dict(watermarking_config={"ngram_len": 5, "keys": [7, 8]}), UnsupportedError, "SynthID"),
     ],
 )

@@ -24,7 +24,8 @@ Static or traced:
     whether tokens are sampled, which outputs are recorded, which stopping rules are present
     (custom criteria, stop-string table shapes, the ``max_time`` clock), the ``on_token`` hook
     (streaming; see :mod:`genjax.streaming`), whether a token automaton constrains the output
-    and its table's format and shapes (:mod:`genjax.decoding.automaton`).
+    and its table's format and shapes (:mod:`genjax.decoding.automaton`), whether a
+    classifier-free guidance branch runs (:mod:`genjax.decoding.guidance`).
     Traced: the PRNG key, the processor settings, the pad and EOS ids, the stop-string tables,
     ``max_time``, the automaton's tables, and all state.
 
@@ -42,6 +43,8 @@ from flax import struct
 
 from genjax.cache import KVCache
 from genjax.decoding.automaton import TokenAutomaton, advance_rows, mask_scores
+from genjax.decoding.guidance import GuidanceState, guide
+from genjax.decoding.guidance import advance as advance_guidance
 from genjax.processors import LogitsContext, Processor
 from genjax.processors.base import NEG_INF
 from genjax.processors.warpers import PREFIX
@@ -68,6 +71,8 @@ class DecodeState:
     raw_logits: Array | None  # float32[B, N, V]: raw logits, when recorded
     # int32[B]: each row's token-automaton state (structured output), when rules.automaton is set
     automaton_state: Array | None = None
+    # The classifier-free guidance branch (genjax.decoding.guidance), when guidance_scale is set
+    guidance: GuidanceState | None = None
 
 
 @struct.dataclass
@@ -183,6 +188,8 @@ def choose_next(state: DecodeState, logits: Array, rules: DecodeRules) -> Decode
     """
     context = rules.context.replace(tokens=state.tokens, length=state.length)
     scores = logits.astype(jnp.float32)
+    if state.guidance is not None:  # first in the chain, as in transformers
+        scores = guide(scores, state.guidance)
     if rules.automaton is not None:  # before every processor and warper
         scores = mask_scores(scores, rules.automaton, state.automaton_state)
     scores = rules.process(scores, context)
@@ -249,6 +256,8 @@ def decode(
             params, last, state.positions[:, None], state.cache, state.attention_mask
         )
         state = state.replace(cache=cache, positions=state.positions + 1)
+        if state.guidance is not None:
+            state = state.replace(guidance=advance_guidance(step_fn, params, state.guidance, last))
         return constrain(choose_next(state, logits[:, -1], rules))
 
     if rules.end is not None:

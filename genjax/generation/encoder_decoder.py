@@ -61,6 +61,7 @@ _REFUSED = {
     "mesh": "mesh=",
     "constraint": "constraint=",
     "assistant_model": "assistant_model= (assisted generation)",
+    "negative_prompt_ids": "negative_prompt_ids= (classifier-free guidance)",
 }
 
 
@@ -83,6 +84,8 @@ def check_request(model, request, config, assisted: bool) -> None:
         refused.append("prompt_lookup_num_tokens (assisted generation)")
     if config.max_cache_len is not None:
         refused.append("max_cache_len")
+    if config.is_active("guidance_scale"):
+        refused.append(f"guidance_scale={config.guidance_scale!r} (classifier-free guidance)")
     if config.cache_implementation == "quantized":
         refused.append('cache_implementation="quantized"')
     if refused:

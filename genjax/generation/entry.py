@@ -51,7 +51,7 @@ import jax.numpy as jnp
 
 from genjax.cache.quantized import init_cache
 from genjax.config import GenerationConfig
-from genjax.decoding import assisted, beam
+from genjax.decoding import assisted, beam, guidance
 from genjax.decoding.sampling import (
     DecodeRules,
     DecodeState,
@@ -110,6 +110,8 @@ def generate(
     prompt_buckets=None,
     constraint=None,
     decoder_input_ids: Array | None = None,
+    negative_prompt_ids: Array | None = None,
+    negative_prompt_attention_mask: Array | None = None,
     **config_overrides,
 ) -> GenerateOutput:
     """Generates tokens after ``input_ids``: greedy, sampling, beam search or beam sampling,
@@ -196,6 +198,12 @@ def generate(
         decoder_input_ids: encoder-decoder models only: int[B, T] forced first decoder tokens
             (concrete), after ``decoder_start_token_id``, which is put in front unless a row
             already starts with it (transformers' rule).
+        negative_prompt_ids: int[B, Pn], classifier-free guidance's unconditional context, one
+            per prompt (left-padded; each length compiles its own program), used when
+            ``guidance_scale`` is set and not 1; default: each row's last prompt token. Greedy
+            and sampling only; the guided branch costs a second model pass per token and a
+            second KV cache of ``Pn + N`` slots (see :mod:`genjax.decoding.guidance`).
+        negative_prompt_attention_mask: int[B, Pn], 1 on the negative prompt's tokens.
         **config_overrides: generation config fields overriding ``config`` for this call
             (applied last, after the model's config and the defaults: ``do_sample=False``
             makes a checkpoint that samples by default decode greedily, and a sampling value
@@ -243,6 +251,8 @@ def generate(
         prompt_buckets=prompt_buckets,
         constraint=constraint,
         decoder_input_ids=decoder_input_ids,
+        negative_prompt_ids=negative_prompt_ids,
+        negative_prompt_attention_mask=negative_prompt_attention_mask,
         overrides=config_overrides,
     )
     call = prepare(model, params, input_ids, config, request)
@@ -392,6 +402,30 @@ class _Call:
             ring_margin,
         )
 
+    def guidance_branch(self, prompt_end: Array) -> guidance.GuidanceState:
+        """The classifier-free guidance branch, prefilled: the negative prompt, else each row's
+        last prompt token (the slot before ``prompt_end``), with ``N`` new slots."""
+        ids = self.traced.negative_prompt_ids
+        mask = self.traced.negative_prompt_attention_mask
+        if ids is None:
+            ids = jax.lax.dynamic_slice_in_dim(self.input_ids, prompt_end - 1, 1, axis=1)
+            mask = jnp.ones_like(ids)
+
+        def prefill_context(ids, mask, positions):
+            return prefill(
+                self.plan.model,
+                self.params,
+                ids,
+                mask,
+                self.plan.steps,
+                self.pad_token_id,
+                self.plan.quantized,
+                self.plan.prefill_chunk,
+                positions=positions,
+            )
+
+        return guidance.start(prefill_context, ids, mask, self.config.guidance_scale)
+
     def context(self, tokens: Array, length: Array, attention_mask: Array, rows_per_prompt: int):
         """The processors' view of the prompt (:func:`prompt_context`); for an encoder-decoder
         model with the source ids, one row per decoder row (``rows_per_prompt`` static)."""
@@ -462,6 +496,8 @@ def _generate_sampling(call: _Call) -> GenerateOutput:
         end=None if plan.slots is None else traced.bounds[1],
         automaton=traced.automaton,
     )
+    if plan.guidance:
+        state = state.replace(guidance=guidance.repeat_rows(call.guidance_branch(length), copies))
     state = decode(plan.model.apply, call.params, state, rows(logits[:, -1]), rules)
     sequences = state.tokens
     if plan.slots is not None:

@@ -317,3 +317,85 @@ def as_int32(x) -> Array:
     if isinstance(x, (jax.Array, jax.core.Tracer)):
         return jnp.asarray(x, jnp.int32)
     return jax.device_put(np.asarray(x, np.int32))
+
+
+def negative_prompt(model, config, mode_name: str, input_ids, ids, mask):
+    """Checks the classifier-free guidance inputs of a call (:mod:`genjax.decoding.guidance`).
+
+    Args:
+        model: the decoder-only model.
+        config: the resolved config; guidance runs when ``guidance_scale`` is active (set and
+            not 1).
+        mode_name: the call's loop ("sampling", "beams" or "assisted").
+        input_ids: int[B, P] the prompts.
+        ids: ``negative_prompt_ids`` int[B, Pn], or None (then each row's last prompt token).
+        mask: ``negative_prompt_attention_mask`` int[B, Pn], or None (all ones).
+
+    Returns:
+        ``(ids int32[B, Pn], mask int32[B, Pn])``, or ``(None, None)`` without a negative prompt.
+
+    Raises:
+        UnsupportedError: guidance with beams or assisted generation.
+        InputError: a negative prompt without guidance, of the wrong shape, or with ids outside
+            the vocabulary; a mask without ids or not of 0s and 1s.
+    """
+    if mask is not None and ids is None:
+        raise InputError(
+            "negative_prompt_attention_mask= was given without negative_prompt_ids=: pass the "
+            "negative prompt's ids too, or drop the mask."
+        )
+    if not config.is_active("guidance_scale"):
+        if ids is not None:
+            raise InputError(
+                f"negative_prompt_ids= is the unconditional context of classifier-free guidance, "
+                f"which runs only with guidance_scale != 1 (got {config.guidance_scale!r}). Set "
+                f"guidance_scale (e.g. 1.5), or drop negative_prompt_ids."
+            )
+        return None, None
+    if mode_name != "sampling":
+        raise UnsupportedError(
+            f"guidance_scale={config.guidance_scale!r} (classifier-free guidance) is supported "
+            f"by genjax with greedy decoding and sampling only, not with {mode_name} decoding. "
+            f"Set num_beams=1 and drop the assistant, or leave guidance_scale at 1."
+        )
+    if ids is None:
+        return None, None
+    if not hasattr(ids, "shape"):
+        ids = np.asarray(ids)
+    batch = input_ids.shape[0]
+    if ids.ndim != 2 or not jnp.issubdtype(ids.dtype, jnp.integer) or ids.shape[1] == 0:
+        raise InputError(
+            f"`negative_prompt_ids` must be an integer array of shape [batch, length >= 1]; got "
+            f"dtype {ids.dtype} and shape {tuple(ids.shape)}."
+        )
+    if ids.shape[0] != batch:
+        raise InputError(
+            f"`negative_prompt_ids` has {ids.shape[0]} rows but input_ids has {batch}: give one "
+            f"negative prompt per prompt (left-padded, with negative_prompt_attention_mask)."
+        )
+    if not isinstance(ids, jax.core.Tracer):
+        values = local_values(ids)
+        low, high = int(values.min()), int(values.max())
+        if low < 0 or high >= model.vocab_size:
+            raise InputError(
+                f"`negative_prompt_ids` holds ids in [{low}, {high}], outside the model's "
+                f"vocabulary [0, {model.vocab_size - 1}]. Tokenize with the model's tokenizer."
+            )
+    if mask is None:
+        xp = jnp if isinstance(ids, jax.core.Tracer) else np
+        return as_int32(ids), as_int32(xp.ones(ids.shape, xp.int32))
+    if not hasattr(mask, "shape"):
+        mask = np.asarray(mask)
+    if tuple(mask.shape) != tuple(ids.shape):
+        raise InputError(
+            f"`negative_prompt_attention_mask` must have the shape of `negative_prompt_ids` "
+            f"{tuple(ids.shape)}; got {tuple(mask.shape)}."
+        )
+    if not isinstance(mask, jax.core.Tracer):
+        wrong = [v for v in np.unique(local_values(mask)).tolist() if v not in (0, 1)]
+        if wrong:
+            raise InputError(
+                f"`negative_prompt_attention_mask` must hold only 0 (padding) and 1 (a token); "
+                f"got values {wrong[:5]}."
+            )
+    return as_int32(ids), as_int32(mask)

@@ -62,6 +62,7 @@ from genjax.generation.inputs import (
     check_assisted_extras,
     check_inputs,
     infer_attention_mask,
+    negative_prompt,
     num_new_tokens,
     resolve_config,
     stop_string_table_for,
@@ -119,6 +120,8 @@ class CallRequest:
     prompt_buckets: Any = None
     constraint: Any = None  # genjax.constraints.Constraint, or a list of one per input row
     decoder_input_ids: Any = None  # int[B, T]: an encoder-decoder model's forced decoder prefix
+    negative_prompt_ids: Any = None  # int[B, Pn]: classifier-free guidance's unconditional context
+    negative_prompt_attention_mask: Any = None  # int[B, Pn]
     overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     @classmethod
@@ -159,6 +162,7 @@ class CallPlan:
     caches: tuple[CacheRequest, ...]  # the KV caches the program allocates
     # Compile with genjax.models.quantize.LIBRARY_DOT_OPTIONS: int8 params, several decode rows
     library_dots: bool = False
+    guidance: bool = False  # a classifier-free guidance branch runs (guidance_scale set, not 1)
 
     @property
     def cache_new_slots(self) -> int:
@@ -187,6 +191,10 @@ class TracedInputs:
     # bucket.
     decoder_input_ids: Array | None = None
     source_length: Array | None = None
+    # Classifier-free guidance (genjax.decoding.guidance): the negative prompt int32[B, Pn] and
+    # its mask, or None (then each row's last prompt token is the unconditional context).
+    negative_prompt_ids: Array | None = None
+    negative_prompt_attention_mask: Array | None = None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -245,6 +253,14 @@ def prepare(model, params: PyTree, input_ids, config, request: CallRequest) -> P
         model, input_ids, request.attention_mask, request.key, resolved
     )
     layout = call_layout(model, request.mesh, request.rules, input_ids.shape[0])
+    negative_ids, negative_mask = negative_prompt(
+        model,
+        resolved,
+        mode.value,
+        input_ids,
+        request.negative_prompt_ids,
+        request.negative_prompt_attention_mask,
+    )
     if mode is Mode.ASSISTED:
         assisted.check_call(
             resolved, model, request.assistant_model, request.assistant_params, len(input_ids)
@@ -274,10 +290,15 @@ def prepare(model, params: PyTree, input_ids, config, request: CallRequest) -> P
         resolved = resolved.replace(max_new_tokens=None, max_length=None)
     plan = _plan(model, resolved, mode, ids.shape, new_tokens, slots, layout, request)
     plan = dataclasses.replace(plan, library_dots=library_dots(params, _decode_rows(plan, ids)))
+    if plan.guidance:
+        width = 1 if negative_ids is None else negative_ids.shape[1]
+        plan = dataclasses.replace(plan, caches=plan.caches + (_guidance_cache(plan, width),))
     check_fits(list(plan.caches), layout)
     if request.mesh is not None:  # concrete arrays only; inside a user's jit constraints place
         params = layout.place_params(params)
         ids, mask = layout.place_rows(ids, mask)
+        if negative_ids is not None:
+            negative_ids, negative_mask = layout.place_rows(negative_ids, negative_mask)
     traced = TracedInputs(
         config=resolved,
         key=key if key is not None else jax.random.key(0),
@@ -287,10 +308,19 @@ def prepare(model, params: PyTree, input_ids, config, request: CallRequest) -> P
         assistant_params=request.assistant_params,
         logits_processor=as_processors(request.logits_processor),
         automaton=automaton_for(request.constraint, mode, input_ids.shape[0], model, resolved),
+        negative_prompt_ids=negative_ids,
+        negative_prompt_attention_mask=negative_mask,
     )
     return PreparedCall(
         plan, params, ids, mask, traced, input_ids, prompt_length, new_tokens, offset, policy
     )
+
+
+def _guidance_cache(plan: CallPlan, width: int) -> CacheRequest:
+    """The classifier-free guidance branch's cache: a row per decoded row, the unconditional
+    context's ``width`` slots and one per step."""
+    rows = plan.caches[0].rows
+    return CacheRequest(plan.model, rows, width + plan.steps, plan.quantized)
 
 
 def _decode_rows(plan: CallPlan, ids) -> int:
@@ -421,6 +451,7 @@ def _plan(model, config, mode, shape, new_tokens, slots, layout, request) -> Cal
         assistant=request.assistant_model,
         streaming=request.streamer is not None,
         caches=tuple(caches),
+        guidance=config.is_active("guidance_scale"),
     )
 
 

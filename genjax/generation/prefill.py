@@ -61,6 +61,7 @@ def prefill(
     quantized=False,
     chunk: int | None = None,
     ring_margin: int = 0,
+    positions=None,
 ):
     """Runs the prompt through the model and returns a cache sized for all ``S = P + N`` slots
     (int8 codes when ``quantized``, static: see :mod:`genjax.cache.quantized`).
@@ -81,6 +82,9 @@ def prefill(
     when the cache grows; a chunked one writes into rings from the start, each chunk reading the
     ring before it and its own slots, so its cache stays at ``W`` slots for any ``P``.
 
+    ``positions`` int32[B, P]: the prompt's position ids; default: as transformers v5's
+    ``generate`` counts them, real tokens only (padding gets 0).
+
     Returns:
         ``(logits float32[B, 1 or P, V], cache, cache_mask int32[B, S], tokens int32[B, S])``
         (one row of logits when the model takes ``logits_to_keep`` or ``chunk`` is set; callers
@@ -88,8 +92,8 @@ def prefill(
         the prompt followed by ``pad_token_id`` in the new slots.
     """
     batch, prompt_length = input_ids.shape
-    # Position ids as transformers v5 computes them: count real tokens; padding gets 0.
-    positions = jnp.maximum(jnp.cumsum(attention_mask, axis=-1) - 1, 0)
+    if positions is None:
+        positions = jnp.maximum(jnp.cumsum(attention_mask, axis=-1) - 1, 0)
     new_slots = jnp.ones((batch, max_new_tokens), jnp.int32)
     cache_mask = jnp.concatenate([attention_mask, new_slots], axis=1)
     cache = init_cache(model, batch, prompt_length, quantized)

@@ -187,16 +187,8 @@ def _as_processor(processor: Any) -> Processor:
     return Transform(_call_function, settings={"fn": processor})
 
 
-def _not_one(value) -> bool:
-    return value is not None and value != 1
-
-
 # Options genjax rejects: name -> (is it set?, why it is rejected and how to fix it).
 _REJECTED = {
-    "guidance_scale": (
-        _not_one,
-        "is not supported by genjax yet (classifier-free guidance). Remove it or set it to 1.",
-    ),
     "token_healing": (
         lambda v: bool(v),
         "is not supported by genjax yet. Remove it from the generation config.",
@@ -207,7 +199,7 @@ _REJECTED = {
 def check_supported(config) -> None:
     """Raises UnsupportedError naming the first set option genjax does not implement.
 
-    Rejected: ``guidance_scale`` other than 1, ``token_healing``, and a SynthID
+    Rejected: ``token_healing``, and a SynthID
     ``watermarking_config`` (the green-list one is supported; see :func:`watermark`).
 
     Args:
@@ -293,7 +285,9 @@ def from_config(
     The two encoder options read the source of an encoder-decoder model
     (``LogitsContext.encoder_tokens``), else the prompt as transformers' "encoder input", which it
     is for decoder-only models (transformers builds them whenever ``input_ids`` are given, as they
-    always are here).
+    always are here). Classifier-free guidance (``guidance_scale``), first in transformers'
+    chain, needs the model and a second cache, so ``generate``'s loop applies it before this
+    chain (:mod:`genjax.decoding.guidance`); this chain alone does not.
 
     Args:
         config: a :class:`~genjax.GenerationConfig` with defaults applied (``with_defaults``).

@@ -411,7 +411,6 @@ def test_bad_processor_settings_raise_clear_errors(factory, words):
         (dict(bad_words_ids=[[3], [12]]), GenerationConfigError, "GenerationConfig.bad_words_ids"),
         (dict(forced_eos_token_id=[2, 40]), GenerationConfigError, "[40] outside"),
         (dict(guidance_scale=1.5), UnsupportedError, "guidance_scale=1.5"),
-        (dict(token_healing=True), UnsupportedError, "token_healing"),
     ],
 )
 def test_from_config_validates_before_tracing(change, error, words):
@@ -419,6 +418,12 @@ def test_from_config_validates_before_tracing(change, error, words):
     with pytest.raises(error) as info:
         P.from_config(config, jnp.array([2]), vocab_size=VOCAB)
     assert words in str(info.value)
+
+
+def test_token_healing_is_not_a_processor():
+    """generate heals the prompt on the host (tests/test_token_healing.py); the chain ignores it."""
+    config = GenerationConfig(eos_token_id=2, token_healing=True).with_defaults()
+    P.from_config(config, jnp.array([2]), vocab_size=VOCAB)
 
 
 def test_encoder_options_read_only_the_users_prompt():

@@ -197,18 +197,16 @@ _REJECTED = {
         _not_one,
         "is not supported by genjax yet (classifier-free guidance). Remove it or set it to 1.",
     ),
-    "token_healing": (
-        lambda v: bool(v),
-        "is not supported by genjax yet. Remove it from the generation config.",
-    ),
 }
 
 
 def check_supported(config) -> None:
     """Raises UnsupportedError naming the first set option genjax does not implement.
 
-    Rejected: ``guidance_scale`` other than 1, ``token_healing``, and a SynthID
-    ``watermarking_config`` (the green-list one is supported; see :func:`watermark`).
+    Rejected: ``guidance_scale`` other than 1 and a SynthID ``watermarking_config`` (the
+    green-list one is supported; see :func:`watermark`). ``token_healing`` is not a processor
+    and passes: :func:`genjax.generate` heals the prompts on the host before its program
+    (:mod:`genjax.generation.healing`); the serving engine refuses it.
 
     Args:
         config: a :class:`~genjax.GenerationConfig` with defaults applied.

@@ -49,6 +49,7 @@ from genjax.generation import (
     disable_compile_cache,
     enable_compile_cache,
     generate,
+    heal_tokens,
     pmap_generate,
     warmup,
 )
@@ -78,6 +79,7 @@ __all__ = [
     "disable_compile_cache",
     "enable_compile_cache",
     "generate",
+    "heal_tokens",
     "io",
     "models",
     "pmap_generate",

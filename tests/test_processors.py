@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from genjax import GenerationConfig
 from genjax import processors as P
-from genjax.errors import GenerationConfigError, UnsupportedError
+from genjax.errors import GenerationConfigError
 
 VOCAB = 12
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -410,7 +410,6 @@ def test_bad_processor_settings_raise_clear_errors(factory, words):
     [
         (dict(bad_words_ids=[[3], [12]]), GenerationConfigError, "GenerationConfig.bad_words_ids"),
         (dict(forced_eos_token_id=[2, 40]), GenerationConfigError, "[40] outside"),
-        (dict(token_healing=True), UnsupportedError, "token_healing"),
     ],
 )
 def test_from_config_validates_before_tracing(change, error, words):
@@ -418,6 +417,18 @@ def test_from_config_validates_before_tracing(change, error, words):
     with pytest.raises(error) as info:
         P.from_config(config, jnp.array([2]), vocab_size=VOCAB)
     assert words in str(info.value)
+
+
+def test_token_healing_is_not_a_processor():
+    """generate heals the prompt on the host (tests/test_token_healing.py); the chain ignores it."""
+    x = _logits(27, batch=1)
+    ctx = _context([[1, 2, 3]], prompt_end=3)
+    plain = GenerationConfig(eos_token_id=2, repetition_penalty=1.5).with_defaults()
+    chains = [
+        P.from_config(config, jnp.array([2]), vocab_size=VOCAB)
+        for config in (plain, plain.replace(token_healing=True))
+    ]
+    np.testing.assert_array_equal(chains[1](x, ctx), chains[0](x, ctx))
 
 
 def test_encoder_options_read_only_the_users_prompt():

@@ -14,7 +14,7 @@ encoder pass and the cross-attention cache, inside the program; the loops are th
 special ids); ``outputs`` the output type and transition scores; ``buckets`` the prompt-length
 policies; ``compiling`` :func:`warmup` (it plans each call as ``generate`` does, then lowers
 and compiles the same program) and the persistent compile cache; ``pmap`` the ``jax.pmap``
-form. The call flow::
+form; ``healing`` token healing, the host step before ``generate``'s program. The call flow::
 
     generate ─> plan.prepare ─> PreparedCall ─> entry.program(plan)(plan, params, arrays...)
     warmup   ─> plan.prepare ─> PreparedCall ─> entry.lower_program(call).compile()
@@ -36,7 +36,7 @@ from genjax.generation.compiling import (
     enable_compile_cache,
     warmup,
 )
-from genjax.generation.entry import generate
+from genjax.generation.entry import generate, heal_tokens
 from genjax.generation.outputs import GenerateOutput, compute_transition_scores
 from genjax.generation.pmap import pmap_generate
 
@@ -48,6 +48,7 @@ __all__ = [
     "disable_compile_cache",
     "enable_compile_cache",
     "generate",
+    "heal_tokens",
     "pmap_generate",
     "warmup",
 ]

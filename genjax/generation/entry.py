@@ -48,6 +48,7 @@ from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from genjax.cache.quantized import init_cache
 from genjax.config import GenerationConfig
@@ -59,9 +60,9 @@ from genjax.decoding.sampling import (
     greedy_chooser,
     sampling_chooser,
 )
-from genjax.errors import InputError
 from genjax.generation import buckets, encoder_decoder
-from genjax.generation.outputs import GenerateOutput
+from genjax.generation.healing import heal, heal_call, healing_step
+from genjax.generation.outputs import GenerateOutput, check_finite
 from genjax.generation.plan import CallPlan, CallRequest, Mode, PreparedCall, TracedInputs, prepare
 from genjax.generation.prefill import (
     accepts_logits_to_keep,
@@ -162,7 +163,9 @@ def generate(
             :data:`genjax.stopping.StopCriterion`. Static: hashable callables.
         tokenizer: the model's tokenizer (a transformers tokenizer, a ``tokenizers.Tokenizer``,
             or an object with ``get_vocab()``), required by ``config.stop_strings``. Its tables
-            are built once per vocabulary and stop strings, then traced.
+            are built once per vocabulary and stop strings, then traced. ``token_healing``
+            needs it too (a transformers tokenizer or a :class:`genjax.tokenizer.Tokenizer`):
+            the prompts' last tokens are healed on the host first (:func:`heal_tokens`).
         streamer: a :mod:`genjax.streaming` streamer (``TextStreamer``,
             ``TextIteratorStreamer``, or any object with ``put(ids)`` and ``end()``), as in
             transformers: ``put`` gets the prompt int32[1, P] first, then each new token
@@ -216,7 +219,8 @@ def generate(
 
     Raises:
         InputError: malformed ``input_ids``, ``attention_mask`` or ``key``; ``stop_strings``
-            without a ``tokenizer``; ``P + N > max_cache_len``; a bad ``prompt_buckets``;
+            without a ``tokenizer``; ``token_healing`` without a ``tokenizer`` or inside a
+            user's ``jax.jit``; ``P + N > max_cache_len``; a bad ``prompt_buckets``;
             after the run, first-step logits holding NaN or Inf (broken weights: checked when
             the arrays are concrete, see :func:`check_finite` for the cost).
         CacheMemoryError: an InputError: the KV caches would not fit in the devices' free
@@ -255,6 +259,8 @@ def generate(
         negative_prompt_attention_mask=negative_prompt_attention_mask,
         overrides=config_overrides,
     )
+    healing = healing_step(generate, model, params, tokenizer, key)
+    input_ids, request = heal_call(model, input_ids, config, request, healing)
     call = prepare(model, params, input_ids, config, request)
     with stream_to(streamer, call.prompt_ids) as stream_id:  # puts the prompt; None: no streamer
         out = program(call.plan)(call.plan, *call.arguments(stream_id))  # see lower_program
@@ -266,30 +272,31 @@ def generate(
     return check_finite(out)
 
 
-def check_finite(out: GenerateOutput) -> GenerateOutput:
-    """``out`` without its ``first_logits_finite`` flag, after raising if the flag is False.
+def heal_tokens(model, params: PyTree, input_ids, tokenizer, *, key: Array | None = None):
+    """The prompts with their last token healed (transformers' ``model.heal_tokens``), as
+    ``generate(..., token_healing=True, tokenizer=tokenizer)`` heals them first.
 
-    Called with concrete arrays, it reads the flag: the host waits for the compiled program to
-    finish (``generate`` then returns ready arrays rather than dispatching asynchronously) and
-    the program pays one ``isfinite`` reduction over the first step's ``[B, V]`` logits.
-    Inside a user's ``jax.jit`` (the flag is a tracer) nothing is checked.
+    Host code (:mod:`genjax.generation.healing`): call it outside ``jax.jit``, then a jitted
+    ``generate`` with ``token_healing`` unset. Each healed row runs a one-token ``generate``
+    (its ``sequence_bias`` is static: a new set of candidates compiles a new program).
 
-    Raises:
-        InputError: the model's first-step logits hold NaN or Inf (broken or overflowing
-            weights), so every token generated would be meaningless.
+    Args:
+        model: the model (static); its ``generation_config`` is merged into the healing step.
+        params: its parameters.
+        input_ids: int[B, P] concrete prompts.
+        tokenizer: a transformers tokenizer or a :class:`genjax.tokenizer.Tokenizer`.
+        key: a PRNG key, needed if the model's ``generation_config`` samples (row b: fold_in).
+
+    Returns:
+        int32[B, P'] the healed prompts (``P'`` may differ from ``P``: the texts are stripped).
+
+    Example:
+        >>> healed = genjax.heal_tokens(model, params, tok(["import os.pa"])["input_ids"], tok)
+        >>> tok.batch_decode(healed)
+        ['import os.path']
     """
-    flag = out.first_logits_finite
-    out = out.replace(first_logits_finite=None)
-    if flag is None or isinstance(flag, jax.core.Tracer):
-        return out
-    if not bool(flag):
-        raise InputError(
-            "the model's logits for the first new token hold NaN or Inf: the weights (or the "
-            "activations, e.g. float16 overflow) are not finite, so every generated token "
-            "would be meaningless. Check the checkpoint with jax.tree.map(lambda x: "
-            "bool(jnp.isfinite(x).all()), params), or load it in float32 (dtype='float32')."
-        )
-    return out
+    healed = heal(input_ids, tokenizer, healing_step(generate, model, params, tokenizer, key))
+    return healed.astype(np.int32)
 
 
 def lower_program(call: PreparedCall) -> jax.stages.Lowered:

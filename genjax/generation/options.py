@@ -57,6 +57,8 @@ that returns nothing."""
 OTHER_MODES: dict[str, str] = {
     "max_time": "a wall-clock limit: it stops a call that runs too long (tests/test_stopping.py)",
     "stop_strings": "needs the tokenizer= argument (tests/test_stopping.py)",
+    "token_healing": "needs the tokenizer= argument: the prompt's last token is healed on the "
+    "host before the program (tests/test_token_healing.py)",
     "early_stopping": "beam search only (tests/test_beam.py); transformers ignores it otherwise",
     "length_penalty": "beam search only (tests/test_beam.py); transformers ignores it otherwise",
     "num_assistant_tokens": "assisted generation only (tests/test_assisted.py): ignored by "

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from genjax.errors import InputError
 from genjax.typing import Array
 
 
@@ -115,3 +116,29 @@ def _transition_scores(sequences, scores, beam_indices, normalize_logits):
     new_tokens = sequences[:, sequences.shape[1] - steps :]
     picked = scores[rows, jnp.arange(steps)[None, :], new_tokens]
     return jnp.where(unused, 0.0, picked)
+
+
+def check_finite(out: GenerateOutput) -> GenerateOutput:
+    """``out`` without its ``first_logits_finite`` flag, after raising if the flag is False.
+
+    Called with concrete arrays, it reads the flag: the host waits for the compiled program to
+    finish (``generate`` then returns ready arrays rather than dispatching asynchronously) and
+    the program pays one ``isfinite`` reduction over the first step's ``[B, V]`` logits.
+    Inside a user's ``jax.jit`` (the flag is a tracer) nothing is checked.
+
+    Raises:
+        InputError: the model's first-step logits hold NaN or Inf (broken or overflowing
+            weights), so every token generated would be meaningless.
+    """
+    flag = out.first_logits_finite
+    out = out.replace(first_logits_finite=None)
+    if flag is None or isinstance(flag, jax.core.Tracer):
+        return out
+    if not bool(flag):
+        raise InputError(
+            "the model's logits for the first new token hold NaN or Inf: the weights (or the "
+            "activations, e.g. float16 overflow) are not finite, so every generated token "
+            "would be meaningless. Check the checkpoint with jax.tree.map(lambda x: "
+            "bool(jnp.isfinite(x).all()), params), or load it in float32 (dtype='float32')."
+        )
+    return out

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from genjax.errors import GenerationConfigError, UnsupportedError
+from genjax.errors import GenerationConfigError
 from genjax.processors.base import (
     LogitsContext,
     Processor,
@@ -187,20 +187,14 @@ def _as_processor(processor: Any) -> Processor:
     return Transform(_call_function, settings={"fn": processor})
 
 
-# Options genjax rejects: name -> (is it set?, why it is rejected and how to fix it).
-_REJECTED = {
-    "token_healing": (
-        lambda v: bool(v),
-        "is not supported by genjax yet. Remove it from the generation config.",
-    ),
-}
-
-
 def check_supported(config) -> None:
     """Raises UnsupportedError naming the first set option genjax does not implement.
 
-    Rejected: ``token_healing``, and a SynthID
-    ``watermarking_config`` (the green-list one is supported; see :func:`watermark`).
+    Rejected: a SynthID ``watermarking_config`` (the green-list one is supported; see
+    :func:`watermark`). ``token_healing`` and ``guidance_scale`` are not processors and pass:
+    :func:`genjax.generate` heals the prompts on the host before its program
+    (:mod:`genjax.generation.healing`) and runs guidance in its loop
+    (:mod:`genjax.decoding.guidance`); the serving engine refuses both.
 
     Args:
         config: a :class:`~genjax.GenerationConfig` with defaults applied.
@@ -209,10 +203,6 @@ def check_supported(config) -> None:
         >>> from genjax import GenerationConfig
         >>> check_supported(GenerationConfig().with_defaults())
     """
-    for name, (is_set, reason) in _REJECTED.items():
-        value = getattr(config, name)
-        if isinstance(value, jax.core.Tracer) or is_set(value):
-            raise UnsupportedError(f"generation option `{name}={value!r}` {reason}")
     if config.watermarking_config is not None:
         check_watermarking(config.watermarking_config)
 

@@ -175,7 +175,7 @@ def test_step_alone_prefills_chooses_and_decodes_a_hand_checked_request():
     prompt = _prompt(3, 3)
     tables = np.zeros((3, shape.max_blocks_per_row), np.int32)
     tables[1, :2] = [9, 4]  # slot 1 holds positions 0..7 in blocks 9 and 4
-    row = RowSettings.empty(1, shape.max_eos, shape.max_bias, shape.max_ngram)
+    row = RowSettings.empty(1, shape)
     row = row.replace(max_new_tokens=np.asarray([4], np.int32))
     chunk = np.zeros((shape.chunk,), np.int32)
     chunk[:3] = prompt
@@ -493,8 +493,8 @@ def test_add_request_rejects_what_the_engine_cannot_run(manager):
         manager.add_request([3, 4], encoder_no_repeat_ngram_size=2)
     with pytest.raises(InputError, match="max_no_repeat_ngram_size to 9"):
         manager.add_request([3, 4], no_repeat_ngram_size=9)
-    with pytest.raises(UnsupportedError, match="bad_words_ids with multi-token"):
-        manager.add_request([3, 4], bad_words_ids=[[5], [6, 7]])
+    with pytest.raises(InputError, match="max_bias_sequence_length to 9"):
+        manager.add_request([3, 4], bad_words_ids=[[5], list(range(6, 15))])
     with pytest.raises(InputError, match="give 4 biased tokens.*max_logit_bias"):
         small = dataclasses.replace(manager.shape, max_bias=3)
         config = GenerationConfig(suppress_tokens=[3, 4, 5, 6], max_new_tokens=2)
@@ -506,8 +506,6 @@ def test_add_request_rejects_what_the_engine_cannot_run(manager):
     # transformers v5 writes these defaults into generation_config.json: not an option set
     quiet = dict(output_attentions=False, output_hidden_states=False, output_logits=False)
     manager.cancel_request(manager.add_request([3, 4], max_new_tokens=1, **quiet))
-    with pytest.raises(UnsupportedError, match="sequence_bias with multi-token"):
-        manager.add_request([3, 4], sequence_bias=[[[5], 1.0], [[6, 7], 2.0]])
     with pytest.raises(InputError, match="max_top_logprobs"):
         manager.add_request([3, 4], logprobs=CB.max_top_logprobs + 1)
     with pytest.raises(InputError, match="presence_penalty must be finite"):
@@ -633,6 +631,29 @@ def test_bias_penalties_and_logprobs_equal_generate_with_the_same_processors(man
     # Without the penalties the biased run falls into a loop (the penalties are honoured).
     unpenalized = manager.get_result(manager.add_request(prompt, generation_config=config), 120)
     assert unpenalized.generated_tokens != want and unpenalized.logprobs is None
+
+
+def test_multi_token_bias_bad_words_and_begin_suppress_equal_generate_alone(manager):
+    prompt = _prompt(130, 6)
+    plain = _reference(tuple(prompt))
+    # A bias whose prefix is the prompt's last token (so it applies at the first new token), a
+    # banned bigram of the plain path, a banned single token; and a first-token-only ban.
+    favoured = next(t for t in range(3, 60) if t not in plain[:2])
+    cases = [
+        (
+            ("sequence_bias", (((prompt[-1], favoured), 30.0), ((plain[1], plain[2]), -2.0))),
+            ("bad_words_ids", ((favoured, plain[1]), (7,))),
+        ),
+        (("begin_suppress_tokens", (plain[0],)),),
+    ]
+    for extra in cases:
+        want = _reference(tuple(prompt), extra=extra)
+        rid = manager.add_request(
+            prompt, max_new_tokens=REF_NEW, **{name: _lists(value) for name, value in extra}
+        )
+        got = manager.get_result(rid, timeout=120).generated_tokens
+        assert got == want and want != plain
+    assert want[0] != plain[0] and plain[0] in _reference(tuple(prompt))  # begin only
 
 
 def test_generate_batch_returns_every_request_by_id():

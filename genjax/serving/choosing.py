@@ -1,18 +1,20 @@
 """Token choice for the engine's rows: the constraint mask, the processors and warpers, greedy
 or sampled choice, the constraint's next state, the end rules and raw log-probabilities.
 
-Token choice per row follows transformers' order: the structured-output mask of a constrained
-row (:mod:`genjax.serving.constraint_pool`; before every processor, as ``genjax.generate``
-applies it), logit bias (``sequence_bias`` of single tokens; ``suppress_tokens`` and one-token
-``bad_words_ids`` as a bias of -inf, which every later step keeps at -inf, so the place in the
-chain does not matter), repetition penalty, no-repeat n-grams (``no_repeat_ngram_size``, each
-row its own size), EOS blocked until ``min_new_tokens``, OpenAI's presence and frequency
-penalties (where ``generate`` runs a user's ``logits_processor``), then temperature, top-k,
-top-p, min-p, typical-p, epsilon and eta cutoffs; greedy rows take the argmax (the warpers never
-move it), sampling rows draw with ``fold_in(key, new_token_index)`` as :func:`genjax.generate`
-does, so a preempted and recomputed request draws the same tokens. A constrained row's automaton
-state then follows its token; a token the automaton refuses (a processor removed every allowed
-one) becomes the constraint's EOS id (:func:`genjax.decoding.automaton.advance_rows`).
+Token choice per row follows transformers' order: the structured-output mask of a constrained row
+(:mod:`genjax.serving.constraint_pool`; before every processor, as ``genjax.generate`` applies it),
+the bias table (``sequence_bias``, its multi-token sequences biasing their last token when the rest
+ends the row's history; ``suppress_tokens``, ``bad_words_ids`` and, at the first new token only,
+``begin_suppress_tokens`` as a bias of -inf, which every later step keeps at -inf, so the place in
+the chain does not matter; :func:`sequence_biases`), repetition penalty, no-repeat n-grams
+(``no_repeat_ngram_size``, each row its own size), EOS blocked until ``min_new_tokens``, OpenAI's
+presence and frequency penalties (where ``generate`` runs a user's ``logits_processor``), then
+temperature, top-k, top-p, min-p, typical-p, epsilon and eta cutoffs; greedy rows take the argmax
+(the warpers never move it), sampling rows draw with ``fold_in(key, new_token_index)`` as
+:func:`genjax.generate` does, so a preempted and recomputed request draws the same tokens. A
+constrained row's automaton state then follows its token; a token the automaton refuses (a processor
+removed every allowed one) becomes the constraint's EOS id
+(:func:`genjax.decoding.automaton.advance_rows`).
 
 The mask and the automaton step, the bias, OpenAI's penalties, the truncation warpers and the
 log-probabilities each run under a ``lax.cond`` that skips them in steps where no row uses them,
@@ -24,9 +26,9 @@ under the model's raw distribution, ``log_softmax(logits)`` before any processor
 tokens with theirs.
 
 Static or traced:
-    Static: ``L``, ``L_b``, ``E``, the largest no-repeat n-gram size ``N`` (a field of
-    :class:`RowSettings` outside its leaves), whether the engine has a constraint pool and its
-    shapes.
+    Static: ``L``, ``L_b``, the longest biased sequence's prefix ``W``, ``E``, the largest no-repeat
+    n-gram size ``N`` (a field of :class:`RowSettings` outside its leaves), whether the engine has a
+    constraint pool and its shapes.
     Traced: every :class:`RowSettings` value, the pool's contents and the rows' automaton states.
 """
 
@@ -46,7 +48,6 @@ from genjax.processors import (
     count_penalties,
     epsilon_cutoff,
     eta_cutoff,
-    logit_bias,
     min_p,
     repetition_penalty,
     temperature,
@@ -87,6 +88,10 @@ class RowSettings:
     frequency_penalty: Array  # float32[R]: 0.0 = off
     bias_ids: Array  # int32[R, L_b]: biased token ids; -1 fills unused entries
     bias_values: Array  # float32[R, L_b]: their biases
+    # int32[R, L_b, W]: the tokens that must end the history for the bias to apply, right-aligned
+    # (-1 fills the unused slots on the left; all -1: a single-token entry, always applied)
+    bias_prefixes: Array
+    bias_first_only: Array  # bool[R, L_b]: applied at the first new token only
     logprobs: Array  # int32[R]: -1: none; k >= 0: the chosen token's logprob and the top k
     max_new_tokens: Array  # int32[R]
     min_new_tokens: Array  # int32[R]: EOS is blocked before this many new tokens
@@ -97,8 +102,10 @@ class RowSettings:
     max_ngram: int = struct.field(pytree_node=False, default=0)  # N (static)
 
     @classmethod
-    def empty(cls, rows: int, max_eos: int, max_bias: int = 0, max_ngram: int = 0) -> RowSettings:
-        """Neutral settings (greedy, nothing active) for ``rows`` rows; numpy, no compilation."""
+    def empty(cls, rows: int, shape) -> RowSettings:
+        """Neutral settings (greedy, nothing active) for ``rows`` rows of an engine of
+        :class:`~genjax.serving.engine.EngineShape` ``shape``; numpy, no compilation."""
+        max_bias = shape.max_bias
         return cls(
             do_sample=np.zeros((rows,), bool),
             temperature=np.ones((rows,), np.float32),
@@ -113,14 +120,16 @@ class RowSettings:
             frequency_penalty=np.zeros((rows,), np.float32),
             bias_ids=np.full((rows, max_bias), -1, np.int32),
             bias_values=np.zeros((rows, max_bias), np.float32),
+            bias_prefixes=np.full((rows, max_bias, shape.max_bias_prefix), -1, np.int32),
+            bias_first_only=np.zeros((rows, max_bias), bool),
             logprobs=np.full((rows,), -1, np.int32),
             max_new_tokens=np.zeros((rows,), np.int32),
             min_new_tokens=np.zeros((rows,), np.int32),
-            eos_token_ids=np.full((rows, max_eos), -1, np.int32),
+            eos_token_ids=np.full((rows, shape.max_eos), -1, np.int32),
             seed=np.zeros((rows,), np.int32),
             constraint_eos=np.full((rows,), -1, np.int32),
             no_repeat_ngram_size=np.zeros((rows,), np.int32),
-            max_ngram=max_ngram,
+            max_ngram=shape.max_ngram,
         )
 
 
@@ -184,9 +193,12 @@ def choose_tokens(
     # their [B, V] passes.
     scores = logits
     if settings.bias_ids.shape[-1]:
-        bias = logit_bias(settings.bias_ids, settings.bias_values)
+
+        def bias(scores):
+            return scores + sequence_biases(tokens, lengths, num_new, settings, vocab)
+
         biased = jnp.any(settings.bias_ids >= 0)
-        scores = jax.lax.cond(biased, lambda s: bias(s, context), lambda s: s, scores)
+        scores = jax.lax.cond(biased, bias, lambda s: s, scores)
     scores = repetition_penalty(settings.repetition_penalty)(scores, context)
     if settings.max_ngram:
         sizes = settings.no_repeat_ngram_size
@@ -226,6 +238,43 @@ def choose_tokens(
     drawn = jax.vmap(lambda key, row: sample(key, row[None])[0])(keys, warped)
     greedy = jnp.argmax(scores, axis=-1).astype(jnp.int32)
     return jnp.where(settings.do_sample, drawn, greedy)
+
+
+def sequence_biases(
+    tokens: Array, lengths: Array, num_new: Array, settings: RowSettings, vocab: int
+) -> Array:
+    """float32[B, V]: each row's bias table applied to its history.
+
+    transformers' ``SequenceBiasLogitsProcessor`` (and ``NoBadWordsLogitsProcessor``, its -inf
+    form) per row, with traced entries: entry ``k`` adds ``bias_values[b, k]`` to token
+    ``bias_ids[b, k]`` when the history ends with the entry's prefix (none for a single token)
+    and, as transformers skips a sequence longer than ``input_ids``, the history is longer than
+    the prefix; an entry with ``bias_first_only`` (``begin_suppress_tokens``) only at the first
+    new token. Biases of entries with the same token add up.
+
+    Args:
+        tokens: int32[B, S], the histories (valid up to ``lengths``).
+        lengths: int32[B].
+        num_new: int32[B], new tokens so far.
+        settings: the rows' bias table (``bias_ids``, ``bias_values``, ``bias_prefixes``
+            ``[B, L_b, W]``, ``bias_first_only``).
+        vocab: ``V`` (static).
+    """
+    ids, prefixes = settings.bias_ids, settings.bias_prefixes
+    live = (ids >= 0) & (~settings.bias_first_only | (num_new == 0)[:, None])  # [B, L_b]
+    width = prefixes.shape[-1]
+    if width:
+        slots = lengths[:, None] - width + jnp.arange(width)[None, :]  # [B, W]: newest W
+        recent = jnp.take_along_axis(tokens, jnp.clip(slots, 0, tokens.shape[1] - 1), axis=1)
+        recent = jnp.where(slots >= 0, recent, -2)  # before the history: matches no id
+        same = (prefixes == recent[:, None, :]) | (prefixes < 0)
+        used = jnp.sum(prefixes >= 0, axis=-1)  # [B, L_b]: the prefix's length
+        live &= jnp.all(same, axis=-1) & (used < lengths[:, None])
+    rows = jnp.arange(ids.shape[0])[:, None]
+    columns = jnp.where(live, ids, vocab)  # entries not applied fall out of range: dropped
+    values = jnp.where(live, settings.bias_values, 0.0)
+    zeros = jnp.zeros((ids.shape[0], vocab), jnp.float32)
+    return zeros.at[rows, columns].add(values, mode="drop")
 
 
 def ban_repeated_ngrams(

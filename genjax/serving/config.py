@@ -23,8 +23,14 @@ class ContinuousBatchingConfig:
         prefill_chunk_size: ``C``, prompt tokens prefilled per step.
         max_decode_steps: ``K``, decode steps per host round trip when nothing waits.
         max_eos_tokens: the most EOS ids per request.
-        max_logit_bias: the most single-token ``sequence_bias`` entries (OpenAI's
-            ``logit_bias``) per request.
+        max_logit_bias: ``L_b``, the most entries of a request's bias table: its
+            ``sequence_bias`` sequences (OpenAI's ``logit_bias``), ``suppress_tokens``,
+            ``bad_words_ids`` and ``begin_suppress_tokens``.
+        max_bias_sequence_length: the longest ``sequence_bias`` or ``bad_words_ids`` sequence
+            a request may give; each step compares the last ``max_bias_sequence_length - 1``
+            tokens of every history with each entry's prefix (in steps where a row has a
+            bias), and the table holds ``L_b * (max_bias_sequence_length - 1)`` prefix ids per
+            row. 1: single tokens only.
         max_top_logprobs: the most top log-probabilities a request may ask per token
             (``logprobs=k``); 0 leaves them out of the compiled step.
         max_no_repeat_ngram_size: ``N``, the largest ``no_repeat_ngram_size`` a request may
@@ -50,6 +56,7 @@ class ContinuousBatchingConfig:
     max_decode_steps: int = 8
     max_eos_tokens: int = 4
     max_logit_bias: int = 300
+    max_bias_sequence_length: int = 8
     max_top_logprobs: int = 20
     max_no_repeat_ngram_size: int = 8
     max_constraint_states: int = 4096
@@ -86,6 +93,7 @@ class ContinuousBatchingConfig:
             max_steps=max(1, self.max_decode_steps),
             max_eos=max(1, self.max_eos_tokens),
             max_bias=max(0, self.max_logit_bias),
+            max_bias_prefix=max(0, self.max_bias_sequence_length - 1),
             max_top_logprobs=max(0, self.max_top_logprobs),
             max_ngram=max(0, self.max_no_repeat_ngram_size),
             constraint_states=states,

@@ -50,7 +50,8 @@ Static or traced:
     (``do_sample`` included), seeds, EOS ids, biased ids and biases, penalties, how many top
     log-probabilities a row wants, limits, which slot prefills and which slots decode, the
     number of steps, the rows' automaton states and the constraint pool's contents. Also
-    static: the most biased tokens per request ``L_b``, the most top log-probabilities ``L``,
+    static: the most biased tokens per request ``L_b`` and the longest biased prefix ``W``, the
+    most top log-probabilities ``L``,
     and the constraint pool's sizes (``S_p`` states, ``E_p`` transitions; none when ``S_p`` is
     0).
 """
@@ -94,6 +95,7 @@ class EngineShape:
     max_steps: int  # K: the most decode steps per call
     max_eos: int  # E: the most EOS ids per request
     max_bias: int = 0  # L_b: the most biased tokens (logit_bias) per request
+    max_bias_prefix: int = 0  # W: the longest biased sequence's prefix (its length - 1)
     max_ngram: int = 0  # N: the largest no_repeat_ngram_size of a request
     max_top_logprobs: int = 0  # L: the most top log-probabilities per token
     constraint_states: int = 0  # S_p: states in the constraint pool (0: no pool)
@@ -199,7 +201,7 @@ def init_state(model, shape: EngineShape, dtype=None) -> EngineState:
         prompt_lengths=np.zeros((rows,), np.int32),
         decoding=np.zeros((rows,), bool),
         constraint_state=np.full((rows,), -1, np.int32),
-        settings=RowSettings.empty(rows, shape.max_eos, shape.max_bias, shape.max_ngram),
+        settings=RowSettings.empty(rows, shape),
     )
     return jax.device_put(state)
 

@@ -5,8 +5,9 @@ filled from the model's ``generation_config``), then updated by its keyword over
 engine runs, per row: greedy or sampling with ``temperature``, ``top_k``, ``top_p``,
 ``min_p``, ``typical_p``, ``epsilon_cutoff``, ``eta_cutoff``, ``repetition_penalty``,
 ``no_repeat_ngram_size`` (up to ``ContinuousBatchingConfig.max_no_repeat_ngram_size``),
-``sequence_bias``, ``suppress_tokens`` and ``bad_words_ids`` of single tokens (OpenAI's
-``logit_bias``; the bans as -inf biases);
+``sequence_bias`` (OpenAI's ``logit_bias`` among them), ``suppress_tokens``, ``bad_words_ids``
+and ``begin_suppress_tokens`` (one bias table per request, the bans as -inf biases; sequences
+up to ``ContinuousBatchingConfig.max_bias_sequence_length`` tokens);
 ``max_new_tokens`` (or ``max_length``), ``min_new_tokens``, EOS ids (a list), ``stop_strings``
 (matched on the host with the tokenizer) and a ``seed``. Any other field set to a non-default
 value raises :class:`~genjax.errors.UnsupportedError` naming it.
@@ -52,6 +53,7 @@ SUPPORTED = frozenset(
         "no_repeat_ngram_size",
         "sequence_bias",
         "suppress_tokens",
+        "begin_suppress_tokens",
         "bad_words_ids",
         "eos_token_id",
         "pad_token_id",
@@ -131,41 +133,47 @@ class EngineOptions:
 
 def _bias_table(
     config: GenerationConfig, shape: EngineShape, eos: tuple[int, ...]
-) -> tuple[np.ndarray, np.ndarray]:
-    """The request's bias table (int32[1, L_b] ids, float32[1, L_b] biases): ``sequence_bias``
-    of single tokens, then -inf for ``suppress_tokens`` and one-token ``bad_words_ids`` (an
-    EOS id among the bad words is dropped, as transformers drops ``[eos]``). -inf stays -inf
-    through every later processor and warper, so banning at the bias's place in the chain
-    gives transformers' scores; a token both biased and banned sums to -inf."""
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The request's bias table (:func:`genjax.serving.choosing.sequence_biases`): ids
+    int32[1, L_b], biases float32[1, L_b], prefixes int32[1, L_b, W] and first-only flags
+    bool[1, L_b], from ``sequence_bias``, then -inf for ``suppress_tokens``, ``bad_words_ids``
+    (an EOS id alone among the bad words is dropped, as transformers drops ``[eos]``) and, at
+    the first new token only, ``begin_suppress_tokens``. -inf stays -inf through every later
+    processor and warper, so banning at the bias's place in the chain gives transformers'
+    scores; a token both biased and banned sums to -inf."""
     pairs = [] if config.sequence_bias is None else bias_pairs(config.sequence_bias)
-    longer = [list(seq) for seq, _ in pairs if len(seq) > 1]
-    if longer:
-        raise UnsupportedError(
-            f"sequence_bias with multi-token sequences ({longer[:3]}) is not supported by the "
-            "continuous-batching engine yet; it biases single tokens only. Use one-token "
-            "sequences, or genjax.generate for this request."
+    entries = [(tuple(seq), float(bias), False) for seq, bias in pairs]
+    entries += [((int(t),), NEG_INF, False) for t in np.atleast_1d(config.suppress_tokens or ())]
+    bad = [tuple(int(t) for t in seq) for seq in config.bad_words_ids or ()]
+    entries += [(seq, NEG_INF, False) for seq in bad if not (len(seq) == 1 and seq[0] in eos)]
+    begin = np.atleast_1d(config.begin_suppress_tokens or ())
+    entries += [((int(t),), NEG_INF, True) for t in begin]
+    longest = max((len(seq) for seq, _, _ in entries), default=0)
+    width = shape.max_bias_prefix
+    if longest > width + 1:
+        raise InputError(
+            f"sequence_bias or bad_words_ids holds a sequence of {longest} tokens, but the "
+            f"engine matches sequences of at most {width + 1}. Raise "
+            f"ContinuousBatchingConfig.max_bias_sequence_length to {longest}."
         )
-    bad = [list(seq) for seq in config.bad_words_ids or ()]
-    if any(len(seq) > 1 for seq in bad):
-        raise UnsupportedError(
-            f"bad_words_ids with multi-token sequences ({[s for s in bad if len(s) > 1][:3]}) "
-            "are not supported by the continuous-batching engine yet; it bans single tokens "
-            "only. Use one-token lists, or genjax.generate for this request."
-        )
-    banned = [int(t) for t in np.atleast_1d(config.suppress_tokens or ())]
-    banned += [seq[0] for seq in bad if seq[0] not in eos]
-    entries = [(seq[0], float(bias)) for seq, bias in pairs] + [(t, NEG_INF) for t in banned]
     if len(entries) > shape.max_bias:
         raise InputError(
-            f"sequence_bias, suppress_tokens and bad_words_ids give {len(entries)} biased "
-            f"tokens, but the engine holds at most {shape.max_bias} per request. Raise "
-            "ContinuousBatchingConfig.max_logit_bias."
+            f"sequence_bias, suppress_tokens, bad_words_ids and begin_suppress_tokens give "
+            f"{len(entries)} biased tokens, but the engine holds at most {shape.max_bias} per "
+            "request. Raise ContinuousBatchingConfig.max_logit_bias."
         )
-    ids = np.full((1, shape.max_bias), -1, np.int32)
-    values = np.zeros((1, shape.max_bias), np.float32)
-    for k, (token, bias) in enumerate(entries):
-        ids[0, k], values[0, k] = token, bias
-    return ids, values
+    row = RowSettings.empty(1, shape)
+    ids, values, prefixes, first = (
+        row.bias_ids,
+        row.bias_values,
+        row.bias_prefixes,
+        row.bias_first_only,
+    )
+    for k, (seq, bias, first_only) in enumerate(entries):
+        ids[0, k], values[0, k], first[0, k] = seq[-1], bias, first_only
+        if len(seq) > 1:
+            prefixes[0, k, width - len(seq) + 1 :] = seq[:-1]
+    return ids, values, prefixes, first
 
 
 def _ngram_size(config: GenerationConfig, shape: EngineShape) -> int:
@@ -226,7 +234,7 @@ def _row(
         v = getattr(config, name)
         return np.asarray([neutral if (v is None or not sampling) else v], dtype)
 
-    bias_ids, bias_values = _bias_table(config, shape, eos)
+    bias_ids, bias_values, bias_prefixes, bias_first_only = _bias_table(config, shape, eos)
     c = extras.constraint
     return RowSettings(
         do_sample=np.asarray([sampling], bool),
@@ -242,6 +250,8 @@ def _row(
         frequency_penalty=np.asarray([extras.frequency_penalty], np.float32),
         bias_ids=bias_ids,
         bias_values=bias_values,
+        bias_prefixes=bias_prefixes,
+        bias_first_only=bias_first_only,
         logprobs=np.asarray([-1 if extras.logprobs is None else extras.logprobs], np.int32),
         max_new_tokens=np.zeros((1,), np.int32),
         min_new_tokens=np.asarray([config.min_new_tokens or 0], np.int32),
@@ -283,13 +293,12 @@ def build_request(
     """Checks one request and returns its host record (raises before anything is queued).
 
     Raises:
-        UnsupportedError: beam search or another option the engine does not run (a
-            multi-token ``sequence_bias`` among them).
-        InputError: ids outside ``[0, vocab_size)``, an empty prompt, a request longer than
-            the engine's ``max_length``, stop strings without a tokenizer, too many EOS ids or
-            biased tokens, a bad :class:`EngineOptions` value, a constraint the engine cannot
-            run (no constraint pool, larger than the pool, another vocabulary, an EOS id that
-            is not one of the request's).
+        UnsupportedError: beam search or another option the engine does not run.
+        InputError: ids outside ``[0, vocab_size)``, an empty prompt, a request longer than the
+            engine's ``max_length``, stop strings without a tokenizer, too many EOS ids or biased
+            tokens, a biased sequence longer than the engine matches, a bad :class:`EngineOptions`
+            value, a constraint the engine cannot run (no constraint pool, larger than the pool,
+            another vocabulary, an EOS id that is not one of the request's).
         GenerationConfigError: invalid values (as :func:`genjax.generate` raises them).
     """
     check_supported(config)

@@ -291,7 +291,7 @@ class Scheduler:
         request = self.prefilling
         slot, start, count, last, admit = -1, 0, 1, False, False
         shape = self.shape
-        row = RowSettings.empty(1, shape.max_eos, shape.max_bias, shape.max_ngram)
+        row = RowSettings.empty(1, shape)
         prompt_length, automaton = 0, -1
         if request is not None:
             slot, start = request.slot, request.prefilled

@@ -44,6 +44,7 @@ Differences from transformers forced by static shapes: outputs always hold ``N``
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 
 import jax
@@ -58,10 +59,11 @@ from genjax.decoding.sampling import (
     decode,
     greedy_chooser,
     sampling_chooser,
+    step_output_buffers,
 )
 from genjax.errors import InputError
 from genjax.generation import buckets, encoder_decoder
-from genjax.generation.outputs import GenerateOutput
+from genjax.generation.outputs import ForwardRecord, GenerateOutput
 from genjax.generation.plan import CallPlan, CallRequest, Mode, PreparedCall, TracedInputs, prepare
 from genjax.generation.prefill import (
     accepts_logits_to_keep,
@@ -390,6 +392,24 @@ class _Call:
             self.plan.quantized,
             self.plan.prefill_chunk,
             ring_margin,
+            forward_flags=None if draft else self.plan.forward_flags,
+        )
+
+    def step_fn(self):
+        """The model's step function for the loops: ``apply``, with the plan's ``output_*``
+        flags when it records (then it returns the extra outputs third)."""
+        flags = self.plan.forward_flags
+        return functools.partial(self.plan.model.apply, **flags) if flags else self.plan.model.apply
+
+    def recording(self, state, prefill_outputs: list):
+        """``state`` (a loop's) with buffers for the step function's extra outputs of the
+        ``N - 1`` loop calls when the plan records any (``prefill_outputs`` is then the
+        prefill's ``[outputs]``, else empty)."""
+        if not prefill_outputs:
+            return state
+        calls = max(self.plan.steps - 1, 0)
+        return state.replace(
+            step_outputs=step_output_buffers(self.step_fn(), self.params, state, calls)
         )
 
     def context(self, tokens: Array, length: Array, attention_mask: Array, rows_per_prompt: int):
@@ -423,8 +443,9 @@ def _generate_sampling(call: _Call) -> GenerateOutput:
     def rows(x):  # row b -> rows b*R .. b*R+R-1, by a reshape: sharded rows stay in place
         return jnp.repeat(x, copies, axis=0)
 
+    prefill_outputs = []  # [the prefill's extra outputs] when the plan records them
     if plan.slots is None:
-        logits, cache, cache_mask, tokens = call.prefill()
+        logits, cache, cache_mask, tokens, *prefill_outputs = call.prefill()
         length = jnp.asarray(tokens.shape[1] - plan.steps, jnp.int32)  # W, or the decoder's Pd
     else:
         cache = init_cache(plan.model, batch, plan.slots.buffer_length, plan.quantized)
@@ -448,6 +469,7 @@ def _generate_sampling(call: _Call) -> GenerateOutput:
         raw_logits=jnp.zeros(recorded) if plan.output_logits else None,
         automaton_state=None if traced.automaton is None else rows(traced.automaton.initial),
     )
+    state = call.recording(state, prefill_outputs)
     context = call.context(state.tokens, state.length, state.attention_mask, copies)
     if plan.slots is not None:  # transformers' max_length = P + N, traced
         context = context.replace(max_length=traced.bounds[1] - traced.offset)
@@ -462,7 +484,7 @@ def _generate_sampling(call: _Call) -> GenerateOutput:
         end=None if plan.slots is None else traced.bounds[1],
         automaton=traced.automaton,
     )
-    state = decode(plan.model.apply, call.params, state, rows(logits[:, -1]), rules)
+    state = decode(call.step_fn(), call.params, state, rows(logits[:, -1]), rules)
     sequences = state.tokens
     if plan.slots is not None:
         sequences = plan.slots.sequences(state.tokens, traced.offset)
@@ -472,6 +494,7 @@ def _generate_sampling(call: _Call) -> GenerateOutput:
             scores=state.scores,
             logits=state.raw_logits,
             first_logits_finite=_all_finite(logits),
+            **_forward_records(prefill_outputs, state.step_outputs, copies),
         )
     )
 
@@ -482,7 +505,7 @@ def _generate_beams(call: _Call) -> GenerateOutput:
     plan, config = call.plan, call.config
     batch = call.input_ids.shape[0]
     num_beams = plan.num_beams
-    logits, cache, cache_mask, tokens = call.prefill()
+    logits, cache, cache_mask, tokens, *prefill_outputs = call.prefill()
     recorded = (batch * num_beams, plan.steps, logits.shape[-1])
     state = beam.init_state(
         tokens,
@@ -498,6 +521,7 @@ def _generate_beams(call: _Call) -> GenerateOutput:
     automaton = call.traced.automaton
     if automaton is not None:
         state = state.replace(automaton_state=jnp.repeat(automaton.initial, num_beams, axis=0))
+    state = call.recording(state, prefill_outputs)
     rules = beam.BeamRules(
         process=call.processors(),
         do_sample=plan.do_sample,
@@ -510,7 +534,7 @@ def _generate_beams(call: _Call) -> GenerateOutput:
         automaton=automaton,
     )
     first_logits = jnp.repeat(logits[:, -1], num_beams, axis=0)
-    state = beam.beam_search(plan.model.apply, call.params, state, first_logits, rules)
+    state = beam.beam_search(call.step_fn(), call.params, state, first_logits, rules)
     sequences, sequences_scores, beam_indices = beam.best_hypotheses(
         state, plan.num_return_sequences
     )
@@ -522,6 +546,7 @@ def _generate_beams(call: _Call) -> GenerateOutput:
             sequences_scores=sequences_scores,
             beam_indices=beam_indices,
             first_logits_finite=_all_finite(logits),
+            **_forward_records(prefill_outputs, state.step_outputs, num_beams),
         )
     )
 
@@ -578,6 +603,22 @@ def _generate_assisted(call: _Call) -> GenerateOutput:
         num_accepted_tokens=state.num_accepted,
         first_logits_finite=_all_finite(logits),
     )
+
+
+def _forward_records(prefill_outputs: list, step_outputs, copies: int) -> dict:
+    """``GenerateOutput``'s ``hidden_states`` / ``attentions`` as
+    :class:`~genjax.generation.outputs.ForwardRecord` s (``PreparedCall.finish`` lays them out
+    per token): the prefill's ``B`` rows repeated ``copies`` times (static; transformers expands
+    the prompts before its prefill), then the loop's buffers. Empty when nothing is recorded."""
+    if not prefill_outputs:
+        return {}
+    (first,) = prefill_outputs
+    return {
+        name: ForwardRecord(
+            prefill=jnp.repeat(first[name], copies, axis=1), steps=step_outputs[name]
+        )
+        for name in first
+    }
 
 
 def _all_finite(logits: Array) -> Array:

@@ -207,6 +207,9 @@ def generate(
         A :class:`GenerateOutput`; ``sequences`` is int32[B*R, P+N]. With ``max_cache_len = M``
         (static): ``sequences`` is int32[B*R, M], the prompt, its ``N`` new tokens, then
         ``pad_token_id``; ``scores``/``logits`` hold ``M - 1`` steps, 0 from step ``N`` on.
+        ``config.output_hidden_states`` / ``output_attentions`` (static) add ``hidden_states`` /
+        ``attentions``: per new token, a tuple over the layers in transformers' layout (see
+        :mod:`genjax.generation.outputs`, which also gives their memory cost).
 
     Raises:
         InputError: malformed ``input_ids``, ``attention_mask`` or ``key``; ``stop_strings``
@@ -219,7 +222,9 @@ def generate(
             that is a transformers ``LogitsProcessor``, not callable, or a plain unhashable one.
         GenerationConfigError: an invalid config.
         UnsupportedError: a generation mode or option genjax does not support yet (also beam
-            search or assisted generation with ``max_cache_len``).
+            search or assisted generation with ``max_cache_len``; ``output_hidden_states`` /
+            ``output_attentions`` with assisted generation, an encoder-decoder model,
+            ``max_cache_len``, ``prefill_chunk_size`` or a mesh).
         ShardingError: with a mesh, a batch or head count that does not divide over its axis;
             ``mesh=`` inside ``shard_map``.
 

@@ -44,7 +44,6 @@ Differences from transformers forced by static shapes: outputs always hold ``N``
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Sequence
 
 import jax
@@ -59,11 +58,10 @@ from genjax.decoding.sampling import (
     decode,
     greedy_chooser,
     sampling_chooser,
-    step_output_buffers,
 )
 from genjax.errors import InputError
-from genjax.generation import buckets, encoder_decoder
-from genjax.generation.outputs import ForwardRecord, GenerateOutput
+from genjax.generation import buckets, encoder_decoder, recording
+from genjax.generation.outputs import GenerateOutput
 from genjax.generation.plan import CallPlan, CallRequest, Mode, PreparedCall, TracedInputs, prepare
 from genjax.generation.prefill import (
     accepts_logits_to_keep,
@@ -207,9 +205,7 @@ def generate(
         A :class:`GenerateOutput`; ``sequences`` is int32[B*R, P+N]. With ``max_cache_len = M``
         (static): ``sequences`` is int32[B*R, M], the prompt, its ``N`` new tokens, then
         ``pad_token_id``; ``scores``/``logits`` hold ``M - 1`` steps, 0 from step ``N`` on.
-        ``config.output_hidden_states`` / ``output_attentions`` (static) add ``hidden_states`` /
-        ``attentions``: per new token, a tuple over the layers in transformers' layout (see
-        :mod:`genjax.generation.outputs`, which also gives their memory cost).
+        Hidden states and attentions when asked for: :mod:`genjax.generation.outputs`.
 
     Raises:
         InputError: malformed ``input_ids``, ``attention_mask`` or ``key``; ``stop_strings``
@@ -222,9 +218,7 @@ def generate(
             that is a transformers ``LogitsProcessor``, not callable, or a plain unhashable one.
         GenerationConfigError: an invalid config.
         UnsupportedError: a generation mode or option genjax does not support yet (also beam
-            search or assisted generation with ``max_cache_len``; ``output_hidden_states`` /
-            ``output_attentions`` with assisted generation, an encoder-decoder model,
-            ``max_cache_len``, ``prefill_chunk_size`` or a mesh).
+            search or assisted generation with ``max_cache_len``; see ``check_forward_outputs``).
         ShardingError: with a mesh, a batch or head count that does not divide over its axis;
             ``mesh=`` inside ``shard_map``.
 
@@ -400,23 +394,6 @@ class _Call:
             forward_flags=None if draft else self.plan.forward_flags,
         )
 
-    def step_fn(self):
-        """The model's step function for the loops: ``apply``, with the plan's ``output_*``
-        flags when it records (then it returns the extra outputs third)."""
-        flags = self.plan.forward_flags
-        return functools.partial(self.plan.model.apply, **flags) if flags else self.plan.model.apply
-
-    def recording(self, state, prefill_outputs: list):
-        """``state`` (a loop's) with buffers for the step function's extra outputs of the
-        ``N - 1`` loop calls when the plan records any (``prefill_outputs`` is then the
-        prefill's ``[outputs]``, else empty)."""
-        if not prefill_outputs:
-            return state
-        calls = max(self.plan.steps - 1, 0)
-        return state.replace(
-            step_outputs=step_output_buffers(self.step_fn(), self.params, state, calls)
-        )
-
     def context(self, tokens: Array, length: Array, attention_mask: Array, rows_per_prompt: int):
         """The processors' view of the prompt (:func:`prompt_context`); for an encoder-decoder
         model with the source ids, one row per decoder row (``rows_per_prompt`` static)."""
@@ -474,7 +451,7 @@ def _generate_sampling(call: _Call) -> GenerateOutput:
         raw_logits=jnp.zeros(recorded) if plan.output_logits else None,
         automaton_state=None if traced.automaton is None else rows(traced.automaton.initial),
     )
-    state = call.recording(state, prefill_outputs)
+    state = recording.with_buffers(plan, call.params, state, prefill_outputs)
     context = call.context(state.tokens, state.length, state.attention_mask, copies)
     if plan.slots is not None:  # transformers' max_length = P + N, traced
         context = context.replace(max_length=traced.bounds[1] - traced.offset)
@@ -489,7 +466,7 @@ def _generate_sampling(call: _Call) -> GenerateOutput:
         end=None if plan.slots is None else traced.bounds[1],
         automaton=traced.automaton,
     )
-    state = decode(call.step_fn(), call.params, state, rows(logits[:, -1]), rules)
+    state = decode(recording.step_fn(plan), call.params, state, rows(logits[:, -1]), rules)
     sequences = state.tokens
     if plan.slots is not None:
         sequences = plan.slots.sequences(state.tokens, traced.offset)
@@ -499,7 +476,7 @@ def _generate_sampling(call: _Call) -> GenerateOutput:
             scores=state.scores,
             logits=state.raw_logits,
             first_logits_finite=_all_finite(logits),
-            **_forward_records(prefill_outputs, state.step_outputs, copies),
+            **recording.records(prefill_outputs, state.step_outputs, copies),
         )
     )
 
@@ -526,7 +503,7 @@ def _generate_beams(call: _Call) -> GenerateOutput:
     automaton = call.traced.automaton
     if automaton is not None:
         state = state.replace(automaton_state=jnp.repeat(automaton.initial, num_beams, axis=0))
-    state = call.recording(state, prefill_outputs)
+    state = recording.with_buffers(plan, call.params, state, prefill_outputs)
     rules = beam.BeamRules(
         process=call.processors(),
         do_sample=plan.do_sample,
@@ -539,7 +516,7 @@ def _generate_beams(call: _Call) -> GenerateOutput:
         automaton=automaton,
     )
     first_logits = jnp.repeat(logits[:, -1], num_beams, axis=0)
-    state = beam.beam_search(call.step_fn(), call.params, state, first_logits, rules)
+    state = beam.beam_search(recording.step_fn(plan), call.params, state, first_logits, rules)
     sequences, sequences_scores, beam_indices = beam.best_hypotheses(
         state, plan.num_return_sequences
     )
@@ -551,7 +528,7 @@ def _generate_beams(call: _Call) -> GenerateOutput:
             sequences_scores=sequences_scores,
             beam_indices=beam_indices,
             first_logits_finite=_all_finite(logits),
-            **_forward_records(prefill_outputs, state.step_outputs, num_beams),
+            **recording.records(prefill_outputs, state.step_outputs, num_beams),
         )
     )
 
@@ -608,22 +585,6 @@ def _generate_assisted(call: _Call) -> GenerateOutput:
         num_accepted_tokens=state.num_accepted,
         first_logits_finite=_all_finite(logits),
     )
-
-
-def _forward_records(prefill_outputs: list, step_outputs, copies: int) -> dict:
-    """``GenerateOutput``'s ``hidden_states`` / ``attentions`` as
-    :class:`~genjax.generation.outputs.ForwardRecord` s (``PreparedCall.finish`` lays them out
-    per token): the prefill's ``B`` rows repeated ``copies`` times (static; transformers expands
-    the prompts before its prefill), then the loop's buffers. Empty when nothing is recorded."""
-    if not prefill_outputs:
-        return {}
-    (first,) = prefill_outputs
-    return {
-        name: ForwardRecord(
-            prefill=jnp.repeat(first[name], copies, axis=1), steps=step_outputs[name]
-        )
-        for name in first
-    }
 
 
 def _all_finite(logits: Array) -> Array:

@@ -133,11 +133,18 @@ def _resolve(fields: dict) -> dict:
 
 
 def _run(fields: dict):
-    """The output of ``generate`` with BASE updated by ``fields``, as host arrays."""
+    """The output of ``generate`` with BASE updated by ``fields``, as host arrays (the per-step
+    tuples of hidden states and attentions flattened into one)."""
     model, params = _model()
     config = GenerationConfig(**{k: v for k, v in {**BASE, **fields}.items() if v is not None})
     out = genjax.generate(model, params, PROMPT, config, key=jax.random.key(3))
-    return {k: None if v is None else np.asarray(v) for k, v in vars(out).items()}
+    return {k: None if v is None else _host(v) for k, v in vars(out).items()}
+
+
+def _host(value) -> np.ndarray:
+    if isinstance(value, tuple):
+        return np.concatenate([np.ravel(leaf) for leaf in jax.tree.leaves(value)])
+    return np.asarray(value)
 
 
 _BASELINES: dict[str, dict] = {}
@@ -248,8 +255,8 @@ def test_prefill_chunk_size_prefills_in_chunks_with_the_same_outputs(mode):
 @pytest.mark.parametrize(
     "options",
     [
-        {"output_attentions": True},
-        {"output_hidden_states": True},
+        {"output_attentions": True, "prompt_lookup_num_tokens": 2},
+        {"output_hidden_states": True, "max_cache_len": 8},
         {"assistant_early_exit": 1},
         {"use_mtp": True},
         {"assistant_ensemble_weight": 0.5, "prompt_lookup_num_tokens": 2},

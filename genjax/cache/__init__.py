@@ -37,7 +37,7 @@ from genjax.cache.quantized import (
     init_cache,
     quantize,
 )
-from genjax.cache.ring import ring_bias, ring_size
+from genjax.cache.ring import ring_bias, ring_size, ring_to_slots
 
 __all__ = [
     "CacheRequest",
@@ -62,6 +62,7 @@ __all__ = [
     "replace_layer",
     "ring_bias",
     "ring_size",
+    "ring_to_slots",
     "slots_last",
     "unfold_rows",
 ]

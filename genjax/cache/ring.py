@@ -61,6 +61,33 @@ def ring_positions(index: Array, ring: int, query_length: int) -> Array:
     return jnp.concatenate([held, index + jnp.arange(query_length, dtype=jnp.int32)])
 
 
+def ring_to_slots(values: Array, index: Array, ring: int, length: int) -> Array:
+    """Values over the slots a ring layer read, moved to the logical slots they hold.
+
+    Attention weights of a ring layer are over the block :func:`ring_update` returns (``R``
+    slots, or ``R + T``, in :func:`ring_positions`' order); this lays them out over the cache's
+    ``S`` logical slots, as a layer in the full layout gives them, with 0 on the slots the ring
+    no longer holds (outside every query's window, so their weight is 0 anyway).
+
+    Args:
+        values: [..., T, R] (``T == 1``) or [..., T, R + T].
+        index: int32[], the logical slot of the first of the ``T`` queries.
+        ring: ``R`` (static).
+        length: ``S`` (static).
+
+    Returns:
+        [..., T, S] of ``values``' dtype.
+
+    Example:
+        >>> ring_to_slots(jnp.array([[1, 2, 3, 4]]), jnp.int32(5), 4, 6).tolist()
+        [[0, 0, 3, 4, 1, 2]]
+    """
+    held = ring_positions(jnp.asarray(index, jnp.int32), ring, values.shape[-2])
+    target = jnp.where(held >= 0, held, length)  # never written: out of range, dropped
+    out = jnp.zeros((*values.shape[:-1], length), values.dtype)
+    return out.at[..., target].set(values, mode="drop")
+
+
 def ring_update(block: Array, new: Array, index: Array, axis: int) -> tuple[Array, Array]:
     """Writes ``T`` new slots (logical ``index .. index + T - 1``) into one ring block.
 

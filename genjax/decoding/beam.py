@@ -85,6 +85,7 @@ from flax import struct
 
 from genjax.cache import KVCache
 from genjax.decoding.automaton import TokenAutomaton, mask_scores
+from genjax.decoding.sampling import record_step_outputs
 from genjax.errors import UnsupportedError
 from genjax.processors import LogitsContext, Processor
 from genjax.stopping import StoppingRules, finished_rows, is_eos
@@ -120,6 +121,10 @@ class BeamState:
     raw_logits: Array | None  # float32[B*M, N, V]: raw logits, when recorded
     # int32[B*M]: each running beam's token-automaton state, when rules.automaton is set
     automaton_state: Array | None = None
+    # The step function's extra outputs of each model call, leaves [N - 1, ...], for the B*M
+    # running beams as they were fed (not reordered), when recorded (see
+    # genjax.decoding.sampling.step_output_buffers); None: the step function returns two values.
+    step_outputs: PyTree | None = None
 
     @property
     def num_beams(self) -> int:
@@ -463,12 +468,18 @@ def beam_search(
     state = constrain(advance(state, first_logits, rules))
     max_length = state.tokens.shape[1]
 
+    prompt_length = state.tokens.shape[1] - state.num_new_tokens
+
     def body(state: BeamState) -> BeamState:
         last = jax.lax.dynamic_slice_in_dim(state.tokens, state.length - 1, 1, axis=1)
-        logits, cache = step_fn(
-            params, last, state.positions[:, None], state.cache, state.attention_mask
+        outputs = step_fn(params, last, state.positions[:, None], state.cache, state.attention_mask)
+        logits, cache = outputs[:2]
+        call = state.length - 1 - prompt_length  # the new token fed to the model
+        state = state.replace(
+            cache=cache,
+            positions=state.positions + 1,
+            step_outputs=record_step_outputs(state.step_outputs, outputs, call),
         )
-        state = state.replace(cache=cache, positions=state.positions + 1)
         return constrain(advance(state, logits[:, -1], rules))
 
     def cond(state: BeamState) -> Array:

@@ -73,7 +73,9 @@ def advance(step_fn, params, state: GuidanceState, tokens: Array) -> GuidanceSta
     ``step_fn`` is the model's ``apply`` (see :mod:`genjax.decoding.sampling`).
     """
     positions = jnp.broadcast_to(state.slot, tokens.shape)
-    logits, cache = step_fn(params, tokens, positions, state.cache, state.attention_mask)
+    # A step function that records (output_hidden_states, ...) returns more: only the
+    # prompt's branch is recorded, as in transformers, so the rest is dropped (and not computed).
+    logits, cache = step_fn(params, tokens, positions, state.cache, state.attention_mask)[:2]
     return state.replace(cache=cache, slot=state.slot + 1, logits=logits[:, -1].astype(jnp.float32))
 
 

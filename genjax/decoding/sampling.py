@@ -6,7 +6,10 @@ The loop knows nothing about models: it takes a step function
         -> (logits float32[B, T, V], cache)
 
 and a :class:`DecodeState` holding everything that changes from step to step. Greedy decoding
-is sampling whose token choice is ``argmax``.
+is sampling whose token choice is ``argmax``. A step function may return a third value, a pytree
+of arrays it computed besides the logits (a model's hidden states or attention weights): when
+``DecodeState.step_outputs`` holds buffers for them (:func:`step_output_buffers`), the loop
+writes each model call's values there.
 
 Each iteration feeds the last chosen token to the model, processes the next-token logits,
 chooses a token, writes it into the buffer, then applies the stopping rules
@@ -73,6 +76,10 @@ class DecodeState:
     automaton_state: Array | None = None
     # The classifier-free guidance branch (genjax.decoding.guidance), when guidance_scale is set
     guidance: GuidanceState | None = None
+    # The step function's extra outputs of each model call in the loop, when recorded: a pytree
+    # whose leaves are [N - 1, ...] (call i feeds new token i and computes the logits of token
+    # i + 1; token 0 comes from the prefill); None: the step function returns two values.
+    step_outputs: PyTree | None = None
 
 
 @struct.dataclass
@@ -175,6 +182,32 @@ def _record(buffer: Array | None, values: Array, step: Array) -> Array | None:
     )
 
 
+def step_output_buffers(step_fn: StepFn, params: PyTree, state, calls: int) -> PyTree:
+    """Zero buffers for the extra outputs (the third value) of ``calls`` calls of ``step_fn`` on
+    one token per row of ``state`` (a :class:`DecodeState` or a beam state): leaves
+    ``[calls, ...]`` of the shapes and dtypes ``step_fn`` returns. Nothing runs: the shapes
+    come from ``jax.eval_shape``."""
+    last = state.tokens[:, :1]
+    shapes = jax.eval_shape(
+        step_fn, params, last, state.positions[:, None], state.cache, state.attention_mask
+    )[2]
+    return jax.tree.map(lambda s: jnp.zeros((calls, *s.shape), s.dtype), shapes)
+
+
+def record_step_outputs(buffers: PyTree | None, outputs: tuple, index: Array) -> PyTree | None:
+    """``buffers`` with the extra outputs of one step function call (``outputs[2:]``) written
+    at ``index`` of their first axis; None when nothing is recorded."""
+    if buffers is None:
+        return None
+    return jax.tree.map(
+        lambda buffer, value: jax.lax.dynamic_update_index_in_dim(
+            buffer, value.astype(buffer.dtype), index, axis=0
+        ),
+        buffers,
+        outputs[2],
+    )
+
+
 def choose_next(state: DecodeState, logits: Array, rules: DecodeRules) -> DecodeState:
     """Processes the next-token logits, picks a token per row and writes it into the buffer.
 
@@ -252,10 +285,14 @@ def decode(
 
     def body(state: DecodeState) -> DecodeState:
         last = jax.lax.dynamic_slice_in_dim(state.tokens, state.length - 1, 1, axis=1)
-        logits, cache = step_fn(
-            params, last, state.positions[:, None], state.cache, state.attention_mask
+        outputs = step_fn(params, last, state.positions[:, None], state.cache, state.attention_mask)
+        logits, cache = outputs[:2]
+        call = state.length - 1 - rules.context.prompt_end  # the new token fed to the model
+        state = state.replace(
+            cache=cache,
+            positions=state.positions + 1,
+            step_outputs=record_step_outputs(state.step_outputs, outputs, call),
         )
-        state = state.replace(cache=cache, positions=state.positions + 1)
         if state.guidance is not None:
             state = state.replace(guidance=advance_guidance(step_fn, params, state.guidance, last))
         return constrain(choose_next(state, logits[:, -1], rules))

@@ -43,7 +43,6 @@ Differences from transformers forced by static shapes: outputs always hold ``N``
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 
 import jax
@@ -60,20 +59,20 @@ from genjax.decoding.sampling import (
     greedy_chooser,
     sampling_chooser,
 )
-from genjax.generation import buckets, encoder_decoder
+from genjax.generation import buckets, recording
 from genjax.generation.healing import heal, heal_call, healing_step
 from genjax.generation.outputs import GenerateOutput, check_finite
 from genjax.generation.plan import CallPlan, CallRequest, Mode, PreparedCall, TracedInputs, prepare
 from genjax.generation.prefill import (
     accepts_logits_to_keep,
-    prefill,
     prompt_context,
     special_ids,
     start_stopping,
 )
+from genjax.generation.traced_call import TracedCall
 from genjax.models.quantize import LIBRARY_DOT_OPTIONS
-from genjax.processors import Processor, from_config
-from genjax.stopping import StopCriterion, StoppingRules
+from genjax.processors import Processor
+from genjax.stopping import StopCriterion
 from genjax.streaming import stream_to, token_hook
 from genjax.typing import Array, PyTree
 
@@ -216,6 +215,7 @@ def generate(
         A :class:`GenerateOutput`; ``sequences`` is int32[B*R, P+N]. With ``max_cache_len = M``
         (static): ``sequences`` is int32[B*R, M], the prompt, its ``N`` new tokens, then
         ``pad_token_id``; ``scores``/``logits`` hold ``M - 1`` steps, 0 from step ``N`` on.
+        Hidden states and attentions when asked for: :mod:`genjax.generation.outputs`.
 
     Raises:
         InputError: malformed ``input_ids``, ``attention_mask`` or ``key``; ``stop_strings``
@@ -229,7 +229,7 @@ def generate(
             that is a transformers ``LogitsProcessor``, not callable, or a plain unhashable one.
         GenerationConfigError: an invalid config.
         UnsupportedError: a generation mode or option genjax does not support yet (also beam
-            search or assisted generation with ``max_cache_len``).
+            search or assisted generation with ``max_cache_len``; see ``check_forward_outputs``).
         ShardingError: with a mesh, a batch or head count that does not divide over its axis;
             ``mesh=`` inside ``shard_map``.
 
@@ -334,7 +334,7 @@ def _generate(
     stopping, input_ids = start_stopping(
         config, eos_token_ids, plan.stopping_criteria, traced.stop_strings, traced.offset, input_ids
     )
-    call = _Call(
+    call = TracedCall(
         plan=plan,
         params=params,
         input_ids=input_ids,
@@ -351,109 +351,7 @@ _generate_jit = jax.jit(_generate, static_argnums=0)
 _generate_library_dots = jax.jit(_generate, static_argnums=0, compiler_options=LIBRARY_DOT_OPTIONS)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Call:
-    """What the three loops share, inside the trace: the plan (static), the traced inputs, the
-    special ids and the started stopping rules."""
-
-    plan: CallPlan
-    params: PyTree
-    input_ids: Array  # int32[B, W]: laid out in the program's slots
-    attention_mask: Array  # int32[B, W]
-    traced: TracedInputs  # its config's traced fields are tracers here
-    pad_token_id: Array  # int32[]
-    eos_token_ids: Array | None  # int32[E]
-    stopping: StoppingRules  # clock started before the prefill
-
-    @property
-    def config(self) -> GenerationConfig:
-        """The resolved config (traced fields are tracers)."""
-        return self.traced.config
-
-    def processors(self) -> Processor:
-        """The processor chain of the config, in transformers' order."""
-        return from_config(
-            self.config,
-            self.eos_token_ids,
-            extra=self.traced.logits_processor,
-            allowed_tokens_fn=self.plan.allowed_tokens_fn,
-        )
-
-    def prefill(self, new_slots: int | None = None, *, draft: bool = False, ring_margin=0):
-        """:func:`genjax.generation.prefill.prefill` of the model (the assistant when
-        ``draft``) into ``W + new_slots`` slots (default ``N``), sliding-window rings with
-        ``ring_margin`` extra slots (static)."""
-        model, params = self.plan.model, self.params
-        new_slots = self.plan.steps if new_slots is None else new_slots
-        if self.traced.decoder_input_ids is not None:  # an encoder-decoder model
-            return encoder_decoder.prefill(
-                model,
-                params,
-                self.input_ids,
-                self.attention_mask,
-                self.traced.decoder_input_ids,
-                new_slots,
-                self.pad_token_id,
-            )
-        if draft:
-            model, params = self.plan.assistant, self.traced.assistant_params
-        return prefill(
-            model,
-            params,
-            self.input_ids,
-            self.attention_mask,
-            new_slots,
-            self.pad_token_id,
-            self.plan.quantized,
-            self.plan.prefill_chunk,
-            ring_margin,
-        )
-
-    def guidance_branch(self, prompt_end: Array) -> guidance.GuidanceState:
-        """The classifier-free guidance branch, prefilled: the negative prompt, else each row's
-        last prompt token (the slot before ``prompt_end``), with ``N`` new slots."""
-        ids = self.traced.negative_prompt_ids
-        mask = self.traced.negative_prompt_attention_mask
-        if ids is None:
-            ids = jax.lax.dynamic_slice_in_dim(self.input_ids, prompt_end - 1, 1, axis=1)
-            mask = jnp.ones_like(ids)
-
-        def prefill_context(ids, mask, positions):
-            return prefill(
-                self.plan.model,
-                self.params,
-                ids,
-                mask,
-                self.plan.steps,
-                self.pad_token_id,
-                self.plan.quantized,
-                self.plan.prefill_chunk,
-                positions=positions,
-            )
-
-        return guidance.start(prefill_context, ids, mask, self.config.guidance_scale)
-
-    def context(self, tokens: Array, length: Array, attention_mask: Array, rows_per_prompt: int):
-        """The processors' view of the prompt (:func:`prompt_context`); for an encoder-decoder
-        model with the source ids, one row per decoder row (``rows_per_prompt`` static)."""
-        context = prompt_context(tokens, length, attention_mask, self.traced.offset)
-        if self.traced.source_length is None:
-            return context
-        source = encoder_decoder.source_tokens(
-            self.input_ids, self.traced.source_length, rows_per_prompt
-        )
-        return context.replace(encoder_tokens=source)
-
-    def constrain(self):
-        """The loops' ``constrain`` hook: the layout's shardings, or None."""
-        return None if self.plan.layout is None else self.plan.layout.constrain
-
-    def finish(self, out: GenerateOutput) -> GenerateOutput:
-        """The output, sharded as the layout says."""
-        return out if self.plan.layout is None else self.plan.layout.constrain(out)
-
-
-def _generate_sampling(call: _Call) -> GenerateOutput:
+def _generate_sampling(call: TracedCall) -> GenerateOutput:
     """Greedy decoding and sampling: prefill once (into the slot buffer with
     ``max_cache_len``), repeat rows for ``num_return_sequences``, run
     :func:`genjax.decoding.sampling.decode`."""
@@ -464,8 +362,9 @@ def _generate_sampling(call: _Call) -> GenerateOutput:
     def rows(x):  # row b -> rows b*R .. b*R+R-1, by a reshape: sharded rows stay in place
         return jnp.repeat(x, copies, axis=0)
 
+    prefill_outputs = []  # [the prefill's extra outputs] when the plan records them
     if plan.slots is None:
-        logits, cache, cache_mask, tokens = call.prefill()
+        logits, cache, cache_mask, tokens, *prefill_outputs = call.prefill()
         length = jnp.asarray(tokens.shape[1] - plan.steps, jnp.int32)  # W, or the decoder's Pd
     else:
         cache = init_cache(plan.model, batch, plan.slots.buffer_length, plan.quantized)
@@ -489,6 +388,7 @@ def _generate_sampling(call: _Call) -> GenerateOutput:
         raw_logits=jnp.zeros(recorded) if plan.output_logits else None,
         automaton_state=None if traced.automaton is None else rows(traced.automaton.initial),
     )
+    state = recording.with_buffers(plan, call.params, state, prefill_outputs)
     context = call.context(state.tokens, state.length, state.attention_mask, copies)
     if plan.slots is not None:  # transformers' max_length = P + N, traced
         context = context.replace(max_length=traced.bounds[1] - traced.offset)
@@ -505,7 +405,7 @@ def _generate_sampling(call: _Call) -> GenerateOutput:
     )
     if plan.guidance:
         state = state.replace(guidance=guidance.repeat_rows(call.guidance_branch(length), copies))
-    state = decode(plan.model.apply, call.params, state, rows(logits[:, -1]), rules)
+    state = decode(recording.step_fn(plan), call.params, state, rows(logits[:, -1]), rules)
     sequences = state.tokens
     if plan.slots is not None:
         sequences = plan.slots.sequences(state.tokens, traced.offset)
@@ -515,17 +415,18 @@ def _generate_sampling(call: _Call) -> GenerateOutput:
             scores=state.scores,
             logits=state.raw_logits,
             first_logits_finite=_all_finite(logits),
+            **recording.records(prefill_outputs, state.step_outputs, copies),
         )
     )
 
 
-def _generate_beams(call: _Call) -> GenerateOutput:
+def _generate_beams(call: TracedCall) -> GenerateOutput:
     """Beam search / beam sampling: prefill each prompt once, repeat its cache rows for the M
     beams, run :func:`genjax.decoding.beam.beam_search`, return the R best hypotheses."""
     plan, config = call.plan, call.config
     batch = call.input_ids.shape[0]
     num_beams = plan.num_beams
-    logits, cache, cache_mask, tokens = call.prefill()
+    logits, cache, cache_mask, tokens, *prefill_outputs = call.prefill()
     recorded = (batch * num_beams, plan.steps, logits.shape[-1])
     state = beam.init_state(
         tokens,
@@ -541,6 +442,7 @@ def _generate_beams(call: _Call) -> GenerateOutput:
     automaton = call.traced.automaton
     if automaton is not None:
         state = state.replace(automaton_state=jnp.repeat(automaton.initial, num_beams, axis=0))
+    state = recording.with_buffers(plan, call.params, state, prefill_outputs)
     rules = beam.BeamRules(
         process=call.processors(),
         do_sample=plan.do_sample,
@@ -553,7 +455,7 @@ def _generate_beams(call: _Call) -> GenerateOutput:
         automaton=automaton,
     )
     first_logits = jnp.repeat(logits[:, -1], num_beams, axis=0)
-    state = beam.beam_search(plan.model.apply, call.params, state, first_logits, rules)
+    state = beam.beam_search(recording.step_fn(plan), call.params, state, first_logits, rules)
     sequences, sequences_scores, beam_indices = beam.best_hypotheses(
         state, plan.num_return_sequences
     )
@@ -565,11 +467,12 @@ def _generate_beams(call: _Call) -> GenerateOutput:
             sequences_scores=sequences_scores,
             beam_indices=beam_indices,
             first_logits_finite=_all_finite(logits),
+            **recording.records(prefill_outputs, state.step_outputs, num_beams),
         )
     )
 
 
-def _generate_assisted(call: _Call) -> GenerateOutput:
+def _generate_assisted(call: TracedCall) -> GenerateOutput:
     """Assisted generation (:mod:`genjax.decoding.assisted`): prefill the target and the draft
     (none for prompt lookup) into caches sized for the rolled-back slots, then draft, verify
     and commit in one loop."""

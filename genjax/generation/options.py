@@ -11,6 +11,8 @@ decision.
 
 from __future__ import annotations
 
+import inspect
+
 from genjax.config import GenerationConfig
 from genjax.errors import UnsupportedError
 
@@ -30,6 +32,12 @@ INERT: dict[str, str] = {
     # Outputs besides the tokens (tested where they are built).
     "output_scores": "adds GenerateOutput.scores; the tokens are the same",
     "output_logits": "adds GenerateOutput.logits; the tokens are the same",
+    "output_hidden_states": "adds GenerateOutput.hidden_states; the tokens are the same "
+    "(tests/test_hidden_states.py); raises where genjax does not record them "
+    "(check_forward_outputs)",
+    "output_attentions": "adds GenerateOutput.attentions; the tokens are the same "
+    "(tests/test_hidden_states.py); raises where genjax does not record them "
+    "(check_forward_outputs)",
     # Same tokens by design.
     "use_cache": "genjax always decodes through its KV cache (same tokens; see generate)",
     "prefill_chunk_size": "the prompt is prefilled in chunks of this size: the same tokens "
@@ -48,11 +56,7 @@ INERT: dict[str, str] = {
     "speculation_type": "selects a speculative decoder only with an assistant model, where "
     "genjax raises; transformers ignores it without one",
 }
-"""Fields whose value cannot change the tokens, with the reason.
-
-``output_attentions`` and ``output_hidden_states`` are not here: genjax does not return
-attentions or hidden states yet, so :func:`check_options` refuses them rather than accept a flag
-that returns nothing."""
+"""Fields whose value cannot change the tokens, with the reason."""
 
 OTHER_MODES: dict[str, str] = {
     "max_time": "a wall-clock limit: it stops a call that runs too long (tests/test_stopping.py)",
@@ -78,7 +82,8 @@ OTHER_MODES: dict[str, str] = {
 beams, a tokenizer, a slow clock), where they are tested, as named; inert elsewhere, as in
 transformers."""
 
-_NOT_RETURNED = ("output_attentions", "output_hidden_states")
+FORWARD_OUTPUTS = ("output_hidden_states", "output_attentions")
+"""The flags that record the model's forward pass at every step (:func:`check_forward_outputs`)."""
 _NEEDS_OWN_DRAFT = ("assistant_early_exit", "use_mtp")
 
 
@@ -91,22 +96,15 @@ def check_options(config: GenerationConfig, assistant_model, assisted: bool) -> 
         assisted: whether the call runs assisted generation (a draft or prompt lookup).
 
     Raises:
-        UnsupportedError: ``output_attentions`` / ``output_hidden_states`` (not returned yet);
-            ``assistant_early_exit`` / ``use_mtp`` (the model drafting for itself, from an
-            early layer or multi-token heads; transformers runs assisted generation with them);
+        UnsupportedError: ``assistant_early_exit`` / ``use_mtp`` (the model drafting for
+            itself, from an early layer or multi-token heads; transformers runs assisted
+            generation with them);
             with assisted generation, ``assistant_ensemble_weight`` and ``speculation_type``
             (another acceptance rule and another drafter than standard speculative decoding).
 
     Example:
         >>> check_options(GenerationConfig(output_scores=True), None, False)  # passes
     """
-    for name in _NOT_RETURNED:
-        if getattr(config, name):
-            raise UnsupportedError(
-                f"generation option `{name}=True` is not supported by genjax yet: "
-                f"GenerateOutput has no attentions or hidden states. Unset {name}; run "
-                f"model.apply on the returned sequences to inspect the forward pass."
-            )
     for name in _NEEDS_OWN_DRAFT:
         value = getattr(config, name)
         if value is not None and value is not False:
@@ -130,3 +128,63 @@ def check_options(config: GenerationConfig, assistant_model, assisted: bool) -> 
             f"by genjax: it runs standard speculative decoding with the draft model only. Unset "
             f"speculation_type."
         )
+
+
+def check_forward_outputs(
+    config: GenerationConfig, model, *, assisted: bool, sharded: bool, encoder_decoder: bool
+) -> None:
+    """Raises UnsupportedError for ``output_hidden_states`` / ``output_attentions`` in a call
+    genjax does not record them in, naming the option and what it is combined with.
+
+    They are recorded for decoder-only models whose ``apply`` takes the flags (the built-in
+    ones), in greedy decoding, sampling, beam search and beam sampling, on one device, with the
+    prompt prefilled in one pass.
+
+    Args:
+        config: the call's resolved config.
+        model: the model.
+        assisted: whether the call runs assisted generation.
+        sharded: whether the call runs on a mesh.
+        encoder_decoder: whether ``model`` is an encoder-decoder model.
+
+    Example:
+        >>> check_forward_outputs(GenerationConfig(), model, assisted=False, sharded=False,
+        ...                       encoder_decoder=False)  # passes: no flag set
+    """
+    asked = [name for name in FORWARD_OUTPUTS if getattr(config, name)]
+    if not asked:
+        return
+    refused = []
+    if encoder_decoder:
+        refused.append(f"an encoder-decoder model ({type(model).__name__})")
+    elif not _takes_output_flags(model):
+        refused.append(
+            f"{type(model).__name__}, whose apply() takes no output_hidden_states / "
+            f"output_attentions keywords (see the model protocol in genjax.models)"
+        )
+    if assisted:
+        refused.append("assisted generation (a draft model or prompt_lookup_num_tokens)")
+    if config.max_cache_len is not None:
+        refused.append("max_cache_len")
+    if config.prefill_chunk_size is not None:
+        refused.append("prefill_chunk_size")
+    if sharded:
+        refused.append("a mesh (mesh= or jax.set_mesh)")
+    if refused:
+        flags = " and ".join(f"`{name}=True`" for name in asked)
+        raise UnsupportedError(
+            f"generation option {flags} is not supported by genjax with "
+            f"{'; '.join(refused)}: it records them for decoder-only models in greedy decoding, "
+            f"sampling and beam search, on one device, with the prompt prefilled in one pass. "
+            f"Unset {' and '.join(asked)} or drop the combination."
+        )
+
+
+def _takes_output_flags(model) -> bool:
+    """Whether ``model.apply`` takes the protocol's ``output_hidden_states`` and
+    ``output_attentions`` keywords."""
+    try:
+        parameters = inspect.signature(model.apply).parameters
+    except (TypeError, ValueError):  # no introspectable signature
+        return False
+    return all(name in parameters for name in FORWARD_OUTPUTS)

@@ -7,6 +7,33 @@ hold ``pad_token_id``; steps of ``scores`` and ``logits`` that were never run ho
 ``n`` (the steps run) gives transformers' ``scores``/``logits``; for beam search transformers cuts
 ``sequences`` and ``beam_indices`` further, to the longest returned hypothesis (``P +`` the most
 non-negative ``beam_indices`` in a row).
+
+Hidden states and attentions (``output_hidden_states``, ``output_attentions``) come in
+transformers' layout: a tuple with one entry per new token ``t = 0 .. N-1``, each a tuple over
+the layers, of the model call that computed token ``t``'s logits. Step 0 is the prefill (``q =
+P`` query positions, the prompt as given, with its own left padding); step ``t > 0`` fed new
+token ``t - 1`` (``q = 1``)::
+
+    hidden_states[t]   L + 1 arrays dtype[rows, q, D]: the embeddings, the output of each layer
+                       but the last, then the last layer's after the final norm
+    attentions[t]      L arrays dtype[rows, N, q, k], k = P + t keys (P at step 0): the softmax
+                       weights over the prompt and the new tokens so far, 0 on masked keys
+
+``rows`` is ``B*R`` (``B*M`` with beams: the running beams in the order they were fed, as
+transformers records them), ``D`` the model width, ``N`` its query heads, and the dtype the
+model's. A layer with a sliding window ``W`` (:attr:`~genjax.models.LlamaModel.attention_windows`)
+has, at steps ``t > 0``, only the last ``min(k, W)`` keys, as transformers' sliding-window
+cache returns them. Steps never run (every row finished) hold zeros, as ``scores`` does. Rows of
+the user's padding positions (queries that may attend to nothing) are not meaningful: their
+values follow from genjax's bucket padding and differ from transformers' (which are not
+meaningful either); every real position matches.
+
+Memory: the program keeps, besides the prefill's ``(L + 1) * rows * P * D`` hidden values and
+``L * rows * N * P * P`` attention weights, buffers for all ``N - 1`` later steps:
+``(N - 1) * (L + 1) * rows * D`` hidden values and ``(N - 1) * L * rows * N * S`` attention
+weights (``S`` = the bucket length plus ``N``), in the model dtype. Attentions dominate: with
+32 layers, 32 heads, 8 rows and ``S = 2048`` they take 64 MiB of float32 per step, 64 GiB for
+1024 new tokens.
 """
 
 from __future__ import annotations
@@ -41,6 +68,69 @@ class GenerateOutput:
     # bool[]: whether every logit of the first step was finite; set by the compiled program and
     # checked by ``generate`` on the host (which raises for NaN/Inf and returns None here).
     first_logits_finite: Array | None = None
+    # output_hidden_states: N tuples (one per new token) of L+1 arrays dtype[rows, q, D]; q = P
+    # at the first, 1 after (see the module docstring). Inside the program a ForwardRecord.
+    hidden_states: tuple | ForwardRecord | None = None
+    # output_attentions: N tuples of L arrays dtype[rows, N, q, k], k = P + t keys at step t.
+    attentions: tuple | ForwardRecord | None = None
+
+
+@struct.dataclass
+class ForwardRecord:
+    """One forward output (hidden states or attentions) of every model call of a generate
+    program, as the program records it; :func:`per_token` lays it out as transformers does.
+
+    Axes: ``X`` is the output's per-call layer axis (``L + 1`` hidden states, ``L``
+    attentions), ``W`` the program's prompt width (bucket padding included), ``S = W + N``.
+    """
+
+    # The prefill: hidden states dtype[L+1, rows, W, D], attentions dtype[L, rows, N, W, W]
+    prefill: Array
+    # The N - 1 decoding calls: dtype[N-1, L+1, rows, 1, D], attentions [N-1, L, rows, N, 1, S]
+    steps: Array
+
+
+def per_token(
+    record: ForwardRecord, offset: int, windows: Sequence[int | None] = ()
+) -> tuple[tuple[Array, ...], ...]:
+    """Transformers' layout of a :class:`ForwardRecord`: one tuple per new token, each over the
+    layer axis, without genjax's ``offset`` bucket padding slots (see the module docstring).
+
+    Args:
+        record: the program's record.
+        offset: ``o``, the padding slots before the prompt (host int).
+        windows: per layer the sliding window of attention weights (``W`` keeps the last
+            ``min(k, W)`` keys of steps after the prefill), or None; empty for none. Hidden
+            states take none.
+
+    Example:
+        >>> record = ForwardRecord(prefill=jnp.zeros((3, 2, 16, 8)),
+        ...                        steps=jnp.zeros((4, 3, 2, 1, 8)))
+        >>> hidden = per_token(record, offset=11)  # a 5-token prompt padded to 16 slots
+        >>> len(hidden), len(hidden[0]), hidden[0][0].shape, hidden[1][0].shape
+        (5, 3, (2, 5, 8), (2, 1, 8))
+    """
+    attentions = record.prefill.ndim == 5
+    if attentions:
+        first = tuple(layer[..., offset:, offset:] for layer in record.prefill)
+    else:
+        first = tuple(layer[:, offset:] for layer in record.prefill)
+    prompt_length = record.prefill.shape[2 + attentions] - offset
+    later = []
+    for step in range(record.steps.shape[0]):
+        layers = record.steps[step]
+        if attentions:  # k = P + t keys; a sliding-window layer keeps its last W
+            keys = prompt_length + step + 1
+            layers = [
+                layer[..., offset + keys - min(keys, window or keys) : offset + keys]
+                for layer, window in zip(layers, _per_layer(windows, len(layers)), strict=True)
+            ]
+        later.append(tuple(layers))
+    return (first, *later)
+
+
+def _per_layer(windows: Sequence[int | None], layers: int) -> Sequence[int | None]:
+    return tuple(windows) if windows else (None,) * layers
 
 
 def compute_transition_scores(

@@ -12,7 +12,8 @@ body's one static argument), and the arrays that program traces. ``generate`` ru
              .arguments() params, input_ids,  ├─> program(plan)(plan, params, ids, ...)
                           attention_mask,     │    generate: called; warmup: lower().compile()
                           TracedInputs        ┘
-             .finish(out) removes the bucket padding from ``sequences`` (host)
+             .finish(out) removes the bucket padding from ``sequences`` (host), and
+                          lays hidden states / attentions out as transformers does
 
 The program's token slots, without ``max_cache_len`` (``o`` padding slots put the prompt's end
 at its bucket length ``Pb``; inside a user's ``jax.jit`` ``o = 0``)::
@@ -67,8 +68,8 @@ from genjax.generation.inputs import (
     resolve_config,
     stop_string_table_for,
 )
-from genjax.generation.options import check_options
-from genjax.generation.outputs import GenerateOutput
+from genjax.generation.options import check_forward_outputs, check_options
+from genjax.generation.outputs import ForwardRecord, GenerateOutput, per_token
 from genjax.generation.prefill import is_quantized, special_ids
 from genjax.models.quantize import library_dots
 from genjax.processors import Processor, as_processors, validate_config
@@ -155,6 +156,8 @@ class CallPlan:
     num_beams: int  # M
     output_scores: bool
     output_logits: bool
+    output_hidden_states: bool  # record every model call's hidden states
+    output_attentions: bool  # record every model call's attention weights
     allowed_tokens_fn: Callable | None
     stopping_criteria: tuple  # the user's extra stopping criteria
     assistant: Any  # the draft model, or None (also for prompt lookup)
@@ -163,6 +166,16 @@ class CallPlan:
     # Compile with genjax.models.quantize.LIBRARY_DOT_OPTIONS: int8 params, several decode rows
     library_dots: bool = False
     guidance: bool = False  # a classifier-free guidance branch runs (guidance_scale set, not 1)
+
+    @property
+    def forward_flags(self) -> dict[str, bool]:
+        """The ``output_*`` keywords the model's ``apply`` gets (those set; empty: none, and
+        ``apply`` returns ``(logits, cache)``)."""
+        flags = {
+            "output_hidden_states": self.output_hidden_states,
+            "output_attentions": self.output_attentions,
+        }
+        return {name: True for name, value in flags.items() if value}
 
     @property
     def cache_new_slots(self) -> int:
@@ -220,9 +233,16 @@ class PreparedCall:
 
     def finish(self, out: GenerateOutput) -> GenerateOutput:
         """``out`` with the bucket padding removed from ``sequences`` (none with
-        ``max_cache_len``, whose program returns the slots from the prompt's start)."""
+        ``max_cache_len``, whose program returns the slots from the prompt's start), and
+        recorded hidden states and attentions laid out per token
+        (:func:`~genjax.generation.outputs.per_token`)."""
         if self.offset and self.plan.slots is None:
-            return out.replace(sequences=out.sequences[:, self.offset :])
+            out = out.replace(sequences=out.sequences[:, self.offset :])
+        if isinstance(out.hidden_states, ForwardRecord):
+            out = out.replace(hidden_states=per_token(out.hidden_states, self.offset))
+        if isinstance(out.attentions, ForwardRecord):
+            windows = getattr(self.plan.model, "attention_windows", ())
+            out = out.replace(attentions=per_token(out.attentions, self.offset, windows))
         return out
 
 
@@ -260,6 +280,13 @@ def prepare(model, params: PyTree, input_ids, config, request: CallRequest) -> P
         input_ids,
         request.negative_prompt_ids,
         request.negative_prompt_attention_mask,
+    )
+    check_forward_outputs(
+        resolved,
+        model,
+        assisted=mode is Mode.ASSISTED,
+        sharded=layout is not None,
+        encoder_decoder=False,
     )
     if mode is Mode.ASSISTED:
         assisted.check_call(
@@ -336,6 +363,9 @@ def _prepare_encoder_decoder(model, params, input_ids, config, request) -> Prepa
     ``input_ids`` is the source, right-padded to its bucket; the decoder starts from its prefix,
     and ``max_length`` counts decoder tokens only."""
     lengths, resolved, mode = _resolve(model, config, request)
+    check_forward_outputs(
+        resolved, model, assisted=mode is Mode.ASSISTED, sharded=False, encoder_decoder=True
+    )
     encoder_decoder.check_request(model, request, resolved, mode is Mode.ASSISTED)
     input_ids, attention_mask, key = check_inputs(
         model, input_ids, request.attention_mask, request.key, resolved
@@ -446,6 +476,8 @@ def _plan(model, config, mode, shape, new_tokens, slots, layout, request) -> Cal
         num_beams=config.num_beams,
         output_scores=bool(config.output_scores),
         output_logits=bool(config.output_logits),
+        output_hidden_states=bool(config.output_hidden_states),
+        output_attentions=bool(config.output_attentions),
         allowed_tokens_fn=request.allowed_tokens_fn,
         stopping_criteria=tuple(request.stopping_criteria),
         assistant=request.assistant_model,

@@ -62,6 +62,7 @@ def prefill(
     chunk: int | None = None,
     ring_margin: int = 0,
     positions=None,
+    forward_flags: dict[str, bool] | None = None,
 ):
     """Runs the prompt through the model and returns a cache sized for all ``S = P + N`` slots
     (int8 codes when ``quantized``, static: see :mod:`genjax.cache.quantized`).
@@ -85,12 +86,18 @@ def prefill(
     ``positions`` int32[B, P]: the prompt's position ids; default: as transformers v5's
     ``generate`` counts them, real tokens only (padding gets 0).
 
+    ``forward_flags`` (static, e.g. ``{"output_hidden_states": True}``) go to the model's
+    ``apply``, unchunked (the call plan refuses ``prefill_chunk_size`` with them); the dict of
+    its extra outputs over all ``P`` prompt slots is then returned fifth.
+
     Returns:
         ``(logits float32[B, 1 or P, V], cache, cache_mask int32[B, S], tokens int32[B, S])``
         (one row of logits when the model takes ``logits_to_keep`` or ``chunk`` is set; callers
         use the last): ``cache_mask`` marks real prompt tokens and every new slot; ``tokens`` is
-        the prompt followed by ``pad_token_id`` in the new slots.
+        the prompt followed by ``pad_token_id`` in the new slots. With ``forward_flags``, the
+        model's extra outputs follow.
     """
+    flags = forward_flags or {}
     batch, prompt_length = input_ids.shape
     if positions is None:
         positions = jnp.maximum(jnp.cumsum(attention_mask, axis=-1) - 1, 0)
@@ -105,14 +112,18 @@ def prefill(
             model, params, input_ids, positions, attention_mask, cache, chunk
         )
     elif accepts_logits_to_keep(model):  # the last position's logits only: [B, 1, V]
-        logits, cache = model.apply(
-            params, input_ids, positions, cache, attention_mask, logits_to_keep=1
+        outputs = model.apply(
+            params, input_ids, positions, cache, attention_mask, logits_to_keep=1, **flags
         )
+        logits, cache = outputs[:2]
     else:
-        logits, cache = model.apply(params, input_ids, positions, cache, attention_mask)
+        outputs = model.apply(params, input_ids, positions, cache, attention_mask, **flags)
+        logits, cache = outputs[:2]
     extra = {"margin": ring_margin} if ring_margin else {}  # a model's own cache may lack it
     cache = cache.with_length(prompt_length + max_new_tokens, **extra)
     tokens = jnp.concatenate([input_ids, new_slots * pad_token_id], axis=1)
+    if flags:
+        return logits, cache, cache_mask, tokens, outputs[2]
     return logits, cache, cache_mask, tokens
 
 

@@ -34,6 +34,13 @@ Any object with these members plugs into ``genjax.generate``; nothing else about
     returns only the last ``k`` positions' logits, float32[B, k, V], as transformers'
     ``logits_to_keep``. ``generate`` passes ``logits_to_keep=1`` to the prefill when ``apply``
     accepts it, so a long prompt does not pay for ``P`` rows of the vocabulary projection.
+  - Optional: keywords ``output_hidden_states: bool`` and ``output_attentions: bool``
+    (static, default False). When either is True, ``apply`` returns ``(logits, cache,
+    outputs)``, ``outputs`` a dict holding ``"hidden_states"`` dtype[L+1, B, T, D] (the
+    embeddings, each layer's output but the last, then the last layer's after the final norm,
+    transformers' order) and/or ``"attentions"`` dtype[L, B, N, T, S] (each layer's softmax
+    weights over the cache's ``S`` logical slots). ``generate``'s ``output_hidden_states`` and
+    ``output_attentions`` need them (the built-in decoder-only models have them).
 
   A full forward pass is ``apply`` on a fresh ``init_cache(B, T)`` (index 0). Prefill then
   decode is ``apply`` with ``T = P`` then ``T = 1`` repeatedly on one cache of length ``S``.

@@ -136,7 +136,10 @@ class ModelBase:
         cache: KVCache,
         attention_mask: Array,
         logits_to_keep: int = 0,
-    ) -> tuple[Array, KVCache]:
+        *,
+        output_hidden_states: bool = False,
+        output_attentions: bool = False,
+    ) -> tuple[Array, KVCache] | tuple[Array, KVCache, dict[str, Array]]:
         """Runs ``T`` tokens written at ``cache.index``; pure, jittable with the model static.
 
         Args:
@@ -148,10 +151,18 @@ class ModelBase:
                 real token (slots at and after ``index + T`` may hold anything).
             logits_to_keep: static; 0 computes the logits of all ``T`` positions, ``k > 0`` only
                 of the last ``k`` (as transformers' ``logits_to_keep``: a prefill needs one).
+            output_hidden_states: static; also return every layer's hidden states.
+            output_attentions: static; also return every layer's attention weights. With both
+                False the program is the one without these arguments.
 
         Returns:
             ``(logits, cache)``: float32[B, T or k, V] and the cache with ``index`` advanced by
-            ``T``.
+            ``T``. With an ``output_*`` flag, ``(logits, cache, outputs)``: ``outputs`` is a
+            dict with ``"hidden_states"`` dtype[L+1, B, T, D] (the embeddings, the output of
+            each layer but the last, then the last layer's after the final norm, as
+            transformers orders them) and ``"attentions"`` dtype[L, B, N, T, S] (the softmax
+            weights of each layer over the cache's ``S`` slots, in the model dtype), each when
+            asked for.
 
         Example:
             >>> cache = model.init_cache(1, 4)
@@ -165,8 +176,13 @@ class ModelBase:
             raise InputError(
                 f"logits_to_keep must be an int >= 0 (0: every position), got {logits_to_keep!r}."
             )
+        flags = {}
+        if output_hidden_states or output_attentions:  # else the module's defaults
+            flags = dict(
+                output_hidden_states=output_hidden_states, output_attentions=output_attentions
+            )
         return self._module().apply(
-            {"params": params}, tokens, positions, cache, attention_mask, logits_to_keep
+            {"params": params}, tokens, positions, cache, attention_mask, logits_to_keep, **flags
         )
 
     def param_shapes(self) -> PyTree:

@@ -60,8 +60,8 @@ import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
 
-from genjax.cache import KVCache, attention_bias, ring_bias
-from genjax.models.layers import ACTIVATIONS, Embed, RMSNorm, attention, dense
+from genjax.cache import KVCache, attention_bias, ring_bias, ring_to_slots
+from genjax.models.layers import ACTIVATIONS, Embed, RMSNorm, attention, dense, forward_outputs
 from genjax.models.rope import apply_rope, rope_cos_sin
 
 NORM_LAYOUTS = ("pre", "post", "sandwich")
@@ -91,7 +91,7 @@ class _Attention(nn.Module):
     layer: int
 
     @nn.compact
-    def __call__(self, x, cos, sin, bias, cache: KVCache):
+    def __call__(self, x, cos, sin, bias, cache: KVCache, output_attentions: bool = False):
         c, dtype = self.config, jnp.dtype(self.config.dtype)
         batch, length, _ = x.shape
         q_width, kv_width = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
@@ -112,8 +112,16 @@ class _Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         keys, values, cache = cache.update_layer(self.layer, k, v)
         scale = c.head_dim**-0.5 if c.attention_scale is None else c.attention_scale
-        out = attention(q, keys, values, bias, scale, softcap=c.attn_softcap)
-        return dense(c.hidden_size, c.o_bias, dtype, "o_proj")(out), cache
+        out = attention(
+            q, keys, values, bias, scale, softcap=c.attn_softcap, return_weights=output_attentions
+        )
+        weights = None
+        if output_attentions:  # [B, N, T, S]: over the logical slots, rings laid out in full
+            out, weights = out
+            ring = _ring_slots(cache, self.layer)
+            if ring is not None:
+                weights = ring_to_slots(weights, cache.index, ring, cache.length)
+        return dense(c.hidden_size, c.o_bias, dtype, "o_proj")(out), cache, weights
 
 
 class _MLP(nn.Module):
@@ -138,36 +146,48 @@ class _DecoderLayer(nn.Module):
     layer: int
 
     @nn.compact
-    def __call__(self, x, cos, sin, bias, cache):
+    def __call__(self, x, cos, sin, bias, cache, output_attentions: bool = False):
+        """``(x, cache, weights)``; ``weights`` (the attention's) is None unless asked for."""
         c = self.config
         attend = _Attention(c, self.layer, name="self_attn")
         mlp = _MLP(c, name="mlp")
         if c.norm_layout == "pre":
-            h, cache = attend(_norm(c, "input_layernorm")(x), cos, sin, bias, cache)
+            h, cache, weights = attend(
+                _norm(c, "input_layernorm")(x), cos, sin, bias, cache, output_attentions
+            )
             x = x + h
-            return x + mlp(_norm(c, "post_attention_layernorm")(x)), cache
+            return x + mlp(_norm(c, "post_attention_layernorm")(x)), cache, weights
         if c.norm_layout == "sandwich":
-            h, cache = attend(_norm(c, "input_layernorm")(x), cos, sin, bias, cache)
+            h, cache, weights = attend(
+                _norm(c, "input_layernorm")(x), cos, sin, bias, cache, output_attentions
+            )
             x = x + _norm(c, "post_attention_layernorm")(h)
             h = mlp(_norm(c, "pre_feedforward_layernorm")(x))
-            return x + _norm(c, "post_feedforward_layernorm")(h), cache
-        h, cache = attend(x, cos, sin, bias, cache)  # "post"
+            return x + _norm(c, "post_feedforward_layernorm")(h), cache, weights
+        h, cache, weights = attend(x, cos, sin, bias, cache, output_attentions)  # "post"
         x = x + _norm(c, "post_attention_layernorm")(h)
-        return x + _norm(c, "post_feedforward_layernorm")(mlp(x)), cache
+        return x + _norm(c, "post_feedforward_layernorm")(mlp(x)), cache, weights
 
 
 class _Layers(nn.Module):
     config: Any
 
     @nn.compact
-    def __call__(self, x, tables, biases, cache):
+    def __call__(self, x, tables, biases, cache, output_attentions: bool = False):
+        """``(x, cache, inputs, weights)``: the last layer's output, the cache, each layer's
+        input (the embeddings first) and each layer's attention weights (None unless asked
+        for). Values nobody reads cost nothing: XLA drops them."""
         c = self.config
+        inputs, weights = [], []
         for i, window in enumerate(c.sliding_windows):
             local = window is not None and c.local_rope is not None
             cos, sin = tables["local" if local else "global"]
             bias = biases[window, _ring_slots(cache, i)]
-            x, cache = _DecoderLayer(c, i, name=str(i))(x, cos, sin, bias, cache)
-        return x, cache
+            inputs.append(x)
+            layer = _DecoderLayer(c, i, name=str(i))
+            x, cache, layer_weights = layer(x, cos, sin, bias, cache, output_attentions)
+            weights.append(layer_weights)
+        return x, cache, inputs, weights
 
 
 def _ring_slots(cache, layer: int) -> int | None:
@@ -193,14 +213,25 @@ def _biases(config, attention_mask, cache, length: int) -> dict:
 class DecoderLM(nn.Module):
     """The causal LM of the shared core: embed, the layers, the final norm, the output head.
 
-    ``__call__(tokens, positions, cache, attention_mask, logits_to_keep)`` follows the model
-    protocol of :mod:`genjax.models` and returns ``(float32[B, T or k, V] logits, cache)``.
+    ``__call__(tokens, positions, cache, attention_mask, logits_to_keep, output_hidden_states,
+    output_attentions)`` follows the model protocol of :mod:`genjax.models` and returns
+    ``(float32[B, T or k, V] logits, cache)``, plus the dict of :func:`forward_outputs` when an
+    ``output_*`` flag (static) is set.
     """
 
     config: Any
 
     @nn.compact
-    def __call__(self, tokens, positions, cache, attention_mask, logits_to_keep=0):
+    def __call__(
+        self,
+        tokens,
+        positions,
+        cache,
+        attention_mask,
+        logits_to_keep=0,
+        output_hidden_states=False,
+        output_attentions=False,
+    ):
         c, dtype = self.config, jnp.dtype(self.config.dtype)
         length = tokens.shape[1]
         embed = Embed(c.vocab_size, c.hidden_size, dtype, name="embed_tokens")
@@ -211,13 +242,24 @@ class DecoderLM(nn.Module):
         if c.local_rope is not None:
             tables["local"] = rope_cos_sin(c.local_rope, positions, dtype)
         biases = _biases(c, attention_mask, cache, length)
-        x, cache = _Layers(c, name="layers")(x, tables, biases, cache)
+        x, cache, hidden, weights = _Layers(c, name="layers")(
+            x, tables, biases, cache, output_attentions
+        )
+        norm = _norm(c, "norm")
+        if output_hidden_states:  # the last hidden state is the final norm's output
+            x = norm(x)
+            hidden.append(x)
         if logits_to_keep:  # only the last positions' logits (prefill needs one)
             x = x[:, -logits_to_keep:]
-        x = _norm(c, "norm")(x)
+        if not output_hidden_states:
+            x = norm(x)
         if c.tie_word_embeddings:
             logits = embed.attend(x)
         else:
             logits = dense(c.vocab_size, False, dtype, "lm_head")(x)
         logits = _soft_cap(logits, c.final_softcap)
-        return logits.astype(jnp.float32), cache.advance(length)
+        result = (logits.astype(jnp.float32), cache.advance(length))
+        outputs = forward_outputs(
+            hidden if output_hidden_states else None, weights if output_attentions else None
+        )
+        return (*result, outputs) if outputs else result

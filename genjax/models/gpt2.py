@@ -41,7 +41,15 @@ from genjax.cache import KVCache, attention_bias
 from genjax.errors import CheckpointError
 from genjax.models import _hf
 from genjax.models.base import ModelBase
-from genjax.models.layers import ACTIVATIONS, Embed, LayerNorm, attention, check_activation, dense
+from genjax.models.layers import (
+    ACTIVATIONS,
+    Embed,
+    LayerNorm,
+    attention,
+    check_activation,
+    dense,
+    forward_outputs,
+)
 
 _DEFAULTS = {
     "vocab_size": 50257,
@@ -178,7 +186,7 @@ class _Attention(nn.Module):
     layer: int
 
     @nn.compact
-    def __call__(self, x, bias, cache: KVCache):
+    def __call__(self, x, bias, cache: KVCache, output_attentions: bool = False):
         c, dtype = self.config, jnp.dtype(self.config.dtype)
         batch, length, _ = x.shape
         qkv = dense(3 * c.hidden_size, True, dtype, "c_attn")(x)
@@ -188,8 +196,19 @@ class _Attention(nn.Module):
         scale = c.head_dim**-0.5 if c.scale_attn_weights else 1.0
         if c.scale_attn_by_inverse_layer_idx:
             scale /= float(self.layer + 1)
-        out = attention(q, keys, values, bias, scale, upcast_scores=c.reorder_and_upcast_attn)
-        return dense(c.hidden_size, True, dtype, "c_proj")(out), cache
+        out = attention(
+            q,
+            keys,
+            values,
+            bias,
+            scale,
+            upcast_scores=c.reorder_and_upcast_attn,
+            return_weights=output_attentions,
+        )
+        weights = None
+        if output_attentions:  # [B, N, T, S]
+            out, weights = out
+        return dense(c.hidden_size, True, dtype, "c_proj")(out), cache, weights
 
 
 class _MLP(nn.Module):
@@ -207,45 +226,72 @@ class _Block(nn.Module):
     layer: int
 
     @nn.compact
-    def __call__(self, x, bias, cache):
+    def __call__(self, x, bias, cache, output_attentions: bool = False):
+        """``(x, cache, weights)``; ``weights`` (the attention's) is None unless asked for."""
         c, dtype = self.config, jnp.dtype(self.config.dtype)
         h = LayerNorm(c.layer_norm_eps, dtype, name="ln_1")(x)
-        h, cache = _Attention(c, self.layer, name="attn")(h, bias, cache)
+        h, cache, weights = _Attention(c, self.layer, name="attn")(
+            h, bias, cache, output_attentions
+        )
         x = x + h
         h = LayerNorm(c.layer_norm_eps, dtype, name="ln_2")(x)
-        return x + _MLP(c, name="mlp")(h), cache
+        return x + _MLP(c, name="mlp")(h), cache, weights
 
 
 class _Blocks(nn.Module):
     config: GPT2Config
 
     @nn.compact
-    def __call__(self, x, bias, cache):
+    def __call__(self, x, bias, cache, output_attentions: bool = False):
+        """``(x, cache, inputs, weights)``: as the shared decoder's ``_Layers``."""
+        inputs, weights = [], []
         for i in range(self.config.num_layers):
-            x, cache = _Block(self.config, i, name=str(i))(x, bias, cache)
-        return x, cache
+            inputs.append(x)
+            x, cache, block_weights = _Block(self.config, i, name=str(i))(
+                x, bias, cache, output_attentions
+            )
+            weights.append(block_weights)
+        return x, cache, inputs, weights
 
 
 class _GPT2LM(nn.Module):
     config: GPT2Config
 
     @nn.compact
-    def __call__(self, tokens, positions, cache, attention_mask, logits_to_keep=0):
+    def __call__(
+        self,
+        tokens,
+        positions,
+        cache,
+        attention_mask,
+        logits_to_keep=0,
+        output_hidden_states=False,
+        output_attentions=False,
+    ):
         c, dtype = self.config, jnp.dtype(self.config.dtype)
         length = tokens.shape[1]
         wte = Embed(c.vocab_size, c.hidden_size, dtype, name="wte")
         wpe = Embed(c.max_position_embeddings, c.hidden_size, dtype, name="wpe")
         x = wte(tokens) + wpe(positions)
         bias = attention_bias(attention_mask, cache.index, length, jnp.float32)
-        x, cache = _Blocks(c, name="h")(x, bias, cache)
+        x, cache, hidden, weights = _Blocks(c, name="h")(x, bias, cache, output_attentions)
+        final_norm = LayerNorm(c.layer_norm_eps, dtype, name="ln_f")
+        if output_hidden_states:  # the last hidden state is ln_f's output
+            x = final_norm(x)
+            hidden.append(x)
         if logits_to_keep:  # only the last positions' logits (prefill needs one)
             x = x[:, -logits_to_keep:]
-        x = LayerNorm(c.layer_norm_eps, dtype, name="ln_f")(x)
+        if not output_hidden_states:
+            x = final_norm(x)
         if c.tie_word_embeddings:
             logits = wte.attend(x)
         else:
             logits = dense(c.vocab_size, False, dtype, "lm_head")(x)
-        return logits.astype(jnp.float32), cache.advance(length)
+        result = (logits.astype(jnp.float32), cache.advance(length))
+        outputs = forward_outputs(
+            hidden if output_hidden_states else None, weights if output_attentions else None
+        )
+        return (*result, outputs) if outputs else result
 
 
 @dataclasses.dataclass(frozen=True)

@@ -348,7 +348,8 @@ def attention(
     scale: float,
     upcast_scores: bool = False,
     softcap: float | None = None,
-) -> Array:
+    return_weights: bool = False,
+) -> Array | tuple[Array, Array]:
     """Grouped-query dot-product attention over the full cache.
 
     Query head ``n`` reads key/value head ``n // (N // K)``, as HF's ``repeat_kv`` arranges them.
@@ -376,9 +377,13 @@ def attention(
         upcast_scores: compute ``Q K^T`` in float32 (GPT-2's ``reorder_and_upcast_attn``).
         softcap: static; when set, the scaled scores become ``softcap * tanh(scores / softcap)``
             before the bias (Gemma 2's ``attn_logit_softcapping``).
+        return_weights: static; also return the softmax weights (``output_attentions``). False
+            compiles the same program as before: the weights are an output the caller keeps.
 
     Returns:
-        dtype[B, T, N * H].
+        dtype[B, T, N * H]; with ``return_weights``, ``(out, weights)``, the weights dtype[B, N,
+        T, S] in ``values``' dtype (as transformers' eager attention returns them): 0 on masked
+        slots, uniform over all ``S`` slots for a query that may attend to none.
     """
     dtype = queries.dtype
     batch, length, num_heads, head_dim = queries.shape
@@ -388,10 +393,13 @@ def attention(
     if upcast_scores:
         grouped, keys = grouped.astype(jnp.float32), keys.astype(jnp.float32)
     if length > 1:
-        out = _prompt_attention(grouped, keys, values, bias, scale, softcap)
+        out, weights = _prompt_attention(grouped, keys, values, bias, scale, softcap)
     else:
-        out = _decode_attention(grouped[:, 0], keys, values, bias[:, :, 0], scale, softcap)
-    return out.reshape(batch, length, num_heads * head_dim).astype(dtype)
+        out, weights = _decode_attention(grouped[:, 0], keys, values, bias[:, :, 0], scale, softcap)
+    out = out.reshape(batch, length, num_heads * head_dim).astype(dtype)
+    if not return_weights:
+        return out
+    return out, weights.reshape(batch, num_heads, length, -1).astype(values.dtype)
 
 
 def _decode_attention(
@@ -420,7 +428,8 @@ def _decode_attention(
         softcap: the score soft cap, or None.
 
     Returns:
-        dtype[B, K, G, H] of ``values``' dtype.
+        ``(out, weights)``: dtype[B, K, G, H] of ``values``' dtype and the softmax weights
+        [B, K, G, S], rounded to ``values``' dtype (unused by most callers: XLA drops them).
     """
     batch, num_kv_heads, groups, head_dim = grouped.shape
     slots = values.shape[2]
@@ -442,9 +451,10 @@ def _decode_attention(
     scores = _capped(scores, softcap, grouped.dtype)
     scores = scores.astype(jnp.float32).reshape(batch, num_kv_heads, groups, slots)
     weights = jax.nn.softmax(scores + bias[:, :, None], axis=-1)
-    weights = _rounded(weights, values.dtype).astype(wide).reshape(*queries, slots)
-    out = jnp.sum(weights[..., None] * per_query(v), axis=-2)  # [..., H]
-    return out.reshape(batch, num_kv_heads, groups, head_dim).astype(values.dtype)
+    weights = _rounded(weights, values.dtype)
+    flat = weights.astype(wide).reshape(*queries, slots)
+    out = jnp.sum(flat[..., None] * per_query(v), axis=-2)  # [..., H]
+    return out.reshape(batch, num_kv_heads, groups, head_dim).astype(values.dtype), weights
 
 
 def _prompt_attention(
@@ -468,7 +478,8 @@ def _prompt_attention(
         softcap: the score soft cap, or None.
 
     Returns:
-        dtype[B, T, K * G * H] of ``values``' dtype.
+        ``(out, weights)``: dtype[B, T, K * G * H] of ``values``' dtype and the softmax weights
+        [B, K, G, T, S], rounded to ``values``' dtype (unused by most callers: XLA drops them).
     """
     batch, length, num_kv_heads, groups, head_dim = grouped.shape
     slots = values.shape[2]
@@ -478,12 +489,14 @@ def _prompt_attention(
     scores = _capped(_rounded(scores, rows.dtype), softcap, rows.dtype)
     scores = scores.reshape(batch, num_kv_heads, groups, length, slots)
     weights = jax.nn.softmax(scores + bias[:, :, None], axis=-1)  # float32[B, K, G, T, S]
-    weights = _rounded(weights, values.dtype).reshape(batch, num_kv_heads, -1, slots)
+    weights = _rounded(weights, values.dtype)
+    rows = weights.reshape(batch, num_kv_heads, -1, slots).astype(values.dtype)
     out = jnp.einsum(
-        "bkqs,bksh->bkqh", weights.astype(values.dtype), values, preferred_element_type=jnp.float32
+        "bkqs,bksh->bkqh", rows, values, preferred_element_type=jnp.float32
     )  # [B, K, G*T, H]
     out = _rounded(out, values.dtype).reshape(batch, num_kv_heads, groups, length, head_dim)
-    return out.transpose(0, 3, 1, 2, 4).reshape(batch, length, -1).astype(values.dtype)
+    out = out.transpose(0, 3, 1, 2, 4).reshape(batch, length, -1).astype(values.dtype)
+    return out, weights
 
 
 def _capped(scores: Array, softcap: float | None, dtype: jnp.dtype) -> Array:
@@ -502,3 +515,17 @@ def _rounded(x: Array, dtype: jnp.dtype) -> Array:
     if info.bits >= jnp.finfo(x.dtype).bits:
         return x
     return jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+
+
+def forward_outputs(hidden: list | None, weights: list | None) -> dict:
+    """The extra outputs of a forward pass, as the model protocol returns them: a dict with
+    ``"hidden_states"`` dtype[L+1, B, T, D] (the embeddings, each layer's output but the last,
+    then the last one after the final norm: transformers' layout) and ``"attentions"``
+    dtype[L, B, N, T, S] (each layer's softmax weights over every cache slot), each present when
+    its list is given (not None)."""
+    outputs = {}
+    if hidden is not None:
+        outputs["hidden_states"] = jnp.stack(hidden)
+    if weights is not None:
+        outputs["attentions"] = jnp.stack(weights)
+    return outputs

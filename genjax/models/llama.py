@@ -345,6 +345,13 @@ class LlamaModel(ModelBase):
         return self.config.num_kv_heads
 
     @property
+    def attention_windows(self) -> tuple[int | None, ...]:
+        """Per layer the sliding window ``W`` of its attention, or None (static). ``generate``'s
+        ``output_attentions`` keeps the last ``W`` keys of such a layer's decoding steps, as
+        transformers' sliding-window cache holds them."""
+        return self.config.sliding_windows
+
+    @property
     def cache_windows(self) -> tuple[int | None, ...]:
         """The sliding windows when ``config.ring_cache``, else none (static)."""
         return self.config.sliding_windows if self.config.ring_cache else ()

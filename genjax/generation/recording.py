@@ -1,0 +1,53 @@
+"""Recording the model's forward passes for ``output_hidden_states`` / ``output_attentions``.
+
+When the call plan asks for them (:attr:`~genjax.generation.plan.CallPlan.forward_flags`,
+static), the model's ``apply`` gets those flags and returns its extra outputs third (the model
+protocol of :mod:`genjax.models`): the prefill's are kept as they are, and the decoding loops
+write each later call's into buffers of their carry (``step_outputs``, leaves ``[N - 1, ...]``).
+:func:`records` wraps both as :class:`~genjax.generation.outputs.ForwardRecord` s, which
+``PreparedCall.finish`` lays out per token on the host. Without the flags nothing here adds to
+the program. Everything runs inside ``generate``'s trace; the plan is static.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+
+from genjax.decoding.sampling import step_output_buffers
+from genjax.generation.outputs import ForwardRecord
+from genjax.typing import PyTree
+
+
+def step_fn(plan):
+    """The loops' step function: the model's ``apply``, with the plan's ``output_*`` flags when
+    it records (it then returns the extra outputs third)."""
+    flags = plan.forward_flags
+    return functools.partial(plan.model.apply, **flags) if flags else plan.model.apply
+
+
+def with_buffers(plan, params: PyTree, state, prefill_outputs: list):
+    """``state`` (a loop's initial state) with zero buffers for the extra outputs of the loop's
+    ``N - 1`` model calls, when the plan records (``prefill_outputs`` is then ``[the prefill's
+    outputs]``, else empty and ``state`` is returned as it is)."""
+    if not prefill_outputs:
+        return state
+    calls = max(plan.steps - 1, 0)
+    return state.replace(step_outputs=step_output_buffers(step_fn(plan), params, state, calls))
+
+
+def records(prefill_outputs: list, step_outputs: PyTree, copies: int) -> dict:
+    """``GenerateOutput``'s ``hidden_states`` / ``attentions`` as ``ForwardRecord`` s: the
+    prefill's ``B`` rows repeated ``copies`` times (static: ``R``, or ``M`` beams; transformers
+    expands the prompts before its prefill), then the loop's buffers. Empty when nothing is
+    recorded."""
+    if not prefill_outputs:
+        return {}
+    (first,) = prefill_outputs
+    return {
+        name: ForwardRecord(
+            prefill=jnp.repeat(first[name], copies, axis=1), steps=step_outputs[name]
+        )
+        for name in first
+    }

@@ -148,8 +148,6 @@ def test_unsupported_options_raise_by_name():
     call = functools.partial(genjax.generate, model, params, src, attention_mask=mask)
     with pytest.raises(UnsupportedError, match="max_cache_len"):
         call(max_new_tokens=2, max_cache_len=32)
-    with pytest.raises(UnsupportedError, match="streamer="):
-        call(max_new_tokens=2, streamer=object())
     with pytest.raises(UnsupportedError, match="assisted generation"):
         call(max_new_tokens=2, prompt_lookup_num_tokens=2)
     with pytest.raises(InputError, match="decoder_input_ids must be int"):
@@ -161,6 +159,52 @@ def test_unsupported_options_raise_by_name():
         genjax.generate(
             gpt, None, np.ones((1, 2), np.int32), max_new_tokens=1, decoder_input_ids=src[:, :1]
         )
+
+
+class _Recorder(genjax.streaming.BaseStreamer):
+    """Keeps every put as a list of ids, and counts the ends."""
+
+    def __init__(self):
+        self.puts, self.ends = [], 0
+
+    def put(self, value):
+        self.puts.append(np.asarray(value).tolist())
+
+    def end(self):
+        self.ends += 1
+
+
+def test_a_streamer_gets_the_start_token_then_each_decoder_token():
+    """As transformers' generate: ``put`` gets the decoder's prefix ``[[start]]`` first (not the
+    source), then each new token; together they are the returned (and recorded) sequence."""
+    cases, arrays = _recorded("t5_v1_0")
+    kwargs = cases["greedy"]["generate_kwargs"]
+    model, params, src, mask = _model("t5_v1_0")
+    source = src[1:2, mask[1] == 1]  # row 1 without its left padding: the same tokens (T5's
+    # positions are relative)
+    recorder = _Recorder()
+    out = genjax.generate(model, params, source, streamer=recorder, **kwargs)
+    expected = arrays["greedy/sequences"][1]
+    assert recorder.puts[0] == [[model.decoder_start_token_id]] and recorder.ends == 1
+    streamed = [ids for put in recorder.puts[1:] for ids in put]
+    assert all(len(put) == 1 for put in recorder.puts[1:])  # one token per put
+    assert streamed == expected[1:].tolist() and len(streamed) == 10
+    np.testing.assert_array_equal(np.asarray(out.sequences)[0], expected)
+    recorder = _Recorder()  # a forced prefix is put first, whole; a row ending early stops
+    prefix = np.array([[43]], np.int32)
+    out = genjax.generate(
+        model, params, source, streamer=recorder, decoder_input_ids=prefix, **kwargs
+    )
+    got = np.asarray(out.sequences)[0].tolist()
+    assert recorder.puts[0] == [[0, 43]]
+    streamed = [ids for put in recorder.puts[1:] for ids in put]
+    end = next((i + 1 for i, t in enumerate(got[2:]) if t in kwargs["eos_token_id"]), None)
+    assert streamed == got[2 : None if end is None else 2 + end]
+    call = functools.partial(genjax.generate, model, params, max_new_tokens=2)
+    with pytest.raises(InputError, match="batch size 1"):
+        call(src, attention_mask=mask, streamer=_Recorder())
+    with pytest.raises(UnsupportedError, match="beam search"):
+        call(source, streamer=_Recorder(), num_beams=2)
 
 
 def test_the_cli_and_the_engine_refuse_encoder_decoder_models(capsys):

@@ -26,9 +26,13 @@ cache's ``rows_per_prompt`` and reorder only the self-attention slots
 (:mod:`genjax.cache.encoder_decoder`). The ``encoder_*`` processors read the source, through
 ``LogitsContext.encoder_tokens`` (one row per decoder row; -1 in genjax's padding).
 
+A ``streamer`` gets the decoder's tokens, as transformers' ``generate`` puts them for these
+models: the prefix first (``[[decoder_start_token_id]]``, or the start token and the forced
+``decoder_input_ids``), then each new token; never the source.
+
 Not supported for encoder-decoder models yet, each raising ``UnsupportedError`` by name:
-assisted generation, ``streamer``, ``mesh``, ``constraint``, ``max_cache_len`` and the int8
-cache (``cache_implementation="quantized"``).
+assisted generation, ``mesh``, ``constraint``, ``max_cache_len`` and the int8 cache
+(``cache_implementation="quantized"``).
 
 Static or traced:
     Static: the source's bucket length ``Pb``, the prefix length ``Pd``, ``N``. Traced: the
@@ -57,7 +61,6 @@ __all__ = [
 ]
 
 _REFUSED = {
-    "streamer": "streamer=",
     "mesh": "mesh=",
     "constraint": "constraint=",
     "assistant_model": "assistant_model= (assisted generation)",
@@ -92,7 +95,7 @@ def check_request(model, request, config, assisted: bool) -> None:
         raise UnsupportedError(
             f"{', '.join(dict.fromkeys(refused))} is not supported with encoder-decoder models "
             f"({type(model).__name__}) yet: generate runs them with greedy decoding, sampling, "
-            f"beam search and beam sampling, unsharded, without a streamer. Drop it."
+            f"beam search and beam sampling, unsharded. Drop it."
         )
 
 

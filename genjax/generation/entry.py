@@ -129,8 +129,9 @@ def generate(
     ``num_assistant_tokens``); no beams, streamer or mesh.
 
     Encoder-decoder models (T5, BART, Marian): ``input_ids`` is the source, read once by the
-    encoder; ``sequences`` are the decoder's tokens from ``decoder_start_token_id``; no assisted
-    generation, streamer, mesh or constraint (see :mod:`genjax.generation.encoder_decoder`).
+    encoder; ``sequences`` are the decoder's tokens from ``decoder_start_token_id``, and a
+    streamer gets them (the decoder's prefix first, not the source); no assisted generation,
+    mesh or constraint (see :mod:`genjax.generation.encoder_decoder`).
 
     Args:
         model: a model following the protocol of :mod:`genjax.models` (hashable; static).
@@ -168,7 +169,8 @@ def generate(
             the prompts' last tokens are healed on the host first (:func:`heal_tokens`).
         streamer: a :mod:`genjax.streaming` streamer (``TextStreamer``,
             ``TextIteratorStreamer``, or any object with ``put(ids)`` and ``end()``), as in
-            transformers: ``put`` gets the prompt int32[1, P] first, then each new token
+            transformers: ``put`` gets the prompt int32[1, P] first (an encoder-decoder
+            model's decoder prefix int32[1, Pd], not its source), then each new token
             int32[1] as the compiled loop produces it (an ordered host callback, so in order),
             and ``end()`` is called once the result is ready. Batch size 1 with
             ``num_return_sequences=1``, no beam search, and a call with concrete arrays (not

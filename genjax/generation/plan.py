@@ -206,7 +206,8 @@ class PreparedCall:
     input_ids: Array  # int32[B, width]: padded, or laid out in the slot buffer
     attention_mask: Array  # int32[B, width]
     traced: TracedInputs
-    prompt_ids: Array  # int[B, P]: the prompt as given, for the streamer
+    prompt_ids: Array  # int[B, P]: what the streamer gets first: the prompt as given (an
+    # encoder-decoder model: the decoder's prefix int32[B, Pd], as transformers puts it)
     prompt_length: int  # P
     new_tokens: int  # N asked for (traced in bounds with max_cache_len)
     offset: int  # o, the padding slots before the prompt
@@ -351,6 +352,10 @@ def _prepare_encoder_decoder(model, params, input_ids, config, request) -> Prepa
     criteria = as_criteria(request.stopping_criteria)
     request = dataclasses.replace(request, stopping_criteria=criteria)
     stop_strings = stop_string_table_for(resolved, request.tokenizer)
+    if request.streamer is not None:  # it gets the decoder's prefix first, as in transformers
+        traced = (params, input_ids, attention_mask, key, prefix)
+        traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(traced))
+        check_streamer(request.streamer, input_ids, resolved, traced)
     pad_token_id, _ = special_ids(resolved)
     if attention_mask is None:  # transformers infers none for an encoder-decoder model
         xp = jnp if isinstance(input_ids, jax.core.Tracer) else np
@@ -373,7 +378,7 @@ def _prepare_encoder_decoder(model, params, input_ids, config, request) -> Prepa
         source_length=jnp.asarray(source_length, jnp.int32),
     )
     return PreparedCall(
-        plan, params, ids, mask, traced, input_ids, source_length, new_tokens, 0, policy
+        plan, params, ids, mask, traced, prefix, source_length, new_tokens, 0, policy
     )
 
 

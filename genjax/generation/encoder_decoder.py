@@ -30,9 +30,13 @@ A ``streamer`` gets the decoder's tokens, as transformers' ``generate`` puts the
 models: the prefix first (``[[decoder_start_token_id]]``, or the start token and the forced
 ``decoder_input_ids``), then each new token; never the source.
 
+The int8 cache (``cache_implementation="quantized"``, :mod:`genjax.cache.quantized`) holds the
+decoder's self-attention slots; the cross-attention keys and values, written once and read at
+every step, stay in the model dtype. Beyond transformers, whose ``generate`` raises for a
+quantized cache on an encoder-decoder model.
+
 Not supported for encoder-decoder models yet, each raising ``UnsupportedError`` by name:
-assisted generation, ``mesh``, ``constraint``, ``max_cache_len`` and the int8 cache
-(``cache_implementation="quantized"``).
+assisted generation, ``mesh``, ``constraint`` and ``max_cache_len``.
 
 Static or traced:
     Static: the source's bucket length ``Pb``, the prefix length ``Pd``, ``N``. Traced: the
@@ -46,6 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from genjax.cache.quantized import QuantizedKVCache
 from genjax.cache.slots import pad_prompt
 from genjax.errors import InputError, UnsupportedError
 from genjax.typing import Array
@@ -89,8 +94,6 @@ def check_request(model, request, config, assisted: bool) -> None:
         refused.append("max_cache_len")
     if config.is_active("guidance_scale"):
         refused.append(f"guidance_scale={config.guidance_scale!r} (classifier-free guidance)")
-    if config.cache_implementation == "quantized":
-        refused.append('cache_implementation="quantized"')
     if refused:
         raise UnsupportedError(
             f"{', '.join(dict.fromkeys(refused))} is not supported with encoder-decoder models "
@@ -192,7 +195,7 @@ def place_source(input_ids, attention_mask, pad_token_id, policy):
     return pad_prompt(ids, mask, pad_token_id, 0, right)
 
 
-def prefill(model, params, source, source_mask, prefix, new_slots: int, pad_token_id):
+def prefill(model, params, source, source_mask, prefix, new_slots: int, pad_token_id, quantized):
     """Runs the encoder once, builds the decoder cache with its cross-attention keys and values,
     and runs the decoder over the prefix.
 
@@ -203,6 +206,9 @@ def prefill(model, params, source, source_mask, prefix, new_slots: int, pad_toke
         prefix: int32[B, Pd] decoder prefix (the start token first).
         new_slots: ``N`` (static), the decoder slots after the prefix.
         pad_token_id: int32[], written in the new slots of the returned buffer.
+        quantized: (static) whether the decoder's self-attention slots are int8
+            (:class:`~genjax.cache.quantized.QuantizedKVCache`); the cross-attention keys and
+            values stay in the model dtype.
 
     Returns:
         ``(logits float32[B, 1, V], cache, cache_mask int32[B, Pd + N], tokens int32[B, Pd + N])``
@@ -212,6 +218,8 @@ def prefill(model, params, source, source_mask, prefix, new_slots: int, pad_toke
     batch, length = prefix.shape
     states = model.encode(params, source, source_mask)
     cache = model.init_cache(batch, length + new_slots, states, source_mask, params)
+    if quantized:  # the float slots are never read: XLA drops them
+        cache = cache.replace(self_attention=QuantizedKVCache.like(cache.self_attention))
     cache_mask = jnp.ones((batch, length + new_slots), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
     logits, cache = model.apply(params, prefix, positions, cache, cache_mask, logits_to_keep=1)

@@ -396,6 +396,7 @@ class _Call:
                 self.traced.decoder_input_ids,
                 new_slots,
                 self.pad_token_id,
+                self.plan.quantized,
             )
         if draft:
             model, params = self.plan.assistant, self.traced.assistant_params

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import sys
 
 import jax
@@ -31,6 +32,7 @@ pytestmark = pytest.mark.usefixtures("fast_compiles")
 HERE = os.path.dirname(__file__)
 FIXTURES = os.path.join(HERE, "fixtures", "encdec_generate")
 SCORES = dict(rtol=1e-5, atol=5e-5)  # float32 log-probs of magnitude up to ~30
+TOKENIZER_CORPUS = ["def fibonacci(n):\n    return n", "hello world, hello tokens"] * 20
 QUANTIZED = {"cache_implementation": "quantized", "cache_config": {"nbits": 8}}
 CASES = [
     ("t5_v1_0", "greedy"),
@@ -239,6 +241,48 @@ def test_the_int8_cache_gives_the_float_caches_tokens(name, case):
     assert isinstance(cache.self_attention, QuantizedKVCache)
     assert cache.self_attention.keys[0].dtype == np.int8
     assert cache.cross_keys[0].dtype == np.float32
+
+
+@pytest.fixture(scope="module")
+def t5_with_tokenizer(tmp_path_factory):
+    """(folder, model, params, tokenizer): a random T5 v1.0 over a tiny byte-level BPE
+    vocabulary (``<pad>`` 0 = the decoder start, ``</s>`` 2 = EOS) with a generation config."""
+    path = tmp_path_factory.mktemp("t5_tok")
+    backend = genjax.testing.tiny_bpe_tokenizer(TOKENIZER_CORPUS)
+    backend.save(str(path / "tokenizer.json"))
+    special = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}
+    (path / "tokenizer_config.json").write_text(json.dumps(special))
+    vocab = backend.get_vocab_size()
+    genjax.testing.write_random_checkpoint(
+        path, "t5", vocab_size=vocab, eos_token_id=2, pad_token_id=0, seed=3
+    )
+    generation = {"max_new_tokens": 10, "eos_token_id": 2, "pad_token_id": 0}
+    (path / "generation_config.json").write_text(json.dumps(generation))
+    model, params = from_pretrained(path)
+    return path, model, params, genjax.tokenizer.from_pretrained(path)
+
+
+def test_a_constraint_shapes_the_decoder_tokens(t5_with_tokenizer):
+    """``constraint=``: the new decoder tokens (not the start token) of greedy and beam
+    search match the pattern in full and end with EOS."""
+    _, model, params, tok = t5_with_tokenizer
+    pattern = r"[a-z]{2,4}( [a-z]{1,3})?"  # at most 8 bytes: EOS comes within 10 tokens
+    constraint = genjax.constraints.regex(pattern, tok)
+    batch = tok(["hello world", "def fibonacci(n):"])
+    ids, mask = np.asarray(batch["input_ids"]), np.asarray(batch["attention_mask"])
+    free = genjax.generate(model, params, ids, attention_mask=mask)
+    for options in ({}, {"num_beams": 2}):
+        out = genjax.generate(
+            model, params, ids, attention_mask=mask, constraint=constraint, **options
+        )
+        sequences = np.asarray(out.sequences)
+        assert (sequences[:, 0] == 0).all()
+        for row in sequences[:, 1:].tolist():
+            assert 2 in row, row
+            text = tok.decode(row[: row.index(2)], skip_special_tokens=True)
+            assert re.fullmatch(pattern, text), (options, text)
+    texts = [tok.decode(row[1:], skip_special_tokens=True) for row in np.asarray(free.sequences)]
+    assert not all(re.fullmatch(pattern, text) for text in texts)  # unconstrained, it does not
 
 
 def test_the_cli_and_the_engine_refuse_encoder_decoder_models(capsys):

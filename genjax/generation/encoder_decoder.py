@@ -35,8 +35,12 @@ decoder's self-attention slots; the cross-attention keys and values, written onc
 every step, stay in the model dtype. Beyond transformers, whose ``generate`` raises for a
 quantized cache on an encoder-decoder model.
 
+A ``constraint`` (:mod:`genjax.constraints`) applies to the new decoder tokens, as for a
+decoder-only model's continuation: the prefix (the start token, ``decoder_input_ids``) is not
+read by the automaton, which starts in its initial state at the first new token.
+
 Not supported for encoder-decoder models yet, each raising ``UnsupportedError`` by name:
-assisted generation, ``mesh``, ``constraint`` and ``max_cache_len``.
+assisted generation, ``mesh`` and ``max_cache_len``.
 
 Static or traced:
     Static: the source's bucket length ``Pb``, the prefix length ``Pd``, ``N``. Traced: the
@@ -67,7 +71,6 @@ __all__ = [
 
 _REFUSED = {
     "mesh": "mesh=",
-    "constraint": "constraint=",
     "assistant_model": "assistant_model= (assisted generation)",
     "negative_prompt_ids": "negative_prompt_ids= (classifier-free guidance)",
 }

@@ -374,6 +374,7 @@ def _prepare_encoder_decoder(model, params, input_ids, config, request) -> Prepa
         stop_strings=stop_strings,
         assistant_params=None,
         logits_processor=as_processors(request.logits_processor),
+        automaton=automaton_for(request.constraint, mode, batch, model, resolved),
         decoder_input_ids=prefix,
         source_length=jnp.asarray(source_length, jnp.int32),
     )

@@ -15,6 +15,7 @@ import json
 import os
 import re
 import sys
+import types
 
 import jax
 import numpy as np
@@ -241,6 +242,41 @@ def test_the_int8_cache_gives_the_float_caches_tokens(name, case):
     assert isinstance(cache.self_attention, QuantizedKVCache)
     assert cache.self_attention.keys[0].dtype == np.int8
     assert cache.cross_keys[0].dtype == np.float32
+
+
+def test_encoder_outputs_skip_the_encoder_and_give_the_same_output():
+    """``encoder_outputs=`` (the states of ``model.encode``, or an object holding them as
+    ``last_hidden_state``): the recorded tokens and scores, with params that have no encoder."""
+    cases, arrays = _recorded("t5_v1_0")
+    model, params, src, mask = _model("t5_v1_0")
+    states = model.encode(params, src, mask)  # [B, 9, D]: generate pads it to its bucket
+    decoder_only = {k: v for k, v in params.items() if k != "encoder"}
+    for case, source, outputs in [
+        ("greedy", None, types.SimpleNamespace(last_hidden_state=np.asarray(states))),
+        ("processors", src, states),  # the encoder_* processors read input_ids
+    ]:
+        kwargs = cases[case]["generate_kwargs"]
+        expected = {k.split("/", 1)[1]: v for k, v in arrays.items() if k.startswith(f"{case}/")}
+        out = genjax.generate(
+            model,
+            decoder_only,
+            source,
+            attention_mask=mask,
+            encoder_outputs=outputs,
+            decoder_input_ids=expected.pop("decoder_input_ids", None),
+            output_scores=True,
+            **kwargs,
+        )
+        _compare(out, expected, kwargs)
+    call = functools.partial(genjax.generate, model, params, max_new_tokens=2)
+    with pytest.raises(InputError, match="D = 32"):
+        call(None, encoder_outputs=np.zeros((3, 9, 8), np.float32))
+    with pytest.raises(InputError, match="must be the"):
+        call(src[:, 1:], encoder_outputs=states)
+    with pytest.raises(InputError, match="encoder_repetition_penalty reads the source"):
+        call(None, encoder_outputs=states, encoder_repetition_penalty=1.5)
+    with pytest.raises(InputError, match="input_ids is None"):
+        call(None)
 
 
 @pytest.fixture(scope="module")

@@ -94,7 +94,7 @@ def bucket_length(prompt_length: int) -> int:
 def generate(
     model,
     params: PyTree,
-    input_ids: Array,
+    input_ids: Array | None,
     config: GenerationConfig | None = None,
     *,
     attention_mask: Array | None = None,
@@ -111,6 +111,7 @@ def generate(
     prompt_buckets=None,
     constraint=None,
     decoder_input_ids: Array | None = None,
+    encoder_outputs=None,
     negative_prompt_ids: Array | None = None,
     negative_prompt_attention_mask: Array | None = None,
     **config_overrides,
@@ -136,7 +137,8 @@ def generate(
     Args:
         model: a model following the protocol of :mod:`genjax.models` (hashable; static).
         params: the model parameters (traced).
-        input_ids: int[B, P] prompts, left-padded when their lengths differ.
+        input_ids: int[B, P] prompts, left-padded when their lengths differ (an
+            encoder-decoder model's source; None with its ``encoder_outputs``).
         config: a :class:`GenerationConfig`, merged with the model's ``generation_config``
             (the checkpoint's ``generation_config.json``, see ``from_pretrained``) as in
             transformers v5: None means the model's config; a given config's unset (None)
@@ -203,6 +205,12 @@ def generate(
         decoder_input_ids: encoder-decoder models only: int[B, T] forced first decoder tokens
             (concrete), after ``decoder_start_token_id``, which is put in front unless a row
             already starts with it (transformers' rule).
+        encoder_outputs: encoder-decoder models only: the encoder's states float[B, Ps, D]
+            (``model.encode(params, ids, mask)``, or transformers' ``BaseModelOutput``, a dict
+            or tuple holding ``last_hidden_state``), used instead of running the encoder, so
+            one source's states serve several calls. ``attention_mask`` int[B, Ps] is their
+            source mask (default all ones); ``input_ids`` may be None, or the source ids
+            int[B, Ps], which then only the ``encoder_*`` processors read.
         negative_prompt_ids: int[B, Pn], classifier-free guidance's unconditional context, one
             per prompt (left-padded; each length compiles its own program), used when
             ``guidance_scale`` is set and not 1; default: each row's last prompt token. Greedy
@@ -257,6 +265,7 @@ def generate(
         prompt_buckets=prompt_buckets,
         constraint=constraint,
         decoder_input_ids=decoder_input_ids,
+        encoder_outputs=encoder_outputs,
         negative_prompt_ids=negative_prompt_ids,
         negative_prompt_attention_mask=negative_prompt_attention_mask,
         overrides=config_overrides,
@@ -397,6 +406,7 @@ class _Call:
                 new_slots,
                 self.pad_token_id,
                 self.plan.quantized,
+                self.traced.encoder_states,
             )
         if draft:
             model, params = self.plan.assistant, self.traced.assistant_params

@@ -120,6 +120,7 @@ class CallRequest:
     prompt_buckets: Any = None
     constraint: Any = None  # genjax.constraints.Constraint, or a list of one per input row
     decoder_input_ids: Any = None  # int[B, T]: an encoder-decoder model's forced decoder prefix
+    encoder_outputs: Any = None  # float[B, Ps, D] (or a BaseModelOutput): its encoder's states
     negative_prompt_ids: Any = None  # int[B, Pn]: classifier-free guidance's unconditional context
     negative_prompt_attention_mask: Any = None  # int[B, Pn]
     overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
@@ -191,6 +192,9 @@ class TracedInputs:
     # bucket.
     decoder_input_ids: Array | None = None
     source_length: Array | None = None
+    # generate(encoder_outputs=): float[B, Pb, D] encoder states (zeros in the bucket padding),
+    # run instead of the encoder; else None.
+    encoder_states: Array | None = None
     # Classifier-free guidance (genjax.decoding.guidance): the negative prompt int32[B, Pn] and
     # its mask, or None (then each row's last prompt token is the unconditional context).
     negative_prompt_ids: Array | None = None
@@ -244,10 +248,11 @@ def prepare(model, params: PyTree, input_ids, config, request: CallRequest) -> P
     """
     if encoder_decoder.is_encoder_decoder(model):
         return _prepare_encoder_decoder(model, params, input_ids, config, request)
-    if request.decoder_input_ids is not None:
+    if request.decoder_input_ids is not None or request.encoder_outputs is not None:
         raise InputError(
-            f"decoder_input_ids= is for encoder-decoder models; {type(model).__name__} is "
-            f"decoder-only: put the tokens at the end of input_ids instead."
+            f"decoder_input_ids= and encoder_outputs= are for encoder-decoder models; "
+            f"{type(model).__name__} is decoder-only: put the tokens at the end of input_ids "
+            f"instead."
         )
     lengths, resolved, mode = _resolve(model, config, request)
     input_ids, attention_mask, key = check_inputs(
@@ -338,10 +343,11 @@ def _prepare_encoder_decoder(model, params, input_ids, config, request) -> Prepa
     and ``max_length`` counts decoder tokens only."""
     lengths, resolved, mode = _resolve(model, config, request)
     encoder_decoder.check_request(model, request, resolved, mode is Mode.ASSISTED)
+    input_ids, states, source_length = _encoder_inputs(model, input_ids, request, resolved)
     input_ids, attention_mask, key = check_inputs(
         model, input_ids, request.attention_mask, request.key, resolved
     )
-    batch, source_length = input_ids.shape
+    batch = input_ids.shape[0]
     start = encoder_decoder.start_token_id(resolved, model)
     prefix = encoder_decoder.decoder_prefix(
         start, request.decoder_input_ids, batch, model.vocab_size
@@ -362,6 +368,8 @@ def _prepare_encoder_decoder(model, params, input_ids, config, request) -> Prepa
         attention_mask = xp.ones(input_ids.shape, xp.int32)
     policy = buckets.resolve(request.prompt_buckets)
     ids, mask = encoder_decoder.place_source(input_ids, attention_mask, pad_token_id, policy)
+    if states is not None:
+        states = encoder_decoder.place_states(states, ids.shape[1])
     plan = _plan(model, resolved, mode, ids.shape, new_tokens, None, None, request)
     rows = library_dots(params, _decode_rows(plan, ids))
     plan = dataclasses.replace(plan, caches=(), library_dots=rows)  # no memory check: its
@@ -377,10 +385,53 @@ def _prepare_encoder_decoder(model, params, input_ids, config, request) -> Prepa
         automaton=automaton_for(request.constraint, mode, batch, model, resolved),
         decoder_input_ids=prefix,
         source_length=jnp.asarray(source_length, jnp.int32),
+        encoder_states=states,
     )
     return PreparedCall(
         plan, params, ids, mask, traced, prefix, source_length, new_tokens, 0, policy
     )
+
+
+def _encoder_inputs(model, input_ids, request: CallRequest, config):
+    """``(input_ids, states, source_length)`` of an encoder-decoder call: with
+    ``encoder_outputs``, its states float[B, Ps, D] and ``input_ids`` (for the ``encoder_*``
+    processors only) checked against them, or ids of 0 when None, which no processor reads
+    (``source_length`` 0); without, the ids as given, None and their length.
+
+    Raises:
+        InputError: ``input_ids`` None without ``encoder_outputs``, or with ``encoder_*``
+            processors; ``input_ids`` whose shape is not the states' ``[B, Ps]``.
+    """
+    if request.encoder_outputs is None:
+        if input_ids is None:
+            raise InputError(
+                "input_ids is None: pass the source ids, or encoder_outputs= (the encoder's "
+                "states from an earlier call) to skip the encoder."
+            )
+        return input_ids, None, np.shape(input_ids)[1]
+    batch = None if input_ids is None else np.shape(input_ids)[0]
+    states = encoder_decoder.encoder_states(request.encoder_outputs, model, batch)
+    if input_ids is not None:
+        if tuple(np.shape(input_ids)) != tuple(states.shape[:2]):
+            raise InputError(
+                f"input_ids {tuple(np.shape(input_ids))} must be the [B, Ps] of encoder_outputs "
+                f"{tuple(states.shape)}: the source the states were computed from (read by the "
+                f"encoder_* processors only), or None."
+            )
+        return input_ids, states, states.shape[1]
+    ngrams = config.encoder_no_repeat_ngram_size
+    active = {
+        "encoder_repetition_penalty": config.is_active("encoder_repetition_penalty"),
+        "encoder_no_repeat_ngram_size": ngrams is not None and ngrams > 0,
+    }
+    for name, on in active.items():
+        if on:
+            raise InputError(
+                f"{name} reads the source ids, but input_ids is None (encoder_outputs= alone). "
+                f"Pass the source ids as input_ids too, or unset {name}."
+            )
+    xp = jnp if isinstance(states, jax.core.Tracer) else np
+    return xp.zeros(states.shape[:2], xp.int32), states, 0
 
 
 def _resolve(model, config, request: CallRequest):

@@ -321,16 +321,37 @@ def test_a_constraint_shapes_the_decoder_tokens(t5_with_tokenizer):
     assert not all(re.fullmatch(pattern, text) for text in texts)  # unconstrained, it does not
 
 
-def test_the_cli_and_the_engine_refuse_encoder_decoder_models(capsys):
-    """Neither handles an encoder-decoder model's outputs yet: each says so by name, rather than
-    echoing a source as if the output continued it (the CLI) or running the decoder alone."""
+def test_the_cli_prints_the_decoded_output_without_the_source(
+    t5_with_tokenizer, capsys, monkeypatch
+):
+    """``genjax generate --model <t5 folder> SOURCE``: the decoded new decoder tokens (up to
+    EOS), streamed for one source, batched for several; no echo of the source."""
     from genjax import cli
+
+    monkeypatch.setenv("GENJAX_COMPILE_CACHE", "0")  # in-process: keep the cache off
+    folder, model, params, tok = t5_with_tokenizer
+    sources = ["def fibonacci(n):", "hello tokens"]
+    batch = tok(sources)
+    out = genjax.generate(
+        model, params, np.asarray(batch["input_ids"]), attention_mask=batch["attention_mask"]
+    )
+    expected = []
+    for row in np.asarray(out.sequences)[:, 1:].tolist():
+        row = row[: row.index(2) + 1] if 2 in row else row
+        expected.append((row, tok.decode(row, skip_special_tokens=True)))
+    assert all(text for _, text in expected)
+    assert cli.main(["generate", sources[0], "--model", str(folder)]) == 0
+    assert capsys.readouterr().out == expected[0][1] + "\n"  # streamed, the source not echoed
+    assert cli.main(["generate", *sources, "--model", str(folder), "--json"]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["token_ids"], r["completion"]) for r in records] == expected
+    assert [r["prompt"] for r in records] == sources
+
+
+def test_the_engine_refuses_encoder_decoder_models():
+    """The serving engine runs a decoder alone: it says so by name rather than doing that."""
     from genjax.serving import init_continuous_batching
 
-    folder = os.path.join(HERE, "fixtures", "encdec", "t5_v1_0")
-    assert cli.main(["generate", "translate", "--model", folder]) == 2
-    err = capsys.readouterr().err
-    assert "encoder-decoder model (T5Model)" in err and "genjax.generate" in err
     model, params, _, _ = _model("t5_v1_0")
     with pytest.raises(UnsupportedError, match="decoder-only models; T5Model"):
         init_continuous_batching(model, params)

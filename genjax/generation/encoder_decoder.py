@@ -203,6 +203,11 @@ def encoder_states(encoder_outputs, model, batch: int | None) -> Array:
 
     Raises:
         InputError: no last hidden state, or one that is not float[B, Ps, D].
+
+    Example:
+        >>> states = model.encode(params, ids, mask)  # doctest: +SKIP
+        >>> encoder_states({"last_hidden_state": states}, model, None).shape  # doctest: +SKIP
+        (2, 9, 32)
     """
     states = encoder_outputs
     if isinstance(states, dict):

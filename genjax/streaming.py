@@ -1,7 +1,8 @@
 """Streamers: text as it is generated, token by token, from inside the compiled loop.
 
 Pass a streamer to :func:`genjax.generate` as ``streamer=``. As in transformers, ``generate``
-calls ``streamer.put(prompt_ids)`` once with the prompt (int32[1, P], before the program runs),
+calls ``streamer.put(prompt_ids)`` once with the prompt (int32[1, P], before the program runs;
+for an encoder-decoder model the decoder's prefix, which starts with its start token),
 then ``streamer.put(token_ids)`` with each new token (int32[1]) as the loop produces it, then
 ``streamer.end()`` once the result is ready. The tokens reach the host from inside the jitted
 ``lax.while_loop`` through an ordered ``jax.experimental.io_callback``, so they arrive in order

@@ -7,6 +7,10 @@ differently. ``genjax.generate`` takes one key per batch, so sampled batches run
 ``jax.vmap`` over rows of batch-1 ``generate`` calls (one compiled program per batch size and
 prompt bucket, as the batched call has).
 
+Encoder-decoder models (T5, BART, Marian): each prompt is a source; the output is the decoded new
+decoder tokens, never echoing the source, and sampled batches pad the sources on the right, as
+``generate`` does.
+
 Floor 6 (the command line): imports anything below it. Nothing here is public API.
 """
 
@@ -21,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from genjax.cli import options
-from genjax.errors import InputError, UnsupportedError
+from genjax.errors import InputError
 from genjax.streaming import TextStreamer
 
 MIN_BUCKET = 16  # sampled batches pad prompts to a power of two, at least this, as generate does
@@ -41,14 +45,6 @@ def run(args) -> int:
         options.check_json(os.path.join(folder, "config.json"))
     config = options.generation_config(folder, args)
     model, params = models.from_pretrained(folder, dtype=args.dtype)
-    if getattr(model, "is_encoder_decoder", False):
-        # Its sequences start at the decoder start token and its source is right-padded: the
-        # prompt echo, the bucketing and the trimming below assume a decoder-only continuation.
-        raise UnsupportedError(
-            f"genjax generate runs decoder-only models; {folder} holds an encoder-decoder model "
-            f"({type(model).__name__}). Generate with genjax.generate(model, params, ids, config) "
-            "from Python."
-        )
     tokenizer = tokenizers.from_pretrained(folder)
     # `config` is already the folder's generation config with the flags on top; the model must not
     # fill back what a flag unset (--greedy drops the file's sampling values).
@@ -56,8 +52,9 @@ def run(args) -> int:
     resolved = config.with_defaults()
     copies = resolved.num_return_sequences
     runner = Runner(model, params, config, tokenizer, options.seed_key(args.seed), args.chat)
-    # Text continues the prompt, so the prompt is echoed; a chat reply stands alone.
-    echo = not args.chat
+    # Text continues the prompt, so the prompt is echoed; a chat reply stands alone, and so does
+    # an encoder-decoder model's output (a translation, a summary), which its decoder starts anew.
+    echo = not args.chat and not runner.encoder_decoder
 
     if len(prompts) == 1 and not args.json and resolved.num_beams == 1 and copies == 1:
         runner(prompts, 0, streamer=_EchoStreamer(tokenizer, prompts[0] if echo else ""))
@@ -89,6 +86,9 @@ class Runner:
 
         self.model, self.params, self.config = model, params, config
         self.tokenizer, self.key, self.chat = tokenizer, key, chat
+        # An encoder-decoder model's sequences are its decoder's: the start token, then the new
+        # tokens; its source is padded on the right (as generate pads it).
+        self.encoder_decoder = bool(getattr(model, "is_encoder_decoder", False))
         self.sampling = bool(config.with_defaults().do_sample)
         eos, pad = config.eos_token_id, config.pad_token_id
         eos_ids = [] if eos is None else np.atleast_1d(eos).tolist()
@@ -124,11 +124,13 @@ class Runner:
                 tokenizer=self.stop_vocab,
                 streamer=streamer,
             )
-            new = np.asarray(out.sequences)[:, ids.shape[1] :]
+            new = np.asarray(out.sequences)[:, self._prefix_length(ids) :]
         copies = new.shape[0] // len(prompts)
         rows = []
         for row, tokens in enumerate(new.tolist()):
             prompt = ids[row // copies][mask[row // copies] == 1].tolist()
+            if self.encoder_decoder:  # the decoder's prefix, which its stop strings read
+                prompt = [self.start_id]
             rows.append(self._trim(prompt, tokens))
         return [(r, self.tokenizer.decode(r, skip_special_tokens=True)) for r in rows]
 
@@ -152,13 +154,26 @@ class Runner:
 
         if self._sample_rows is None:
             self._sample_rows = jax.jit(jax.vmap(one_row, in_axes=(None, 0, 0, 0)))
-        width = _bucket(ids.shape[1]) - ids.shape[1]  # left padding, masked
-        ids = np.pad(ids, ((0, 0), (width, 0)), constant_values=self.pad_id)
-        mask = np.pad(mask, ((0, 0), (width, 0)))
+        width = _bucket(ids.shape[1]) - ids.shape[1]  # padding, masked
+        side = (0, width) if self.encoder_decoder else (width, 0)
+        ids = np.pad(ids, ((0, 0), side), constant_values=self.pad_id)
+        mask = np.pad(mask, ((0, 0), side))
         indices = np.arange(first_index, first_index + len(ids))
         keys = jax.vmap(lambda i: jax.random.fold_in(self.key, i))(indices)
         sequences = np.asarray(self._sample_rows(self.params, ids, mask, keys))  # [B, R, S]
-        return sequences.reshape(-1, sequences.shape[-1])[:, ids.shape[1] :]
+        return sequences.reshape(-1, sequences.shape[-1])[:, self._prefix_length(ids) :]
+
+    @property
+    def start_id(self) -> int:
+        """An encoder-decoder model's decoder start token, as generate picks it."""
+        from genjax.generation.encoder_decoder import start_token_id
+
+        return int(start_token_id(self.config.with_defaults(), self.model))
+
+    def _prefix_length(self, ids: np.ndarray) -> int:
+        """The columns of ``sequences`` before the new tokens: the prompt's (as padded), or
+        the decoder start token's."""
+        return 1 if self.encoder_decoder else ids.shape[1]
 
     def _encode(self, prompts: list[str]) -> dict:
         if not self.chat:

@@ -19,8 +19,9 @@ Example:
 
 Works with greedy decoding, sampling (every warper applies after the mask), beam search (each
 beam's state follows its beam), ``num_return_sequences``, ``max_cache_len``, streaming and
-meshes; a list of constraints gives one per input row. Assisted generation raises
-UnsupportedError.
+meshes; a list of constraints gives one per input row. Encoder-decoder models: the new
+decoder tokens follow the constraint (not the decoder's start token or forced prefix).
+Assisted generation raises UnsupportedError.
 
 Layer:
     Floor 4. Imports :mod:`genjax.errors`, :mod:`genjax.typing`, :mod:`genjax.stopping` (the

@@ -26,9 +26,26 @@ cache's ``rows_per_prompt`` and reorder only the self-attention slots
 (:mod:`genjax.cache.encoder_decoder`). The ``encoder_*`` processors read the source, through
 ``LogitsContext.encoder_tokens`` (one row per decoder row; -1 in genjax's padding).
 
+``encoder_outputs`` (the encoder's states float[B, Ps, D], from an earlier ``model.encode``)
+replace the encoder: they are right-padded with zeros to the source's bucket, beside the mask,
+and go straight to ``model.init_cache``; ``input_ids`` is then optional, read only by the
+``encoder_*`` processors.
+
+A ``streamer`` gets the decoder's tokens, as transformers' ``generate`` puts them for these
+models: the prefix first (``[[decoder_start_token_id]]``, or the start token and the forced
+``decoder_input_ids``), then each new token; never the source.
+
+The int8 cache (``cache_implementation="quantized"``, :mod:`genjax.cache.quantized`) holds the
+decoder's self-attention slots; the cross-attention keys and values, written once and read at
+every step, stay in the model dtype. Beyond transformers, whose ``generate`` raises for a
+quantized cache on an encoder-decoder model.
+
+A ``constraint`` (:mod:`genjax.constraints`) applies to the new decoder tokens, as for a
+decoder-only model's continuation: the prefix (the start token, ``decoder_input_ids``) is not
+read by the automaton, which starts in its initial state at the first new token.
+
 Not supported for encoder-decoder models yet, each raising ``UnsupportedError`` by name:
-assisted generation, ``streamer``, ``mesh``, ``constraint``, ``max_cache_len`` and the int8
-cache (``cache_implementation="quantized"``).
+assisted generation, ``mesh`` and ``max_cache_len``.
 
 Static or traced:
     Static: the source's bucket length ``Pb``, the prefix length ``Pd``, ``N``. Traced: the
@@ -42,6 +59,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from genjax.cache.quantized import QuantizedKVCache
 from genjax.cache.slots import pad_prompt
 from genjax.errors import InputError, UnsupportedError
 from genjax.typing import Array
@@ -49,6 +67,7 @@ from genjax.typing import Array
 __all__ = [
     "check_request",
     "decoder_prefix",
+    "encoder_states",
     "is_encoder_decoder",
     "place_source",
     "prefill",
@@ -57,9 +76,7 @@ __all__ = [
 ]
 
 _REFUSED = {
-    "streamer": "streamer=",
     "mesh": "mesh=",
-    "constraint": "constraint=",
     "assistant_model": "assistant_model= (assisted generation)",
     "negative_prompt_ids": "negative_prompt_ids= (classifier-free guidance)",
 }
@@ -86,13 +103,11 @@ def check_request(model, request, config, assisted: bool) -> None:
         refused.append("max_cache_len")
     if config.is_active("guidance_scale"):
         refused.append(f"guidance_scale={config.guidance_scale!r} (classifier-free guidance)")
-    if config.cache_implementation == "quantized":
-        refused.append('cache_implementation="quantized"')
     if refused:
         raise UnsupportedError(
             f"{', '.join(dict.fromkeys(refused))} is not supported with encoder-decoder models "
             f"({type(model).__name__}) yet: generate runs them with greedy decoding, sampling, "
-            f"beam search and beam sampling, unsharded, without a streamer. Drop it."
+            f"beam search and beam sampling, unsharded. Drop it."
         )
 
 
@@ -176,6 +191,59 @@ def decoder_prefix(start, decoder_input_ids, batch: int, vocab_size: int) -> Arr
     return np.concatenate([column, ids], axis=1)
 
 
+def encoder_states(encoder_outputs, model, batch: int | None) -> Array:
+    """float[B, Ps, D]: the last hidden state of the encoder in ``generate(encoder_outputs=)``.
+
+    Args:
+        encoder_outputs: transformers' ``encoder_outputs`` (a ``BaseModelOutput`` or anything
+            with ``last_hidden_state``, a dict with that key, or a tuple whose first item it
+            is) or the array itself; numpy, torch (CPU) or jax, concrete or traced.
+        model: the encoder-decoder model (its ``hidden_size`` ``D`` is checked).
+        batch: ``B``, the rows of ``input_ids``, or None when no ``input_ids`` are given.
+
+    Raises:
+        InputError: no last hidden state, or one that is not float[B, Ps, D].
+
+    Example:
+        >>> states = model.encode(params, ids, mask)  # doctest: +SKIP
+        >>> encoder_states({"last_hidden_state": states}, model, None).shape  # doctest: +SKIP
+        (2, 9, 32)
+    """
+    states = encoder_outputs
+    if isinstance(states, dict):
+        states = states.get("last_hidden_state")
+    elif hasattr(states, "last_hidden_state"):
+        states = states.last_hidden_state
+    elif isinstance(states, (tuple, list)) and states:
+        states = states[0]
+    if states is not None and not isinstance(states, jax.Array):
+        detach = getattr(states, "detach", None)  # a torch tensor
+        states = np.asarray(states.detach().cpu() if detach else states)
+    width = model.hidden_size
+    shape = tuple(getattr(states, "shape", ()))
+    floating = states is not None and jnp.issubdtype(states.dtype, jnp.floating)
+    if len(shape) != 3 or not floating or shape[2] != width or batch not in (None, shape[0]):
+        rows = "B" if batch is None else batch
+        got = "None" if states is None else f"{states.dtype}{list(shape)}"
+        raise InputError(
+            f"encoder_outputs must hold the encoder's last hidden state float[B, Ps, D] with "
+            f"B = {rows} (the rows of input_ids) and D = {width} (the model width); got "
+            f"{got}. Pass model.encode(params, ids, mask), or transformers' encoder output."
+        )
+    return states.astype(model.dtype)
+
+
+def place_states(states, width: int):
+    """float[B, width, D]: encoder states right-padded with zeros to the source's bucket length
+    ``width`` (slots its mask hides); as given when they fill it (or are traced)."""
+    right = width - states.shape[1]
+    if not right or isinstance(states, jax.core.Tracer):
+        return states if isinstance(states, jax.Array) else jax.device_put(states)
+    padded = np.zeros((states.shape[0], width, states.shape[2]), states.dtype)
+    padded[:, : states.shape[1]] = np.asarray(states)
+    return jax.device_put(padded)
+
+
 def place_source(input_ids, attention_mask, pad_token_id, policy):
     """``(ids int32[B, Pb], mask int32[B, Pb])``: the source right-padded to its bucket length
     (masked slots holding ``pad_token_id``); inside a user's jit, where the shape is fixed, as
@@ -189,9 +257,11 @@ def place_source(input_ids, attention_mask, pad_token_id, policy):
     return pad_prompt(ids, mask, pad_token_id, 0, right)
 
 
-def prefill(model, params, source, source_mask, prefix, new_slots: int, pad_token_id):
-    """Runs the encoder once, builds the decoder cache with its cross-attention keys and values,
-    and runs the decoder over the prefix.
+def prefill(
+    model, params, source, source_mask, prefix, new_slots: int, pad_token_id, quantized, states=None
+):
+    """Runs the encoder once (unless ``states`` are given), builds the decoder cache with its
+    cross-attention keys and values, and runs the decoder over the prefix.
 
     Args:
         model: the encoder-decoder model (static).
@@ -200,6 +270,11 @@ def prefill(model, params, source, source_mask, prefix, new_slots: int, pad_toke
         prefix: int32[B, Pd] decoder prefix (the start token first).
         new_slots: ``N`` (static), the decoder slots after the prefix.
         pad_token_id: int32[], written in the new slots of the returned buffer.
+        quantized: (static) whether the decoder's self-attention slots are int8
+            (:class:`~genjax.cache.quantized.QuantizedKVCache`); the cross-attention keys and
+            values stay in the model dtype.
+        states: None, or float[B, Pb, D] encoder states to use instead of running the encoder
+            (``generate(encoder_outputs=)``); then ``source`` is read by nobody here.
 
     Returns:
         ``(logits float32[B, 1, V], cache, cache_mask int32[B, Pd + N], tokens int32[B, Pd + N])``
@@ -207,8 +282,11 @@ def prefill(model, params, source, source_mask, prefix, new_slots: int, pad_toke
         loops of :mod:`genjax.decoding` take them unchanged.
     """
     batch, length = prefix.shape
-    states = model.encode(params, source, source_mask)
+    if states is None:
+        states = model.encode(params, source, source_mask)
     cache = model.init_cache(batch, length + new_slots, states, source_mask, params)
+    if quantized:  # the float slots are never read: XLA drops them
+        cache = cache.replace(self_attention=QuantizedKVCache.like(cache.self_attention))
     cache_mask = jnp.ones((batch, length + new_slots), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
     logits, cache = model.apply(params, prefix, positions, cache, cache_mask, logits_to_keep=1)

@@ -93,7 +93,7 @@ def bucket_length(prompt_length: int) -> int:
 def generate(
     model,
     params: PyTree,
-    input_ids: Array,
+    input_ids: Array | None,
     config: GenerationConfig | None = None,
     *,
     attention_mask: Array | None = None,
@@ -110,6 +110,7 @@ def generate(
     prompt_buckets=None,
     constraint=None,
     decoder_input_ids: Array | None = None,
+    encoder_outputs=None,
     negative_prompt_ids: Array | None = None,
     negative_prompt_attention_mask: Array | None = None,
     **config_overrides,
@@ -128,13 +129,15 @@ def generate(
     ``num_assistant_tokens``); no beams, streamer or mesh.
 
     Encoder-decoder models (T5, BART, Marian): ``input_ids`` is the source, read once by the
-    encoder; ``sequences`` are the decoder's tokens from ``decoder_start_token_id``; no assisted
-    generation, streamer, mesh or constraint (see :mod:`genjax.generation.encoder_decoder`).
+    encoder; ``sequences`` are the decoder's tokens from ``decoder_start_token_id``, and a
+    streamer gets them (the decoder's prefix first, not the source), a constraint the new ones;
+    no assisted generation or mesh (see :mod:`genjax.generation.encoder_decoder`).
 
     Args:
         model: a model following the protocol of :mod:`genjax.models` (hashable; static).
         params: the model parameters (traced).
-        input_ids: int[B, P] prompts, left-padded when their lengths differ.
+        input_ids: int[B, P] prompts, left-padded when their lengths differ (an
+            encoder-decoder model's source; None with its ``encoder_outputs``).
         config: a :class:`GenerationConfig`, merged with the model's ``generation_config``
             (the checkpoint's ``generation_config.json``, see ``from_pretrained``) as in
             transformers v5: None means the model's config; a given config's unset (None)
@@ -167,7 +170,8 @@ def generate(
             the prompts' last tokens are healed on the host first (:func:`heal_tokens`).
         streamer: a :mod:`genjax.streaming` streamer (``TextStreamer``,
             ``TextIteratorStreamer``, or any object with ``put(ids)`` and ``end()``), as in
-            transformers: ``put`` gets the prompt int32[1, P] first, then each new token
+            transformers: ``put`` gets the prompt int32[1, P] first (an encoder-decoder
+            model's decoder prefix int32[1, Pd], not its source), then each new token
             int32[1] as the compiled loop produces it (an ordered host callback, so in order),
             and ``end()`` is called once the result is ready. Batch size 1 with
             ``num_return_sequences=1``, no beam search, and a call with concrete arrays (not
@@ -200,6 +204,12 @@ def generate(
         decoder_input_ids: encoder-decoder models only: int[B, T] forced first decoder tokens
             (concrete), after ``decoder_start_token_id``, which is put in front unless a row
             already starts with it (transformers' rule).
+        encoder_outputs: encoder-decoder models only: the encoder's states float[B, Ps, D]
+            (``model.encode(params, ids, mask)``, or transformers' ``BaseModelOutput``, a dict
+            or tuple holding ``last_hidden_state``), used instead of running the encoder, so
+            one source's states serve several calls. ``attention_mask`` int[B, Ps] is their
+            source mask (default all ones); ``input_ids`` may be None, or the source ids
+            int[B, Ps], which then only the ``encoder_*`` processors read.
         negative_prompt_ids: int[B, Pn], classifier-free guidance's unconditional context, one
             per prompt (left-padded; each length compiles its own program), used when
             ``guidance_scale`` is set and not 1; default: each row's last prompt token. Greedy
@@ -255,6 +265,7 @@ def generate(
         prompt_buckets=prompt_buckets,
         constraint=constraint,
         decoder_input_ids=decoder_input_ids,
+        encoder_outputs=encoder_outputs,
         negative_prompt_ids=negative_prompt_ids,
         negative_prompt_attention_mask=negative_prompt_attention_mask,
         overrides=config_overrides,

@@ -121,6 +121,7 @@ class CallRequest:
     prompt_buckets: Any = None
     constraint: Any = None  # genjax.constraints.Constraint, or a list of one per input row
     decoder_input_ids: Any = None  # int[B, T]: an encoder-decoder model's forced decoder prefix
+    encoder_outputs: Any = None  # float[B, Ps, D] (or a BaseModelOutput): its encoder's states
     negative_prompt_ids: Any = None  # int[B, Pn]: classifier-free guidance's unconditional context
     negative_prompt_attention_mask: Any = None  # int[B, Pn]
     overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
@@ -204,6 +205,9 @@ class TracedInputs:
     # bucket.
     decoder_input_ids: Array | None = None
     source_length: Array | None = None
+    # generate(encoder_outputs=): float[B, Pb, D] encoder states (zeros in the bucket padding),
+    # run instead of the encoder; else None.
+    encoder_states: Array | None = None
     # Classifier-free guidance (genjax.decoding.guidance): the negative prompt int32[B, Pn] and
     # its mask, or None (then each row's last prompt token is the unconditional context).
     negative_prompt_ids: Array | None = None
@@ -219,7 +223,8 @@ class PreparedCall:
     input_ids: Array  # int32[B, width]: padded, or laid out in the slot buffer
     attention_mask: Array  # int32[B, width]
     traced: TracedInputs
-    prompt_ids: Array  # int[B, P]: the prompt as given, for the streamer
+    prompt_ids: Array  # int[B, P]: what the streamer gets first: the prompt as given (an
+    # encoder-decoder model: the decoder's prefix int32[B, Pd], as transformers puts it)
     prompt_length: int  # P
     new_tokens: int  # N asked for (traced in bounds with max_cache_len)
     offset: int  # o, the padding slots before the prompt
@@ -263,10 +268,11 @@ def prepare(model, params: PyTree, input_ids, config, request: CallRequest) -> P
     """
     if encoder_decoder.is_encoder_decoder(model):
         return _prepare_encoder_decoder(model, params, input_ids, config, request)
-    if request.decoder_input_ids is not None:
+    if request.decoder_input_ids is not None or request.encoder_outputs is not None:
         raise InputError(
-            f"decoder_input_ids= is for encoder-decoder models; {type(model).__name__} is "
-            f"decoder-only: put the tokens at the end of input_ids instead."
+            f"decoder_input_ids= and encoder_outputs= are for encoder-decoder models; "
+            f"{type(model).__name__} is decoder-only: put the tokens at the end of input_ids "
+            f"instead."
         )
     lengths, resolved, mode = _resolve(model, config, request)
     input_ids, attention_mask, key = check_inputs(
@@ -367,10 +373,11 @@ def _prepare_encoder_decoder(model, params, input_ids, config, request) -> Prepa
         resolved, model, assisted=mode is Mode.ASSISTED, sharded=False, encoder_decoder=True
     )
     encoder_decoder.check_request(model, request, resolved, mode is Mode.ASSISTED)
+    input_ids, states, source_length = _encoder_inputs(model, input_ids, request, resolved)
     input_ids, attention_mask, key = check_inputs(
         model, input_ids, request.attention_mask, request.key, resolved
     )
-    batch, source_length = input_ids.shape
+    batch = input_ids.shape[0]
     start = encoder_decoder.start_token_id(resolved, model)
     prefix = encoder_decoder.decoder_prefix(
         start, request.decoder_input_ids, batch, model.vocab_size
@@ -381,12 +388,18 @@ def _prepare_encoder_decoder(model, params, input_ids, config, request) -> Prepa
     criteria = as_criteria(request.stopping_criteria)
     request = dataclasses.replace(request, stopping_criteria=criteria)
     stop_strings = stop_string_table_for(resolved, request.tokenizer)
+    if request.streamer is not None:  # it gets the decoder's prefix first, as in transformers
+        traced = (params, input_ids, attention_mask, key, prefix)
+        traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(traced))
+        check_streamer(request.streamer, input_ids, resolved, traced)
     pad_token_id, _ = special_ids(resolved)
     if attention_mask is None:  # transformers infers none for an encoder-decoder model
         xp = jnp if isinstance(input_ids, jax.core.Tracer) else np
         attention_mask = xp.ones(input_ids.shape, xp.int32)
     policy = buckets.resolve(request.prompt_buckets)
     ids, mask = encoder_decoder.place_source(input_ids, attention_mask, pad_token_id, policy)
+    if states is not None:
+        states = encoder_decoder.place_states(states, ids.shape[1])
     plan = _plan(model, resolved, mode, ids.shape, new_tokens, None, None, request)
     rows = library_dots(params, _decode_rows(plan, ids))
     plan = dataclasses.replace(plan, caches=(), library_dots=rows)  # no memory check: its
@@ -399,12 +412,56 @@ def _prepare_encoder_decoder(model, params, input_ids, config, request) -> Prepa
         stop_strings=stop_strings,
         assistant_params=None,
         logits_processor=as_processors(request.logits_processor),
+        automaton=automaton_for(request.constraint, mode, batch, model, resolved),
         decoder_input_ids=prefix,
         source_length=jnp.asarray(source_length, jnp.int32),
+        encoder_states=states,
     )
     return PreparedCall(
-        plan, params, ids, mask, traced, input_ids, source_length, new_tokens, 0, policy
+        plan, params, ids, mask, traced, prefix, source_length, new_tokens, 0, policy
     )
+
+
+def _encoder_inputs(model, input_ids, request: CallRequest, config):
+    """``(input_ids, states, source_length)`` of an encoder-decoder call: with
+    ``encoder_outputs``, its states float[B, Ps, D] and ``input_ids`` (for the ``encoder_*``
+    processors only) checked against them, or ids of 0 when None, which no processor reads
+    (``source_length`` 0); without, the ids as given, None and their length.
+
+    Raises:
+        InputError: ``input_ids`` None without ``encoder_outputs``, or with ``encoder_*``
+            processors; ``input_ids`` whose shape is not the states' ``[B, Ps]``.
+    """
+    if request.encoder_outputs is None:
+        if input_ids is None:
+            raise InputError(
+                "input_ids is None: pass the source ids, or encoder_outputs= (the encoder's "
+                "states from an earlier call) to skip the encoder."
+            )
+        return input_ids, None, np.shape(input_ids)[1]
+    batch = None if input_ids is None else np.shape(input_ids)[0]
+    states = encoder_decoder.encoder_states(request.encoder_outputs, model, batch)
+    if input_ids is not None:
+        if tuple(np.shape(input_ids)) != tuple(states.shape[:2]):
+            raise InputError(
+                f"input_ids {tuple(np.shape(input_ids))} must be the [B, Ps] of encoder_outputs "
+                f"{tuple(states.shape)}: the source the states were computed from (read by the "
+                f"encoder_* processors only), or None."
+            )
+        return input_ids, states, states.shape[1]
+    ngrams = config.encoder_no_repeat_ngram_size
+    active = {
+        "encoder_repetition_penalty": config.is_active("encoder_repetition_penalty"),
+        "encoder_no_repeat_ngram_size": ngrams is not None and ngrams > 0,
+    }
+    for name, on in active.items():
+        if on:
+            raise InputError(
+                f"{name} reads the source ids, but input_ids is None (encoder_outputs= alone). "
+                f"Pass the source ids as input_ids too, or unset {name}."
+            )
+    xp = jnp if isinstance(states, jax.core.Tracer) else np
+    return xp.zeros(states.shape[:2], xp.int32), states, 0
 
 
 def _resolve(model, config, request: CallRequest):

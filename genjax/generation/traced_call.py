@@ -68,6 +68,8 @@ class TracedCall:
                 self.traced.decoder_input_ids,
                 new_slots,
                 self.pad_token_id,
+                self.plan.quantized,
+                self.traced.encoder_states,
             )
         if draft:
             model, params = self.plan.assistant, self.traced.assistant_params

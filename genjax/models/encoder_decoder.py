@@ -30,7 +30,8 @@ A full teacher-forced forward pass is ``apply`` on a fresh ``init_cache(B, T, ..
 is ``apply`` with ``T = 1`` repeatedly, and equals it.
 
 The models also carry ``decoder_start_token_id`` (from ``config.json``, None when it has none:
-``GenerationConfig`` then supplies it), ``vocab_size``, ``num_layers`` (decoder layers),
+``GenerationConfig`` then supplies it), ``vocab_size``, ``hidden_size`` (``D``), ``num_layers``
+(decoder layers),
 ``dtype`` and ``max_position_embeddings``.
 
 Example::
@@ -97,6 +98,11 @@ class EncoderDecoderBase(ModelBase):
 
     def _hf_transposed(self, path: tuple[str, ...]) -> bool:
         return False  # nn.Linear weights are [out, in] already
+
+    @property
+    def hidden_size(self) -> int:
+        """``D``, the width of the encoder states and of the decoder (``d_model``)."""
+        return self.config.hidden_size
 
     def encode(self, params: PyTree, input_ids: Array, attention_mask: Array | None = None):
         """Runs the encoder; pure, jittable with the model static.

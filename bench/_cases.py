@@ -21,10 +21,17 @@ class Shape:
 
     name: str
     title: str
-    arch: str  # "gpt2" or "llama"
-    layers: int
+    arch: str  # "gpt2", "llama" or "t5"
+    layers: int  # each stack's layers (T5: the encoder's and the decoder's)
     config: dict
     real: bool = False  # the real checkpoint of bench/_real.py, not random weights
+    prompt: int | None = None  # the prompt length of every case (None: each case's own)
+    cases: tuple[str, ...] | None = None  # the cases run by default (None: all)
+
+    @property
+    def encoder_decoder(self) -> bool:
+        """True for a sequence-to-sequence shape (T5): the prompt is the encoder's source."""
+        return self.arch == "t5"
 
     def hf_config(self, layers: int | None = None):
         """The transformers config, with ``layers`` hidden layers (default: full depth)."""
@@ -33,7 +40,15 @@ class Shape:
         layers = self.layers if layers is None else layers
         if self.arch == "gpt2":
             return transformers.GPT2Config(n_layer=layers, **self.config)
+        if self.arch == "t5":
+            return transformers.T5Config(
+                num_layers=layers, num_decoder_layers=layers, **self.config
+            )
         return transformers.LlamaConfig(num_hidden_layers=layers, **self.config)
+
+    def case(self, case: Case) -> Case:
+        """``case`` with this shape's prompt length, when it sets one."""
+        return case if self.prompt is None else dataclasses.replace(case, prompt=self.prompt)
 
 
 _SMOLLM_SIZES = dict(
@@ -72,9 +87,28 @@ SHAPES = {
         ),
         real=True,
     ),
+    "t5": Shape(
+        name="t5",
+        title="T5-small (encoder-decoder, 128-token source)",
+        arch="t5",
+        layers=6,
+        config=dict(
+            d_model=512,
+            d_ff=2048,
+            d_kv=64,
+            num_heads=8,
+            vocab_size=32128,
+            feed_forward_proj="relu",
+            tie_word_embeddings=True,
+            decoder_start_token_id=0,
+        ),
+        prompt=128,
+        cases=("greedy_b1", "greedy_b8"),
+    ),
 }
-RANDOM_SHAPES = [name for name, shape in SHAPES.items() if not shape.real]
-"""The shapes run by default (random weights, written on the fly)."""
+RANDOM_SHAPES = ["gpt2", "smollm"]
+"""The shapes run by default (random weights, written on the fly); ``--shapes t5`` adds the
+encoder-decoder one."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,9 +154,13 @@ CASES = {
 QUICK_BATCHES = (1, 8)
 
 
-def select_cases(names: list[str] | None, quick: bool) -> list[Case]:
-    """The cases to run, in suite order; ``quick`` keeps batches 1 and 8 only."""
-    chosen = [CASES[name] for name in (names or CASES)]
+def select_cases(names: list[str] | None, quick: bool, shape: Shape | None = None) -> list[Case]:
+    """The cases to run, in suite order (default: the shape's own, else all), with the shape's
+    prompt length; ``quick`` keeps batches 1 and 8 only."""
+    default = shape.cases if shape is not None and shape.cases else CASES
+    chosen = [CASES[name] for name in (names or default)]
+    if shape is not None:
+        chosen = [shape.case(case) for case in chosen]
     if quick:
         chosen = [case for case in chosen if case.batch in QUICK_BATCHES]
     return chosen
@@ -148,7 +186,9 @@ def write_checkpoint(shape: Shape, layers: int, folder: str) -> dict:
     transformers.utils.logging.disable_progress_bar()
     torch.manual_seed(SEED)
     config = shape.hf_config(layers)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    auto = transformers.AutoModelForSeq2SeqLM if shape.encoder_decoder else None
+    auto = auto or transformers.AutoModelForCausalLM
+    model = auto.from_config(config, dtype=torch.float32).eval()
     model.save_pretrained(folder, safe_serialization=True)
     return _facts(model, config, layers)
 

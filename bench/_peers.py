@@ -282,8 +282,10 @@ def _timed(call: Callable[[], None]) -> float:
     return time.perf_counter() - start
 
 
-def _check_shape(shape, ids: np.ndarray, new_tokens: int, lib: str) -> None:
-    expected = (ids.shape[0], ids.shape[1] + new_tokens)
+def _check_shape(shape, ids: np.ndarray, new_tokens: int, lib: str, encoder_decoder=False):
+    """Raises unless ``shape`` is the prompt and its new tokens (an encoder-decoder model: the
+    decoder start token and the new tokens)."""
+    expected = (ids.shape[0], (1 if encoder_decoder else ids.shape[1]) + new_tokens)
     if tuple(shape) != expected:
         raise RuntimeError(f"{lib} returned sequences of shape {tuple(shape)}, not {expected}")
 
@@ -320,7 +322,8 @@ class GenjaxRunner(Runner):
         def call() -> None:
             out = self._genjax.generate(self.model, self.params, prompts, config, key=key)
             out.sequences.block_until_ready()
-            _check_shape(out.sequences.shape, prompts, new_tokens, "genjax")
+            seq2seq = self.model.is_encoder_decoder
+            _check_shape(out.sequences.shape, prompts, new_tokens, "genjax", seq2seq)
 
         return call
 
@@ -344,7 +347,9 @@ class TorchRunner(Runner):
         self._torch = torch
         self.static = lib == "torch-static"
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        model = transformers.AutoModelForCausalLM.from_pretrained(
+        self.encoder_decoder = transformers.AutoConfig.from_pretrained(folder).is_encoder_decoder
+        auto = transformers.AutoModelForSeq2SeqLM if self.encoder_decoder else None
+        model = (auto or transformers.AutoModelForCausalLM).from_pretrained(
             folder, dtype=getattr(torch, dtype)
         )
         self.model = model.to(self.device).eval()
@@ -377,7 +382,7 @@ class TorchRunner(Runner):
                 out = self.model.generate(prompts, attention_mask=mask, **kwargs)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            _check_shape(out.shape, ids, new_tokens, "torch")
+            _check_shape(out.shape, ids, new_tokens, "torch", self.encoder_decoder)
 
         return call
 

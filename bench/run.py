@@ -6,7 +6,7 @@ with ``cache_implementation="static"``, interleaved run by run, each library in 
 Prints a table per shape and the fraction of the memory-bandwidth limit that batch-1 greedy
 decoding reaches; ``--json`` writes every number and the environment.
 
-Run:  python bench/run.py [--quick] [--json out.json] [--shapes gpt2 smollm | --real]
+Run:  python bench/run.py [--quick] [--json out.json] [--shapes gpt2 smollm t5 | --real]
                           [--cases greedy_b1 ...] [--runs 3] [--libs genjax torch torch-static]
                           [--flax-python PATH] [--dtypes float32 bfloat16 int8]
 Needs the `parity` extra (torch, transformers); `--libs ... flax446` also needs the venv that
@@ -176,7 +176,7 @@ class MatmulFloor:
             return None
 
 
-def run_case(case: _cases.Case, shape_name: str, folder: str, checkpoint: dict, args) -> dict:
+def run_case(case: _cases.Case, shape: _cases.Shape, folder: str, checkpoint: dict, args) -> dict:
     """Times one case with every library: fresh workers, one warm-up call each, then
     ``args.runs`` interleaved runs; for ``FLOOR_CASE`` (with genjax) also the matmul-only
     floor, once per round. Errors become ``{"error": ...}`` entries, never a crash."""
@@ -188,8 +188,8 @@ def run_case(case: _cases.Case, shape_name: str, folder: str, checkpoint: dict, 
     try:
         live = _load(peers, results)
         live = _warm_up(peers, results, live, case, ids, new_tokens)
-        if case.name == FLOOR_CASE and "genjax" in live:
-            floor = MatmulFloor(shape_name, checkpoint["layers"], new_tokens)
+        if case.name == FLOOR_CASE and "genjax" in live and not shape.encoder_decoder:
+            floor = MatmulFloor(shape.name, checkpoint["layers"], new_tokens)
         after_round = floor.run if floor else lambda: None
         live = _interleave(peers, results, live, case.name, args.runs, after_round)
         for lib in live:
@@ -293,9 +293,9 @@ def run_shape(shape: _cases.Shape, args) -> dict:
             log(f"{shape.name}: writing a random {layers}-layer checkpoint")
             checkpoint = _cases.write_checkpoint(shape, layers, folder)
         cases = {}
-        for case in _cases.select_cases(args.cases, args.quick):
+        for case in _cases.select_cases(args.cases, args.quick, shape):
             log(f"{shape.name}: {case.name} ({case.title})")
-            cases[case.name] = run_case(case, shape.name, folder, checkpoint, args)
+            cases[case.name] = run_case(case, shape, folder, checkpoint, args)
     return dict(
         title=shape.title,
         shape=dict(arch=shape.arch, full_layers=shape.layers, **shape.config),
@@ -328,8 +328,10 @@ def main(argv: list[str] | None = None) -> int:
     report["shapes"] = {}
     _print_header(report)
     for name in args.shapes:
-        result = run_shape(_cases.SHAPES[name], args)
-        if "greedy_b1" in result["cases"]:
+        shape = _cases.SHAPES[name]
+        result = run_shape(shape, args)
+        # The bandwidth limit counts every weight a decoder-only step reads.
+        if "greedy_b1" in result["cases"] and not shape.encoder_decoder:
             remeasure_host_bandwidth(report["bandwidth"])
             result["bandwidth_fraction"] = _report.bandwidth_fractions(
                 result["cases"]["greedy_b1"], result["checkpoint"], report["bandwidth"]
@@ -362,7 +364,8 @@ def _print_header(report: dict) -> None:
     print(f"{env['platform']}; {env['processor']}; {env['usable_cpus']} usable CPUs")
     print(f"CPU vector extensions: {', '.join(env['cpu_extensions']) or 'none found'}")
     print(
-        f"prompt 32 (prefill512: 512), {settings['new_tokens']} new tokens, "
+        f"prompt 32 (prefill512: 512; t5: a 128-token source), {settings['new_tokens']} new "
+        f"tokens, "
         f"median (min-max) of {settings['runs']} run(s); ratio = genjax / best torch speed"
     )
     flax = env.get(FLAX_LIB)

@@ -454,3 +454,24 @@ def test_compile_cache_in_the_user_cache_dir_unless_turned_off(
         assert (tmp_path / "genjax" / "xla").is_dir()
     finally:
         genjax.disable_compile_cache()
+
+
+def test_token_healing_heals_each_prompt_as_generate_does(folder, loaded, capsys, tmp_path):
+    model, params, tok = loaded
+    healing = _copy(folder, tmp_path / "healing")  # the CLI reads token_healing from the file
+    settings = {**GENERATION, "token_healing": True}
+    (healing / "generation_config.json").write_text(json.dumps(settings))
+    config = genjax.GenerationConfig(**settings)
+    prompts = ["def fib", "hello w", "hello to"]
+    want = []
+    for prompt in prompts:
+        ids = tok([prompt])["input_ids"]
+        healed = np.asarray(genjax.heal_tokens(model, params, ids, tok))
+        out = genjax.generate(model, params, ids, config, tokenizer=tok)
+        new = np.asarray(out.sequences)[0, healed.shape[1] :].tolist()
+        want.append(new[: new.index(2) + 1] if 2 in new else new)
+        # The random model heals "fib" into "fibo" and "w" into "wor"; "to" stays.
+        assert (healed.tolist() != ids.tolist()) == (prompt != "hello to")
+    code, out, err = _run(capsys, "generate", *prompts, "--model", healing, "--json")
+    assert (code, err) == (0, "")
+    assert [record["token_ids"] for record in _json_lines(out)] == want

@@ -90,6 +90,11 @@ class Runner:
         # tokens; its source is padded on the right (as generate pads it).
         self.encoder_decoder = bool(getattr(model, "is_encoder_decoder", False))
         self.sampling = bool(config.with_defaults().do_sample)
+        # Token healing needs the tokenizer on the host: each prompt is healed alone before its
+        # batch is padded (genjax.heal_tokens), then generated without it.
+        self.heal = bool(config.with_defaults().token_healing)
+        if self.heal:
+            self.config = config = config.replace(token_healing=False)
         eos, pad = config.eos_token_id, config.pad_token_id
         eos_ids = [] if eos is None else np.atleast_1d(eos).tolist()
         self.eos_ids = set(eos_ids)
@@ -176,6 +181,18 @@ class Runner:
         return 1 if self.encoder_decoder else ids.shape[1]
 
     def _encode(self, prompts: list[str]) -> dict:
+        batch = self._tokenize(prompts)
+        if not self.heal:
+            return batch
+        from genjax.generation import heal_tokens
+
+        rows = [
+            heal_tokens(self.model, self.params, ids[mask == 1][None], self.tokenizer, key=self.key)
+            for ids, mask in zip(batch["input_ids"], batch["attention_mask"], strict=True)
+        ]
+        return self.tokenizer.pad([np.asarray(row)[0].tolist() for row in rows])
+
+    def _tokenize(self, prompts: list[str]) -> dict:
         if not self.chat:
             return self.tokenizer(prompts)
         if self.tokenizer.chat_template is None:

@@ -23,6 +23,8 @@ from genjax.decoding import assisted
 from genjax.errors import GenerationConfigError, InputError, UnsupportedError
 from genjax.testing import chi_square_p_value, write_random_checkpoint
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")  # LLVM at -O0: see conftest.py
+
 # Three left-padded prompts of different lengths, so rows sit at different positions.
 IDS = np.array([[0, 0, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14], [0, 3, 4, 5, 3, 4]], np.int32)
 MASK = (np.arange(6)[None] >= np.array([2, 0, 1])[:, None]).astype(np.int32)

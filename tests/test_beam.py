@@ -16,6 +16,8 @@ from genjax import processors as P
 from genjax.decoding import beam
 from genjax.errors import GenerationConfigError, UnsupportedError
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")  # LLVM at -O0: see conftest.py
+
 FIXTURES = Path(__file__).parent / "fixtures"
 ARCHS = ["llama", "gpt2", "qwen3", "olmo2", "phi3", "gemma3"]  # recorded in tests/fixtures/beam
 LIVE_ARCHS = ["llama", "gpt2", "qwen2"]

@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from genjax import processors as P
 from genjax.cache import KVCache
@@ -17,6 +18,8 @@ from genjax.decoding.sampling import (
 )
 from genjax.stopping import stop_string_table, stopping_rules
 from genjax.testing import chi_square_p_value
+
+pytestmark = pytest.mark.usefixtures("fast_compiles")  # LLVM at -O0: see conftest.py
 
 VOCAB = 8
 # The most likely token after t is TABLE[t]: 1 -> 2 -> 3 -> 4 -> 5 -> 1 ...; 6 and 7 -> 1.

@@ -20,6 +20,8 @@ from genjax.models import from_config, from_pretrained
 from genjax.models.t5 import relative_buckets
 from genjax.testing import left_padded_batch, tiny_config, write_random_checkpoint
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")  # LLVM at -O0: see conftest.py
+
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "encdec")
 FIXTURE_CASES = ["t5_v1_0", "t5_v1_1", "bart", "mbart", "marian"]
 PRESETS = ["t5", "t5_v1_1", "bart", "mbart", "marian"]

@@ -16,6 +16,8 @@ from genjax.cache.quantized import QuantizedKVCache
 from genjax.errors import InputError, UnsupportedError
 from genjax.generation.prefill import prefill
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")  # LLVM at -O0: see conftest.py
+
 FIXTURES = Path(__file__).parent / "fixtures"
 ARCHS = [
     "llama",

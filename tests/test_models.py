@@ -30,6 +30,8 @@ from genjax.models import loading as loading_module
 from genjax.models.rope import RopeConfig, inverse_frequencies
 from genjax.testing import tiny_config, write_random_checkpoint
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")  # LLVM at -O0: see conftest.py
+
 # (model_type, config overrides) of the architectures the numeric tests cover.
 CASES = {
     "llama": ("llama", {}),

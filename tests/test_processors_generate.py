@@ -20,6 +20,8 @@ import genjax
 from genjax import GenerationConfig
 from genjax.errors import GenerationConfigError, UnsupportedError
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")  # LLVM at -O0: see conftest.py
+
 FIXTURES = Path(__file__).parent / "fixtures"
 RECORDS = FIXTURES / "processors"
 ARCHS = ["llama", "gpt2"]

@@ -22,6 +22,8 @@ from genjax.errors import GenerationConfigError, InputError
 from genjax.stopping import stop_string_hits, stop_string_table
 from genjax.stopping.stop_strings import _byte_alphabet
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")  # LLVM at -O0: see conftest.py
+
 FIXTURES = Path(__file__).parent / "fixtures"
 CHECKPOINT_TOKENIZER = FIXTURES / "stop_strings"  # made by make_stop_string_fixtures.py
 SPECIALS = ["<pad>", "<s>", "</s>"]

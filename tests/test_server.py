@@ -794,8 +794,21 @@ def test_a_client_leaving_mid_stream_cancels_its_request(server):
     assert metrics["genjax_tokens_total"] - before < budget
 
 
+def _rss_mb(pid: int) -> float:
+    """The resident set of process ``pid`` in MiB (``VmRSS``)."""
+    with open(f"/proc/{pid}/status") as status:
+        line = next(line for line in status if line.startswith("VmRSS:"))
+    return int(line.split()[1]) / 1024
+
+
+LOAD_STREAMS = 64
+
+
 @pytest.mark.load
-def test_load_32_streams_with_a_fifth_leaving(server):
+def test_load_64_streams_with_a_fifth_leaving_twice_without_growing(server):
+    """Two rounds of 64 concurrent streams, every fifth leaving after its first text: the rest
+    get their solo text, the engine ends idle, and the second round leaves the server no bigger
+    than the first (a leak per request would grow it by the round's 64 requests)."""
     kwargs = {"model": MODEL, "max_tokens": 40, "temperature": 0}
     solo = {
         p: server.client().completions.create(prompt=p, **kwargs).choices[0].text for p in PROMPTS
@@ -815,16 +828,20 @@ def test_load_32_streams_with_a_fifth_leaving(server):
     async def run():
         client = openai.AsyncOpenAI(base_url=server.url, api_key=KEY, max_retries=0, timeout=300)
         async with client:
-            streams = asyncio.gather(*(one(client, i) for i in range(32)))
+            streams = asyncio.gather(*(one(client, i) for i in range(LOAD_STREAMS)))
             return await asyncio.wait_for(streams, 600)
 
-    results = asyncio.run(run())
-    finished = [r for r in results if r is not None]
-    assert len(finished) == 32 - len(range(0, 32, 5))
-    for prompt, text in finished:
-        assert text == solo[prompt]
-    metrics = server.wait_idle()
-    assert metrics["genjax_running"] == 0 and metrics["genjax_blocks_in_use"] == 0
+    resident = []
+    for _ in range(2):
+        results = asyncio.run(run())
+        finished = [r for r in results if r is not None]
+        assert len(finished) == LOAD_STREAMS - len(range(0, LOAD_STREAMS, 5))
+        for prompt, text in finished:
+            assert text == solo[prompt]
+        metrics = server.wait_idle()
+        assert metrics["genjax_running"] == 0 and metrics["genjax_blocks_in_use"] == 0
+        resident.append(_rss_mb(server.process.pid))
+    assert resident[1] <= resident[0] * 1.05 + 16, resident  # MiB: allocator noise only
 
 
 def test_serve_flags_are_checked_before_anything_loads(capsys):

@@ -106,14 +106,7 @@ def check_inputs(model, input_ids, attention_mask, key, config):
             f"`input_ids` must hold at least one prompt of at least one token; got shape "
             f"{tuple(input_ids.shape)}."
         )
-    if not isinstance(input_ids, jax.core.Tracer):
-        values = local_values(input_ids)
-        low, high = int(values.min()), int(values.max())
-        if low < 0 or high >= model.vocab_size:
-            raise InputError(
-                f"`input_ids` holds ids in [{low}, {high}], outside the model's vocabulary "
-                f"[0, {model.vocab_size - 1}]. Tokenize with the model's own tokenizer."
-            )
+    check_in_vocabulary("input_ids", input_ids, model.vocab_size)
     if attention_mask is not None:
         if not hasattr(attention_mask, "shape"):
             attention_mask = np.asarray(attention_mask)
@@ -140,6 +133,20 @@ def check_inputs(model, input_ids, attention_mask, key, config):
     if key is not None and key.shape != ():
         raise InputError(f"`key` must be a single key of shape (); got shape {key.shape}.")
     return input_ids, attention_mask, key
+
+
+def check_in_vocabulary(name: str, ids, vocab_size: int) -> None:
+    """Raises InputError naming ``name`` when concrete ``ids`` hold an id outside
+    ``[0, vocab_size)``; traced ids pass (their values cannot be read)."""
+    if isinstance(ids, jax.core.Tracer):
+        return
+    values = local_values(ids)
+    low, high = int(values.min()), int(values.max())
+    if low < 0 or high >= vocab_size:
+        raise InputError(
+            f"`{name}` holds ids in [{low}, {high}], outside the model's vocabulary "
+            f"[0, {vocab_size - 1}]. Tokenize with the model's own tokenizer."
+        )
 
 
 RIGHT_PADDING_WARNING = (
@@ -373,14 +380,7 @@ def negative_prompt(model, config, mode_name: str, input_ids, ids, mask):
             f"`negative_prompt_ids` has {ids.shape[0]} rows but input_ids has {batch}: give one "
             f"negative prompt per prompt (left-padded, with negative_prompt_attention_mask)."
         )
-    if not isinstance(ids, jax.core.Tracer):
-        values = local_values(ids)
-        low, high = int(values.min()), int(values.max())
-        if low < 0 or high >= model.vocab_size:
-            raise InputError(
-                f"`negative_prompt_ids` holds ids in [{low}, {high}], outside the model's "
-                f"vocabulary [0, {model.vocab_size - 1}]. Tokenize with the model's tokenizer."
-            )
+    check_in_vocabulary("negative_prompt_ids", ids, model.vocab_size)
     if mask is None:
         xp = jnp if isinstance(ids, jax.core.Tracer) else np
         return as_int32(ids), as_int32(xp.ones(ids.shape, xp.int32))

@@ -624,6 +624,33 @@ def test_structured_output_follows_the_schema_the_choices_or_the_regex(server):
     assert client.completions.create(extra_body=phone, **kwargs).choices[0].text == text
 
 
+def test_json_object_chat_equals_generate_with_the_same_constraint(
+    server, tokenizer, model_and_params, scored_reference
+):
+    """``response_format: json_object`` is genjax.generate with ``constraints.json_object``:
+    the same greedy text, which opens an object where the unconstrained reply does not."""
+    model, params = model_and_params
+    answer = server.client().chat.completions.create(
+        model=MODEL,
+        messages=CHAT,
+        temperature=0,
+        max_completion_tokens=20,
+        response_format={"type": "json_object"},
+    )
+    ids = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True)
+    out = genjax.generate(
+        model,
+        params,
+        np.asarray([ids], np.int32),
+        constraint=genjax.constraints.json_object(tokenizer),
+        max_new_tokens=20,
+        do_sample=False,
+    )
+    expected = _greedy_text(tokenizer, np.asarray(out.sequences)[0, len(ids) :].tolist(), 20)
+    assert answer.choices[0].message.content == expected and expected.startswith("{")
+    assert not _greedy_text(tokenizer, scored_reference[1][0], 20).startswith("{")
+
+
 def test_structured_output_errors_name_the_field(server):
     client = server.client()
     cases = [

@@ -254,6 +254,10 @@ def heal_call(model, input_ids, config, request, regenerate: Regenerate):
         UnsupportedError: an encoder-decoder model.
     """
     default = getattr(model, "generation_config", None)
+    settings = [request.overrides.get("token_healing")]
+    settings += [getattr(c, "token_healing", None) for c in (config, default)]
+    if not any(settings):  # nothing sets it: skip the config merge prepare() does anyway
+        return input_ids, request
     _, resolved = resolve_config(config, dict(request.overrides), default)
     mask = request.attention_mask
     if not resolved.token_healing:

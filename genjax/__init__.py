@@ -19,9 +19,9 @@ mask`` (``tok(["def f():", "import os"])``, int32[2, 3], left-padded), ``config`
 
 The package is built in floors, each importing only the floors below it (``tests/test_layout.py``
 checks it): ``errors``/``typing``; ``config``, ``processors``, ``watermarking``, ``stopping``,
-``cache``; ``models``, ``decoding``, ``sharding``; ``io``, ``streaming``, ``constraints``;
-``generation``, ``serving``; and this face with ``cli``. The axis letters used in shapes are
-defined in :mod:`genjax.typing`.
+``cache``, ``kernels``; ``models``, ``decoding``, ``sharding``; ``io``, ``streaming``,
+``constraints``; ``generation``, ``serving``; and this face with ``cli``. The axis letters used
+in shapes are defined in :mod:`genjax.typing`.
 """
 
 from genjax import (
@@ -31,6 +31,7 @@ from genjax import (
     constraints,
     decoding,
     io,
+    kernels,
     models,
     processors,
     serving,
@@ -81,6 +82,7 @@ __all__ = [
     "generate",
     "heal_tokens",
     "io",
+    "kernels",
     "models",
     "pmap_generate",
     "processors",

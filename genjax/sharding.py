@@ -102,7 +102,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from genjax.cache import KVCache
 from genjax.cache.quantized import QuantizedKVCache
-from genjax.errors import ShardingError
+from genjax.errors import ShardingError, UnsupportedError
 from genjax.typing import Array, PyTree
 
 Rules = tuple[tuple[str, str | None], ...]
@@ -256,13 +256,34 @@ def partition_spec(
 
 
 def param_shardings(params: PyTree, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> PyTree:
-    """A NamedSharding for every parameter, from its logical axes and ``rules``."""
+    """A NamedSharding for every parameter, from its logical axes and ``rules``.
+
+    Raises:
+        UnsupportedError: 4-bit params on a mesh of several devices.
+    """
+    check_no_four_bit(params, mesh)
 
     def sharding(path, leaf) -> NamedSharding:
         axes = _axes_of(_param_name(path), np.ndim(leaf))
         return NamedSharding(mesh, partition_spec(axes, np.shape(leaf), mesh, rules))
 
     return jax.tree_util.tree_map_with_path(sharding, params)
+
+
+def check_no_four_bit(params: PyTree, mesh: Mesh | AbstractMesh) -> None:
+    """Raises UnsupportedError when ``params`` hold 4-bit kernels (``kernel_q4``) and ``mesh``
+    has several devices: their products are a single-device CPU kernel
+    (:mod:`genjax.kernels.q4`) that XLA cannot split, so a mesh would replicate every product."""
+    if mesh.size <= 1:
+        return
+    names = [_param_name(path) for path, _ in jax.tree_util.tree_leaves_with_path(params)]
+    four_bit = [name for name in names if name.endswith("/kernel_q4")]
+    if four_bit:
+        raise UnsupportedError(
+            f"4-bit params ({four_bit[0]} and {len(four_bit) - 1} more) run on one device; a "
+            f"mesh of {mesh.size} devices cannot split their products. Use float or int8 params "
+            "(quantize='int8') on a mesh."
+        )
 
 
 def shard_params(params: PyTree, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> PyTree:
@@ -361,7 +382,12 @@ class Layout:
 
     def place_params(self, params: PyTree) -> PyTree:
         """Returns ``params`` unchanged when every leaf already lives on this mesh (any split),
-        else :func:`shard_params` by the rules. Tracers are returned unchanged."""
+        else :func:`shard_params` by the rules. Tracers are returned unchanged.
+
+        Raises:
+            UnsupportedError: 4-bit params (:func:`check_no_four_bit`).
+        """
+        check_no_four_bit(params, self.mesh)
         leaves = jax.tree_util.tree_leaves(params)
         if any(isinstance(x, jax.core.Tracer) for x in leaves) or all(
             isinstance(getattr(x, "sharding", None), NamedSharding) and x.sharding.mesh == self.mesh

@@ -25,7 +25,8 @@ The conversion follows transformers v5 (``modeling_gguf_pytorch_utils.py``,
 
 Supported tensor types: ``SUPPORTED_TYPES`` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K,
 Q5_K, Q6_K). The params are float (dequantized), so a Q4 file takes the memory of its float
-weights once loaded.
+weights once loaded, unless ``from_pretrained(..., quantize="int4")`` asks to keep its Q4_0 and
+Q4_1 kernels packed (:mod:`genjax.kernels.q4` uses their block layout).
 
 Static or traced: nothing here is traced; it runs on the host before ``jit``.
 
@@ -93,6 +94,7 @@ _MODELS = {"llama": LlamaModel, "qwen2": LlamaModel, "gpt2": GPT2Model}
 _IGNORED_PREFIXES = ("GGUF.", "general.", "tokenizer.", "split.")
 _MAX_NAMES = 20
 _CHUNK_BYTES = 8 << 20  # float32 bytes dequantized at once
+_Q4 = {"Q4_0": 2, "Q4_1": 4}  # bytes before a block's 16 bytes of nibbles: d, or d and m
 
 
 def is_gguf(path: str | os.PathLike) -> bool:
@@ -205,13 +207,21 @@ def generation_defaults(metadata: Mapping[str, Any]) -> dict[str, int]:
     return {key: int(value) for key, value in found.items() if value is not None}
 
 
-def load(path: str | os.PathLike, dtype: Any, ignore_config_keys: Iterable[str] = ()):
+def load(
+    path: str | os.PathLike,
+    dtype: Any,
+    ignore_config_keys: Iterable[str] = (),
+    keep_int4: bool = False,
+):
     """Reads a GGUF file into ``(model, params)``.
 
     Args:
         path: the ``.gguf`` file.
         dtype: the params' numpy dtype (already canonical, e.g. ``np.dtype("float32")``).
         ignore_config_keys: metadata keys the caller vouches for.
+        keep_int4: keep Q4_0 and Q4_1 linear kernels as genjax 4-bit leaves (``kernel_q4``,
+            ``kernel_q4_scale``, ``kernel_q4_min``; the same values, exactly) instead of
+            dequantizing them.
 
     Returns:
         ``(model, params)`` as :func:`genjax.models.from_pretrained` returns them.
@@ -246,6 +256,14 @@ def load(path: str | os.PathLike, dtype: Any, ignore_config_keys: Iterable[str] 
     permute = _permutation(metadata["general.architecture"], model)
     params: dict = {}
     for name, (param_path, shape) in expected.items():
+        if keep_int4 and param_path[-1] == "kernel" and tensors[name].tensor_type.name in _Q4:
+            packed = _four_bit(tensors[name], shape)
+            if name in permute:
+                packed = tuple(_unpermute_rows(part, permute[name]) for part in packed)
+            for suffix, part in zip(("", "_scale", "_min"), packed, strict=True):
+                _insert(params, (*param_path[:-1], f"kernel_q4{suffix}"), jnp.asarray(part))
+            _drop_pages(reader)
+            continue
         array = _dequantize(tensors[name], path, dtype)
         if name in permute:
             array = _unpermute_rows(array, permute[name])
@@ -266,6 +284,21 @@ def _drop_pages(reader) -> None:
     mapped = getattr(reader.data, "base", None)
     if isinstance(mapped, mmap.mmap) and hasattr(mmap, "MADV_DONTNEED"):
         mapped.madvise(mmap.MADV_DONTNEED)
+
+
+def _four_bit(tensor, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A Q4_0 / Q4_1 tensor [O, I] as ``(packed uint8[O, I/2], scale, minimum float16[O, I/32])``
+    (:mod:`genjax.kernels.q4`): the blocks' nibbles as stored; Q4_1's ``d`` and ``m`` as they
+    are, Q4_0's ``d`` with minimum ``-8 d`` (exact in float16)."""
+    header = _Q4[tensor.tensor_type.name]
+    blocks = np.asarray(tensor.data).reshape(shape[0], shape[1] // 32, header + 16)
+    scale = blocks[..., 0:2].copy().view(np.float16)[..., 0]
+    if header == 4:
+        minimum = blocks[..., 2:4].copy().view(np.float16)[..., 0]
+    else:
+        minimum = (scale * np.float16(-8)).astype(np.float16)
+    packed = np.ascontiguousarray(blocks[..., header:]).reshape(shape[0], shape[1] // 2)
+    return packed, scale, minimum
 
 
 def _supported(tensor) -> bool:

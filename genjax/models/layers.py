@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from genjax.errors import UnsupportedError
+from genjax.kernels import q4
 from genjax.typing import Array
 
 
@@ -178,8 +179,10 @@ class Dense(nn.Module):
     choice is made for CPUs. Figures: ``bench/README.md``.
 
     With weight-only int8 params (:mod:`genjax.quantize`) ``kernel`` is int8[out, in] and a
-    sibling ``kernel_scale`` float32[out] holds one scale per output channel. Which path runs is
-    decided by the params' structure (static), never by their values.
+    sibling ``kernel_scale`` float32[out] holds one scale per output channel. With 4-bit params
+    there is no ``kernel``: ``kernel_q4`` uint8[out, in/2], ``kernel_q4_scale`` and
+    ``kernel_q4_min`` float16[out, in/32] (:mod:`genjax.kernels.q4`). Which path runs is decided
+    by the params' structure (static), never by their values.
     """
 
     features: int
@@ -189,12 +192,26 @@ class Dense(nn.Module):
     @nn.compact
     def __call__(self, x: Array) -> Array:
         """Returns dtype[..., out] for x dtype[..., in]."""
-        init = nn.initializers.lecun_normal(in_axis=1, out_axis=0)
-        kernel = stored_param(self, "kernel", init, (self.features, x.shape[-1]), self.dtype)
-        scale = None
-        if self.has_variable("params", "kernel_scale"):
-            scale = self.get_variable("params", "kernel_scale")
-        y = linear(x, kernel, scale, self.dtype)
+        if self.has_variable("params", "kernel_q4"):  # 4-bit weights: genjax.kernels.q4
+            packed, scale, minimum = (
+                self.get_variable("params", f"kernel_q4{suffix}")
+                for suffix in ("", "_scale", "_min")
+            )
+            if packed.shape[0] != self.features:
+                raise flax.errors.ScopeParamShapeError(
+                    "kernel_q4",
+                    self.scope.path_text,
+                    packed.shape,
+                    (self.features, x.shape[-1] // 2),
+                )
+            y = q4.matmul(x, packed, scale, minimum).astype(self.dtype)
+        else:
+            init = nn.initializers.lecun_normal(in_axis=1, out_axis=0)
+            kernel = stored_param(self, "kernel", init, (self.features, x.shape[-1]), self.dtype)
+            scale = None
+            if self.has_variable("params", "kernel_scale"):
+                scale = self.get_variable("params", "kernel_scale")
+            y = linear(x, kernel, scale, self.dtype)
         if self.use_bias:
             bias = stored_param(self, "bias", nn.initializers.zeros, (self.features,), self.dtype)
             y = y + bias.astype(self.dtype)

@@ -113,9 +113,11 @@ def from_pretrained(
         token: a Hub token, for gated or private repos.
         ignore_config_keys: config.json keys you vouch do not change the forward pass, for
             checkpoints whose config carries keys genjax does not know.
-        quantize: None for float weights, or ``"int8"``: weight-only int8 linear layers with
-            per-output-channel scales (:func:`genjax.quantize.quantize_params`, applied after
-            loading in ``dtype``; activations stay ``dtype``).
+        quantize: None for float weights, ``"int8"``: weight-only int8 linear layers with
+            per-output-channel scales, or ``"int4"``: 4-bit linear layers in blocks of 32, the
+            output head int8 (:func:`genjax.quantize.quantize_params`, applied after loading in
+            ``dtype``; activations stay ``dtype``). From a GGUF file, ``"int4"`` keeps its Q4_0
+            and Q4_1 kernels exactly as stored, and quantizes the others.
         gguf_file: a GGUF file inside the folder or Hub repo ``name_or_path`` (transformers'
             keyword), or a path to one.
 
@@ -144,7 +146,8 @@ def from_pretrained(
         quantization.check_mode(quantize, "quantize")  # before any download or read
     gguf_path = gguf_location(name_or_path, gguf_file, revision, local_files_only, cache_dir, token)
     if gguf_path is not None:
-        model, params = gguf.load(gguf_path, dtype, tuple(ignore_config_keys))
+        keep_int4 = quantize == "int4"
+        model, params = gguf.load(gguf_path, dtype, tuple(ignore_config_keys), keep_int4)
         if quantize is not None:
             params = quantization.quantize_params(model, params, quantize)
         return model.with_generation_config(_gguf_generation_config(gguf_path)), params
@@ -373,9 +376,9 @@ def save_params(model: Any, params: PyTree, folder: str | os.PathLike, dtype: An
 
     if quantization.is_quantized(params):
         raise UnsupportedError(
-            "save_params writes float Hugging Face tensors; these params are int8-quantized "
-            "(genjax.quantize). Save the float params and quantize after loading "
-            "(from_pretrained(..., quantize='int8'))."
+            "save_params writes float Hugging Face tensors; these params are quantized (int8 or "
+            "int4, genjax.quantize). Save the float params and quantize after loading "
+            "(from_pretrained(..., quantize='int8' or 'int4'))."
         )
     stored = None if dtype is None else _canonical_dtype(dtype, in_jax=False)
     tensors = {}

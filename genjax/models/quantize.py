@@ -50,20 +50,22 @@ import jax
 import jax.numpy as jnp
 
 from genjax.errors import InputError, UnsupportedError
+from genjax.kernels import q4
 from genjax.models.gpt2 import GPT2Model
 from genjax.typing import Array, PyTree
 
-MODES = ("int8",)
+MODES = ("int8", "int4")
 """The supported values of ``mode`` (``from_pretrained``'s ``quantize``)."""
 
 _QMAX = 127  # symmetric: -128 is never used, so that -q is representable too
+_INT8_LEAVES = ("kernel_scale", "embedding_scale")
 
 
 def check_mode(mode: Any, argument: str = "mode") -> str:
     """Returns ``mode`` if genjax implements it, else raises naming ``argument``.
 
     Raises:
-        UnsupportedError: e.g. ``"int4"``, or anything not in :data:`MODES`.
+        UnsupportedError: e.g. ``"nf4"``, or anything not in :data:`MODES`.
 
     Example:
         >>> check_mode("int8")
@@ -72,8 +74,8 @@ def check_mode(mode: Any, argument: str = "mode") -> str:
     if mode not in MODES:
         raise UnsupportedError(
             f"{argument}={mode!r} is not supported; supported modes: {', '.join(map(repr, MODES))} "
-            f"(weight-only int8 with one float32 scale per output channel). Pass {argument}=None "
-            "for float weights."
+            "(weight-only int8 with one float32 scale per output channel; int4 in blocks of 32 "
+            f"with a float16 scale and minimum each). Pass {argument}=None for float weights."
         )
     return mode
 
@@ -138,35 +140,42 @@ def library_dots(params: PyTree, rows: int) -> bool:
 
 
 def is_quantized(params: PyTree) -> bool:
-    """True when ``params`` holds quantized leaves (``kernel_scale`` or ``embedding_scale``);
-    False for any other pytree (a custom model's params may be a bare array)."""
-    return any(
-        path and _leaf_name(path) in ("kernel_scale", "embedding_scale")
-        for path, _ in jax.tree_util.tree_leaves_with_path(params)
-    )
+    """True when ``params`` holds quantized leaves (``kernel_scale``, ``embedding_scale`` or
+    4-bit ``kernel_q4``); False for any other pytree (a custom model's params may be a bare
+    array)."""
+    return _has_leaves(params, (*_INT8_LEAVES, "kernel_q4"))
 
 
 def quantize_params(
     model: Any, params: PyTree, mode: str = "int8", *, tied_head: bool = True
 ) -> PyTree:
-    """Returns ``params`` with every linear kernel in weight-only int8 (see the module docstring).
+    """Returns ``params`` with weight-only quantized linear layers (see the module docstring).
 
     Args:
         model: the built-in model the params belong to (its ``tie_word_embeddings`` decides
             whether an embedding table is also the output head). It is not changed: the same
             model runs float and quantized params.
         params: its float parameter tree.
-        mode: ``"int8"`` (static).
+        mode: ``"int8"`` or ``"int4"`` (static). ``"int4"`` stores every kernel whose input
+            width is a multiple of 32 in 4-bit blocks (:mod:`genjax.kernels.q4`, Q4_1's scheme)
+            and keeps the output head in int8 (an untied ``lm_head`` per output channel, a tied
+            table per row), as llama.cpp's 4-bit files keep their output tensor in 6-8 bits;
+            other kernels get int8. 4-bit kernels already in ``params`` (a GGUF file's Q4_0 /
+            Q4_1 tensors, kept by ``from_pretrained(..., quantize="int4")``) stay as they are.
+            Decoder-only models only.
         tied_head: also quantize an embedding table that is the tied output head, per row.
 
     Returns:
-        A new tree: ``kernel`` int8[out, in] with a sibling ``kernel_scale`` float32[out]; a tied
-        head table ``embedding`` int8[V, D] with ``embedding_scale`` float32[V]; every other leaf
-        as given. Sharded inputs give outputs on the same devices (the arithmetic is elementwise
-        or a reduction over the kernel's input axis).
+        A new tree: ``kernel`` int8[out, in] with a sibling ``kernel_scale`` float32[out], or in
+        its place ``kernel_q4`` uint8[out, in/2], ``kernel_q4_scale`` and ``kernel_q4_min``
+        float16[out, in/32]; a tied head table ``embedding`` int8[V, D] with
+        ``embedding_scale`` float32[V]; every other leaf as given. Sharded int8 inputs give
+        outputs on the same devices (the arithmetic is elementwise or a reduction over the
+        kernel's input axis).
 
     Raises:
-        UnsupportedError: ``mode`` is not in :data:`MODES`.
+        UnsupportedError: ``mode`` is not in :data:`MODES`, or int4 for an encoder-decoder
+            model.
         InputError: ``params`` are already quantized, or a kernel is not a float matrix.
 
     Example:
@@ -180,15 +189,36 @@ def quantize_params(
         raise InputError(
             f"params must be the nested dict of a built-in model, got {type(params).__name__}."
         )
-    if is_quantized(params):
+    already = _INT8_LEAVES if mode == "int4" else (*_INT8_LEAVES, "kernel_q4")
+    if _has_leaves(params, already):
         raise InputError(
-            "params are already quantized (they hold kernel_scale/embedding_scale leaves); "
-            "quantize the float params once."
+            "params are already quantized (they hold kernel_scale/embedding_scale/kernel_q4 "
+            "leaves); quantize the float params once."
+        )
+    if mode == "int4" and hasattr(model, "encode"):
+        raise UnsupportedError(
+            f"quantize='int4' supports decoder-only models; {type(model).__name__} is an "
+            "encoder-decoder model. Use quantize='int8' or float weights."
         )
     head = _tied_head_table(model) if tied_head else None
-    matrices = {path: _get(params, path) for path in _targets(params, (), head)}
-    quantized = _quantize_all(matrices)
-    return _rebuild(params, (), quantized)
+    paths = list(_targets(params, (), head))
+    four_bit = [path for path in paths if mode == "int4" and _fits_int4(path, _get(params, path))]
+    eight_bit = [path for path in paths if path not in four_bit]
+    quantized = _quantize_all({path: _get(params, path) for path in eight_bit})
+    packed = _quantize_all_int4({path: _get(params, path) for path in four_bit})
+    return _rebuild(params, (), quantized, packed)
+
+
+def _fits_int4(path: tuple[str, ...], matrix: Any) -> bool:
+    """A kernel (not the output head) whose input width splits into 4-bit blocks."""
+    return path[-1] == "kernel" and path[0] != "lm_head" and matrix.shape[1] % q4.BLOCK == 0
+
+
+def _has_leaves(params: PyTree, names: tuple[str, ...]) -> bool:
+    return any(
+        path and _leaf_name(path) in names
+        for path, _ in jax.tree_util.tree_leaves_with_path(params)
+    )
 
 
 def _targets(tree: Mapping, prefix: tuple[str, ...], head: str | None):
@@ -209,21 +239,30 @@ def _quantize_all(matrices: dict) -> dict:
     return {path: quantize_weight(w, 1) for path, w in matrices.items()}
 
 
+@jax.jit
+def _quantize_all_int4(matrices: dict) -> dict:
+    """``(packed, scale, minimum)`` of every [out, in] matrix, in one compiled program."""
+    return {path: q4.quantize(w) for path, w in matrices.items()}
+
+
 def _get(tree: Mapping, path: tuple[str, ...]) -> Any:
     for key in path:
         tree = tree[key]
     return tree
 
 
-def _rebuild(tree: Mapping, prefix: tuple[str, ...], quantized: dict) -> dict:
-    """``tree`` with each quantized leaf ``name`` replaced by int8 and ``name_scale`` added."""
+def _rebuild(tree: Mapping, prefix: tuple[str, ...], quantized: dict, packed: dict) -> dict:
+    """``tree`` with each int8 leaf ``name`` replaced by int8 and ``name_scale`` added, and each
+    4-bit ``kernel`` replaced by ``kernel_q4``, ``kernel_q4_scale`` and ``kernel_q4_min``."""
     out = {}
     for key, value in tree.items():
         path = (*prefix, str(key))
         if isinstance(value, Mapping):
-            out[key] = _rebuild(value, path, quantized)
+            out[key] = _rebuild(value, path, quantized, packed)
         elif path in quantized:
             out[key], out[f"{key}_scale"] = quantized[path]
+        elif path in packed:
+            out["kernel_q4"], out["kernel_q4_scale"], out["kernel_q4_min"] = packed[path]
         else:
             out[key] = value
     return out

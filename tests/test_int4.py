@@ -22,7 +22,7 @@ from genjax.kernels import native, q4
 from genjax.testing import write_random_checkpoint
 
 FIXTURES = Path(__file__).parent / "fixtures"
-SHAPE = (4, 32)  # [B, T] of every full forward: more rows than the kernel takes (exact path)
+SHAPE = (5, 32)  # [B, T] of every full forward: more rows than the kernel takes (exact path)
 NEW = 24
 
 
@@ -148,13 +148,31 @@ def test_each_row_is_computed_alone():
     np.testing.assert_array_equal(together, alone)
 
 
-def test_longer_products_are_exact():
-    rows = q4.KERNEL_MAX_ROWS + 1
+@pytest.mark.parametrize("rows", [1, 4, q4.EXACT_KERNEL_MAX_ROWS + 1, q4.KERNEL_MAX_ROWS + 1])
+def test_exact_products_are_exact(rows):
+    """``exact=True`` (the kernel's float path up to EXACT_KERNEL_MAX_ROWS rows, XLA beyond)
+    and rounded products of more than KERNEL_MAX_ROWS rows (XLA) equal the float32 product of
+    the dequantized matrix."""
     packed, scale, minimum = q4.quantize(_weights(64, 96))
     x = jnp.asarray(np.random.default_rng(2).standard_normal((rows, 96)), jnp.float32)
-    got = np.asarray(jax.jit(q4.matmul)(x, packed, scale, minimum))
     exact = np.asarray(x) @ np.asarray(q4.dequantize(packed, scale, minimum)).T
-    np.testing.assert_allclose(got, exact, rtol=0, atol=1e-5 * np.abs(exact).max())
+    product = jax.jit(q4.matmul, static_argnums=4)
+    modes = [True] + ([False] if rows > q4.KERNEL_MAX_ROWS else [])
+    for mode in modes:
+        got = np.asarray(product(x, packed, scale, minimum, mode))
+        np.testing.assert_allclose(got, exact, rtol=0, atol=1e-5 * np.abs(exact).max())
+
+
+def test_prompts_are_exact_and_steps_rounded():
+    """By shape: several positions per sequence (a prompt) take the exact product, one
+    position per row (a decode step) the rounded one."""
+    packed, scale, minimum = q4.quantize(_weights(64, 96))
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((2, 3, 96)), jnp.float32)
+    exact = np.asarray(x) @ np.asarray(q4.dequantize(packed, scale, minimum)).T
+    prompt = np.asarray(jax.jit(q4.matmul)(x, packed, scale, minimum))
+    np.testing.assert_allclose(prompt, exact, rtol=0, atol=1e-5 * np.abs(exact).max())
+    steps = np.asarray(jax.jit(q4.matmul)(x.reshape(6, 1, 96), packed, scale, minimum))
+    assert 1e-4 * np.abs(exact).max() < np.abs(steps.reshape(2, 3, 64) - exact).max()
 
 
 def test_portable_build_equals_the_vector_build(tmp_path):
@@ -178,11 +196,11 @@ def test_portable_build_equals_the_vector_build(tmp_path):
     packed, scale, minimum = q4.quantize(_weights(72, 288))
     x = jnp.asarray(np.random.default_rng(3).standard_normal((5, 288)), jnp.float32)
     out = jax.ShapeDtypeStruct((5, 72), jnp.float32)
-    portable = jax.ffi.ffi_call("genjax_q4_matmul_portable", out)(x, packed, scale, minimum)
-    vector = jax.jit(q4.matmul)(x, packed, scale, minimum)
-    np.testing.assert_allclose(
-        np.asarray(portable), np.asarray(vector), rtol=0, atol=2e-6 * np.abs(vector).max()
-    )
+    call = jax.ffi.ffi_call("genjax_q4_matmul_portable", out)
+    for exact in (False, True):
+        portable = np.asarray(call(x, packed, scale, minimum, exact=exact))
+        vector = np.asarray(jax.jit(q4.matmul, static_argnums=4)(x, packed, scale, minimum, exact))
+        np.testing.assert_allclose(portable, vector, rtol=0, atol=2e-6 * np.abs(vector).max())
 
 
 def test_which_leaves_are_four_bit(tiny):
@@ -207,7 +225,7 @@ def test_which_leaves_are_four_bit(tiny):
 
 @pytest.mark.parametrize("name", ["llama", "llama_tied", "gpt2"])
 def test_layers_compute_the_dequantized_model(tiny, name):
-    """Full forwards (128 rows per product: the exact path) of the 4-bit params equal the float
+    """Full forwards (160 rows per product: the exact path) of the 4-bit params equal the float
     model holding the values they stand for. Against float32 these random 2-layer models move
     by 8-14% of the mean |logit| (4 bits on random weights; 20% bound), where a scale on the
     wrong axis would move them by about 100%; real checkpoints are measured in the parity
@@ -221,8 +239,8 @@ def test_layers_compute_the_dequantized_model(tiny, name):
 
 
 def test_greedy_generate_follows_the_four_bit_model(tiny):
-    """Cached decoding runs the kernel (one row per product) and picks the 4-bit model's
-    full-forward argmax (exact path) at nearly every step, teacher forced: the kernel's
+    """Cached decoding runs the rounded kernel (one position per row) and picks the 4-bit
+    model's full-forward argmax (exact path) at nearly every step, teacher forced: the kernel's
     activation rounding (about 1% of a product) can only flip near ties. Measured 94 of 96."""
     model, _, packed, _ = tiny["llama"]
     model = model.with_generation_config(None)
@@ -238,8 +256,8 @@ def test_greedy_generate_follows_the_four_bit_model(tiny):
 
 def test_decode_steps_call_the_kernel(tiny):
     """Pins the compiled structure the speed relies on: every 4-bit product of the prefill
-    (4 rows) and of the decode step is one ``genjax_q4_matmul`` custom call, and no program
-    unpacks a whole matrix in XLA."""
+    (4 positions: the exact kernel) and of the decode step (the rounded one) is one
+    ``genjax_q4_matmul`` custom call, and no program unpacks a whole matrix in XLA."""
     from genjax.generation.entry import lower_program
     from genjax.generation.plan import CallRequest, prepare
 

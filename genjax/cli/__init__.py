@@ -5,8 +5,8 @@ Usage::
     genjax generate [PROMPT ...] [--model PATH_OR_HUB_ID] [--input FILE] [--chat] [--json]
                     [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--min-p P]
                     [--repetition-penalty R] [--num-beams N] [--do-sample | --greedy]
-                    [--stop STRING ...] [--seed S] [--dtype D] [--batch-size B]
-                    [--no-compile-cache]
+                    [--stop STRING ...] [--seed S] [--dtype D] [--quantize M]
+                    [--batch-size B] [--no-compile-cache]
     genjax config show [PATH_OR_HUB_ID] [generation flags]
     genjax config validate [PATH_OR_HUB_ID] [generation flags]
     genjax convert HF_PATH OUT_DIR [--dtype D] [--overwrite]
@@ -179,6 +179,7 @@ def _add_generate(commands) -> None:
     generate.add_argument(
         "--dtype", choices=options.DTYPES, help="parameter dtype (default float32)"
     )
+    generate.add_argument("--quantize", choices=options.QUANTIZE, help=options.QUANTIZE_HELP)
     generate.add_argument(
         "--batch-size",
         type=options.positive,

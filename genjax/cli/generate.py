@@ -44,7 +44,7 @@ def run(args) -> int:
         folder = bundled.path() if args.model is None else models.loading.resolve(args.model)
         options.check_json(os.path.join(folder, "config.json"))
     config = options.generation_config(folder, args)
-    model, params = models.from_pretrained(folder, dtype=args.dtype)
+    model, params = models.from_pretrained(folder, dtype=args.dtype, quantize=args.quantize)
     tokenizer = tokenizers.from_pretrained(folder)
     # `config` is already the folder's generation config with the flags on top; the model must not
     # fill back what a flag unset (--greedy drops the file's sampling values).

@@ -15,6 +15,11 @@ import numpy as np
 from genjax.errors import CheckpointError
 
 DTYPES = ("float32", "bfloat16", "float16")
+QUANTIZE = ("int8", "int4")
+QUANTIZE_HELP = (
+    "weight-only quantized linear layers: int8 (per output channel) or int4 (blocks of 32; a "
+    "GGUF file's Q4_0/Q4_1 tensors are kept as stored); default: float weights"
+)
 CONFIG_FILES = ["config.json", "generation_config.json"]
 
 # GenerationConfig fields set by a flag of the same name (--max-new-tokens...): type, metavar, help.

@@ -3,7 +3,8 @@
 Usage::
 
     genjax serve [--model PATH_OR_HUB_ID] [--host H] [--port P] [--api-key KEY]
-                 [--served-model-name NAME] [--dtype D] [--max-batch-size N] [--max-waiting N]
+                 [--served-model-name NAME] [--dtype D] [--quantize M] [--max-batch-size N]
+                 [--max-waiting N]
                  [--max-length N] [--max-constraint-states N] [--max-constraint-edges N]
                  [--shutdown-timeout S] [--log-level L]
 
@@ -37,6 +38,7 @@ def add_parser(commands) -> None:
     )
     serve.add_argument("--served-model-name", metavar="NAME", help="the name in `model`")
     serve.add_argument("--dtype", choices=options.DTYPES, help="parameter dtype (default float32)")
+    serve.add_argument("--quantize", choices=options.QUANTIZE, help=options.QUANTIZE_HELP)
     serve.add_argument(
         "--max-batch-size", type=options.positive, default=8, metavar="N", help="default 8"
     )

@@ -15,14 +15,23 @@ this format from float weights with Q4_1's scheme (per block, ``minimum`` = the 
 
 Products (:func:`matmul`): XLA:CPU cannot unpack nibbles inside a product (it writes an
 unpacked copy of the matrix first, slower than float32; ``bench/README.md``), so on the CPU
-products of up to :data:`KERNEL_MAX_ROWS` activation rows (decode steps) run genjax's kernel
-``q4_matmul.cc`` as an XLA FFI custom call: it reads the packed matrix once, rounds each
-activation row to int8 per block of 32 as llama.cpp does (one float scale per block, absmax /
-127), takes the block sums of nibble times int8 activation exactly in int32 with the CPU's dot
-instructions, and scales them in float32. The rounding moves a product by about 0.5% of its
-largest output (measured in ``tests/test_int4.py``). Longer products (prefill), other
-backends, and CPUs where the kernel cannot be built (see :mod:`genjax.kernels.native`) take the
-XLA path: the matrix dequantized to float32 at its use and an exact float32 product.
+products run genjax's kernel ``q4_matmul.cc`` as an XLA FFI custom call, which reads the packed
+matrix once, in one of two ways:
+
+* rounded (decode steps: one position per sequence, up to :data:`KERNEL_MAX_ROWS` rows): each
+  activation row is rounded to int8 per block of 32 as llama.cpp does (one float scale per
+  block, absmax / 127), the block sums of nibble times int8 activation are taken exactly in
+  int32 with the CPU's dot instructions (AVX-VNNI, or AVX2) and scaled in float32. The rounding
+  moves a product by about 1% of its largest output (``tests/test_int4.py``);
+* exact (prompts: several positions per sequence, up to :data:`EXACT_KERNEL_MAX_ROWS` rows):
+  float32 activations times the nibbles widened to float. A prompt's rounding errors would
+  stay in the cache for every later token: on SmolLM2-135M-Instruct's Q4_1 file, greedy tokens
+  equal transformers' float32 argmax on the dequantized weights at 96.4% of positions with
+  exact prompts and 93.2% with rounded ones (teacher forced, six chat prompts).
+
+Longer products, other backends, and CPUs where the kernel cannot be built (see
+:mod:`genjax.kernels.native`) take the XLA path: the matrix dequantized to float32 at its use
+and an exact float32 product.
 
 Static or traced: the format (shapes, the block size) and the choice of path (the number of
 activation rows, the backend) are static; the packed values, scales and activations are traced.
@@ -48,9 +57,17 @@ from genjax.typing import Array
 BLOCK = 32
 """Inputs per block: one scale and one minimum per 32 weights of a row."""
 
-KERNEL_MAX_ROWS = 32
+KERNEL_MAX_ROWS = 128
 """Products of up to this many activation rows run the CPU kernel; more take the XLA path
-(dequantized matrix, float32 product), which is faster for long prefills."""
+(dequantized matrix, float32 product), which is faster for long prefills. On the 2-core EPYC,
+SmolLM2-135M's prefill: 42 tokens 107 ms by the kernel against 195 ms by XLA (whose fixed cost is
+unpacking every matrix), 128 tokens 223 against 240, 500 tokens 1023 against 698 (float32
+params: 66, 116 and 419 ms)."""
+
+EXACT_KERNEL_MAX_ROWS = 32
+"""The same bound for exact products (float activations; prompts): the kernel's float path
+costs 2-3x its rounded one per row, so XLA's product wins from fewer rows (SmolLM2-135M's prefill:
+42 tokens 182 ms by the kernel, 197 by XLA; 128 tokens 356 against 243)."""
 
 TARGET = "genjax_q4_matmul"
 _LEVELS = 15
@@ -123,18 +140,30 @@ def quantize(weight: Array) -> tuple[Array, Array, Array]:
     return pack(values.reshape(rows, width)), scale, minimum
 
 
-def matmul(x: Array, packed: Array, scale: Array, minimum: Array) -> Array:
+def matmul(
+    x: Array, packed: Array, scale: Array, minimum: Array, exact: bool | None = None
+) -> Array:
     """float32[..., O] = ``x @ dequantize(packed, scale, minimum).T`` for x float[..., I].
 
-    On the CPU, up to :data:`KERNEL_MAX_ROWS` rows run the native kernel (activations rounded
-    to int8 per block, see the module docstring); otherwise the exact XLA product.
+    Args:
+        x: float[..., I] activations.
+        packed, scale, minimum: the 4-bit matrix (see the module docstring).
+        exact: False rounds the activations to int8 per block (the fast kernel; decode steps);
+            True keeps them float32. None (static) picks by shape: exact when ``x`` holds
+            several positions per sequence (``x.shape[-2] > 1``: a prompt, whose rounding
+            errors every later token would read from the cache), rounded for one position
+            per row (a decode step at any batch size).
     """
     check_shapes(packed, scale, minimum, x.shape[-1])
+    if exact is None:
+        exact = x.ndim >= 3 and x.shape[-2] > 1
     rows = math.prod(x.shape[:-1])
     flat = x.reshape(rows, x.shape[-1]).astype(jnp.float32)
     operands = (flat, packed, scale.astype(jnp.float16), minimum.astype(jnp.float16))
-    if rows <= KERNEL_MAX_ROWS and _kernel_registered():
-        y = jax.lax.platform_dependent(*operands, cpu=_kernel_product, default=_xla_product)
+    limit = EXACT_KERNEL_MAX_ROWS if exact else KERNEL_MAX_ROWS
+    if rows <= limit and _kernel_registered():
+        kernel = functools.partial(_kernel_product, exact=bool(exact))
+        y = jax.lax.platform_dependent(*operands, cpu=kernel, default=_xla_product)
     else:
         y = _xla_product(*operands)
     return y.reshape(*x.shape[:-1], packed.shape[0])
@@ -145,9 +174,10 @@ def kernel_available() -> bool:
     return _kernel_registered()
 
 
-def _kernel_product(x: Array, packed: Array, scale: Array, minimum: Array) -> Array:
+def _kernel_product(x: Array, packed: Array, scale: Array, minimum: Array, exact: bool) -> Array:
     out = jax.ShapeDtypeStruct((x.shape[0], packed.shape[0]), jnp.float32)
-    return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(x, packed, scale, minimum)
+    call = jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")
+    return call(x, packed, scale, minimum, exact=exact)
 
 
 def _xla_product(x: Array, packed: Array, scale: Array, minimum: Array) -> Array:

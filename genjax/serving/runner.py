@@ -32,6 +32,8 @@ class ServeOptions:
         served_model_name: the name clients give in ``model``; None: the bundled model's name
             or ``model`` as given.
         dtype: the parameter dtype ("float32", "bfloat16", "float16"); None: float32.
+        quantize: None, "int8" or "int4": weight-only quantized linear layers
+            (``from_pretrained``'s ``quantize``).
         max_batch_size: requests decoded together (the engine's slots).
         max_waiting: requests that may wait for a slot before new ones get 429.
         max_length: tokens (prompt plus completion) of one request; None: the model's
@@ -48,6 +50,7 @@ class ServeOptions:
     api_key: str | None = None
     served_model_name: str | None = None
     dtype: str | None = None
+    quantize: str | None = None
     max_batch_size: int = 8
     max_waiting: int = 64
     max_length: int | None = None
@@ -66,7 +69,7 @@ def _load(options: ServeOptions):
 
     folder = bundled.path() if options.model is None else models.loading.resolve(options.model)
     tokenizer = tokenizers.from_pretrained(folder)
-    model, params = models.from_pretrained(folder, dtype=options.dtype)
+    model, params = models.from_pretrained(folder, dtype=options.dtype, quantize=options.quantize)
     if os.path.isfile(os.path.join(folder, "generation_config.json")):
         config = GenerationConfig.from_pretrained(folder)
     else:

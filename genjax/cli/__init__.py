@@ -176,9 +176,7 @@ def _add_generate(commands) -> None:
     generate.add_argument(
         "--seed", type=options.seed, default=0, help="PRNG seed, 0 to 2**64 - 1 (default 0)"
     )
-    generate.add_argument(
-        "--dtype", choices=options.DTYPES, help="parameter dtype (default float32)"
-    )
+    generate.add_argument("--dtype", choices=options.LOAD_DTYPES, help=options.DTYPE_HELP)
     generate.add_argument("--quantize", choices=options.QUANTIZE, help=options.QUANTIZE_HELP)
     generate.add_argument(
         "--batch-size",

@@ -44,7 +44,14 @@ def run(args) -> int:
         folder = bundled.path() if args.model is None else models.loading.resolve(args.model)
         options.check_json(os.path.join(folder, "config.json"))
     config = options.generation_config(folder, args)
-    model, params = models.from_pretrained(folder, dtype=args.dtype, quantize=args.quantize)
+    rows = None
+    if args.dtype == "auto":  # the rows each decode step will carry
+        resolved = config.with_defaults()
+        batch = min(args.batch_size, len(prompts))
+        rows = batch * resolved.num_return_sequences * max(resolved.num_beams, 1)
+    model, params = models.from_pretrained(
+        folder, dtype=args.dtype, quantize=args.quantize, batch_size=rows
+    )
     tokenizer = tokenizers.from_pretrained(folder)
     # `config` is already the folder's generation config with the flags on top; the model must not
     # fill back what a flag unset (--greedy drops the file's sampling values).

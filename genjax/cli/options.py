@@ -15,6 +15,11 @@ import numpy as np
 from genjax.errors import CheckpointError
 
 DTYPES = ("float32", "bfloat16", "float16")
+LOAD_DTYPES = (*DTYPES, "auto")  # what generate and serve load (convert stores a real dtype)
+DTYPE_HELP = (
+    "parameter dtype (default float32); auto: the fastest measured format for this backend and "
+    "batch size (on a CPU int8 weights; genjax.models.precision)"
+)
 QUANTIZE = ("int8", "int4")
 QUANTIZE_HELP = (
     "weight-only quantized linear layers: int8 (per output channel) or int4 (blocks of 32; a "

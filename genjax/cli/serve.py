@@ -37,7 +37,7 @@ def add_parser(commands) -> None:
         help="require `Authorization: Bearer KEY` (default: $GENJAX_API_KEY; none: open)",
     )
     serve.add_argument("--served-model-name", metavar="NAME", help="the name in `model`")
-    serve.add_argument("--dtype", choices=options.DTYPES, help="parameter dtype (default float32)")
+    serve.add_argument("--dtype", choices=options.LOAD_DTYPES, help=options.DTYPE_HELP)
     serve.add_argument("--quantize", choices=options.QUANTIZE, help=options.QUANTIZE_HELP)
     serve.add_argument(
         "--max-batch-size", type=options.positive, default=8, metavar="N", help="default 8"

@@ -126,7 +126,7 @@ def quantize(weight: Array) -> tuple[Array, Array, Array]:
     Example:
         >>> packed, scale, minimum = quantize(jnp.linspace(0.0, 1.55, 32)[None])
         >>> dequantize(packed, scale, minimum)[0, :3].tolist()
-        [0.0, 0.10333251953125, 0.10333251953125]
+        [0.0, 0.0, 0.10333251953125]
     """
     rows, width = weight.shape
     blocks = weight.astype(jnp.float32).reshape(rows, width // BLOCK, BLOCK)

@@ -109,6 +109,7 @@ from genjax.models.loading import (
 )
 from genjax.models.olmo2 import Olmo2Model
 from genjax.models.phi3 import Phi3Model
+from genjax.models.precision import auto_precision
 from genjax.models.rope import SUPPORTED_ROPE_TYPES, RopeConfig
 from genjax.models.t5 import T5Config, T5Model
 from genjax.typing import Array, PyTree
@@ -160,6 +161,7 @@ __all__ = [
     "SUPPORTED_ROPE_TYPES",
     "T5Config",
     "T5Model",
+    "auto_precision",
     "from_config",
     "from_pretrained",
     "load_params",

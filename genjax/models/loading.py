@@ -20,7 +20,7 @@ import numpy as np
 
 from genjax.config import GenerationConfig, checkpoint_default
 from genjax.errors import CheckpointError, UnsupportedError
-from genjax.models import gguf
+from genjax.models import gguf, precision
 from genjax.models import quantize as quantization
 from genjax.models.bart import BartModel
 from genjax.models.gemma import GemmaModel
@@ -89,6 +89,7 @@ def from_pretrained(
     ignore_config_keys: Iterable[str] = (),
     quantize: str | None = None,
     gguf_file: str | os.PathLike | None = None,
+    batch_size: int | None = None,
 ) -> tuple[Any, PyTree]:
     """Loads a model and its params from a local folder, a Hugging Face Hub id or a GGUF file.
 
@@ -106,7 +107,9 @@ def from_pretrained(
             file.
         dtype: the parameter and activation dtype: None means float32 (regardless of the
             checkpoint's ``torch_dtype``, so that results are reproducible), or ``"bfloat16"``,
-            ``"float16"``, ``"float32"``, or a jnp/numpy floating dtype.
+            ``"float16"``, ``"float32"``, or a jnp/numpy floating dtype; or ``"auto"``: the
+            fastest measured format for this backend and ``batch_size``, whose logits move by
+            a measured amount (:mod:`genjax.models.precision`; on a CPU int8 weights).
         revision: a Hub branch, tag or commit.
         local_files_only: do not touch the network; use the Hub cache only.
         cache_dir: the Hub cache folder.
@@ -120,6 +123,7 @@ def from_pretrained(
             and Q4_1 kernels exactly as stored, and quantizes the others.
         gguf_file: a GGUF file inside the folder or Hub repo ``name_or_path`` (transformers'
             keyword), or a path to one.
+        batch_size: with ``dtype="auto"``, the rows you will decode together (None: a few).
 
     Returns:
         ``(model, params)``: a hashable model (see ``genjax.models.Model``) and a nested dict of
@@ -141,6 +145,7 @@ def from_pretrained(
         49152
         >>> model, params = from_pretrained("dir", gguf_file="m.Q4_1.gguf")  # doctest: +SKIP
     """
+    dtype, quantize = precision.resolve(dtype, quantize, batch_size)
     dtype = _canonical_dtype(dtype)
     if quantize is not None:
         quantization.check_mode(quantize, "quantize")  # before any download or read
@@ -409,8 +414,8 @@ def _canonical_dtype(dtype: Any, in_jax: bool = True) -> np.dtype:
         canonical = jnp.dtype(dtype)
     except TypeError as e:
         raise TypeError(
-            f"dtype must be None, 'float32', 'bfloat16', 'float16' or a floating dtype; got "
-            f"{dtype!r}."
+            f"dtype must be None, 'auto', 'float32', 'bfloat16', 'float16' or a floating dtype; "
+            f"got {dtype!r}."
         ) from e
     if not jnp.issubdtype(canonical, jnp.floating):
         raise TypeError(f"dtype must be a floating dtype, got {canonical.name}.")

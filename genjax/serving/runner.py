@@ -31,7 +31,8 @@ class ServeOptions:
         api_key: when set, ``/v1/*`` needs ``Authorization: Bearer <api_key>``.
         served_model_name: the name clients give in ``model``; None: the bundled model's name
             or ``model`` as given.
-        dtype: the parameter dtype ("float32", "bfloat16", "float16"); None: float32.
+        dtype: the parameter dtype ("float32", "bfloat16", "float16", or "auto" for the
+            fastest measured format at ``max_batch_size`` rows); None: float32.
         quantize: None, "int8" or "int4": weight-only quantized linear layers
             (``from_pretrained``'s ``quantize``).
         max_batch_size: requests decoded together (the engine's slots).
@@ -69,7 +70,13 @@ def _load(options: ServeOptions):
 
     folder = bundled.path() if options.model is None else models.loading.resolve(options.model)
     tokenizer = tokenizers.from_pretrained(folder)
-    model, params = models.from_pretrained(folder, dtype=options.dtype, quantize=options.quantize)
+    auto = options.dtype == "auto"
+    model, params = models.from_pretrained(
+        folder,
+        dtype=options.dtype,
+        quantize=options.quantize,
+        batch_size=options.max_batch_size if auto else None,
+    )
     if os.path.isfile(os.path.join(folder, "generation_config.json")):
         config = GenerationConfig.from_pretrained(folder)
     else:

@@ -1,0 +1,101 @@
+"""``dtype="auto"``: the fastest weight format whose outputs move only by a measured amount.
+
+``from_pretrained(path, dtype="auto", batch_size=B)`` (and ``genjax generate/serve --dtype
+auto``) loads what :func:`auto_precision` picks for the default backend and the batch size the
+caller will decode at. The default ``dtype=None`` stays float32 and exact; ``"auto"`` is the
+caller's statement that logits may move as measured below.
+
+The choice, from ``bench/precision.py`` on the 2-core AMD EPYC (AVX2, AVX-512, VNNI; no AMX),
+SmolLM2-135M-Instruct, one decode step against float32's
+(``bench/results/2026-12-02-cpu-amd-epyc-precision.txt``):
+
+| rows | bfloat16 | int8 weights | int4 weights |
+|---|---|---|---|
+| 1 | 1.94x | 3.36x | 3.18x |
+| 4 | 1.12x | 1.05x | 1.64x |
+| 8 | 1.10-1.11x | 1.02-1.04x | 0.97-1.10x |
+| 16 | 0.95x | 0.81x | 0.73x |
+| 32 | 1.30x | 0.99x | 0.59x |
+
+* CPU, fewer than :data:`CPU_FLOAT32_FROM_ROWS` rows (one user): float32 activations with int8
+  weights (``quantize="int8"``), the one large and steady gain (and 1.09x llama.cpp end to end
+  on the Q4_1 file, ``2026-12-02-cpu-amd-epyc-four-bit.txt``, where int4's slower prompts make
+  it 1.04x).
+* CPU, more rows: float32. The narrow formats move by -40% to +64% there, differently at each
+  batch size and between runs: products of several rows are bound by arithmetic more than by
+  reading weights, so no narrow format wins reliably.
+* GPU and TPU: bfloat16 params and activations (products accumulate in float32). Not measured
+  by this project (no accelerator was lent to its benchmark runs); it is the format those
+  devices' matrix units are built for.
+
+What each narrow path changes against float32 on the same checkpoint (first new token's
+logits over four chat prompts; greedy tokens teacher forced, 64 per prompt): bfloat16 largest
+change 2.2% of the largest logit, tokens equal at 98.0%; int8 5.7%, 97.7%; int4 2.0%, 96.9%
+(int4 keeps the file's own 4-bit values, so only its rounded decode activations move it).
+
+Static or traced: nothing here is traced; the choice is made on the host before loading.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from genjax.errors import InputError
+
+AUTO = "auto"
+
+CPU_FLOAT32_FROM_ROWS = 4
+"""On a CPU, decoding this many rows or more picks float32 over int8 weights."""
+
+
+def auto_precision(batch_size: int | None = None, backend: str | None = None):
+    """The ``(dtype, quantize)`` that ``dtype="auto"`` loads.
+
+    Args:
+        batch_size: the rows the caller will decode together (None: a few, as one user or a
+            small server batch).
+        backend: ``"cpu"``, ``"gpu"``, ``"tpu"``...; None: JAX's default backend.
+
+    Returns:
+        ``("float32", "int8")``, ``("float32", None)`` or ``("bfloat16", None)`` (see the
+        module docstring).
+
+    Raises:
+        InputError: ``batch_size`` is not a positive integer.
+
+    Example:
+        >>> auto_precision(1, "cpu"), auto_precision(8, "cpu"), auto_precision(8, "gpu")
+        (('float32', 'int8'), ('float32', None), ('bfloat16', None))
+    """
+    if batch_size is not None and (
+        isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1
+    ):
+        raise InputError(f"batch_size must be a positive int or None, got {batch_size!r}.")
+    backend = backend or jax.default_backend()
+    if backend != "cpu":
+        return "bfloat16", None
+    if batch_size is not None and batch_size >= CPU_FLOAT32_FROM_ROWS:
+        return "float32", None
+    return "float32", "int8"
+
+
+def resolve(dtype, quantize: str | None, batch_size: int | None):
+    """``(dtype, quantize)`` to load: :func:`auto_precision` for ``dtype="auto"``, else as given.
+
+    Raises:
+        InputError: ``dtype="auto"`` with ``quantize`` set (auto picks the quantization too), or
+            ``batch_size`` without ``dtype="auto"`` (it would change nothing).
+    """
+    if not (isinstance(dtype, str) and dtype == AUTO):
+        if batch_size is not None:
+            raise InputError(
+                f"batch_size={batch_size!r} only informs dtype='auto'; with dtype={dtype!r} it "
+                "would change nothing. Leave it out, or pass dtype='auto'."
+            )
+        return dtype, quantize
+    if quantize is not None:
+        raise InputError(
+            f"dtype='auto' picks the quantization too, so quantize={quantize!r} cannot be "
+            "combined with it; pass a concrete dtype with quantize, or leave quantize out."
+        )
+    return auto_precision(batch_size)

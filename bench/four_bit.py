@@ -137,9 +137,7 @@ def _agreement(model, params, hf, tokenizer, new_tokens: int) -> list[dict]:
     config = genjax.GenerationConfig(max_new_tokens=new_tokens, do_sample=False)
     rows = []
     for prompt in PROMPTS:
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True
-        )
+        ids = chat_ids(tokenizer, prompt)
         out = genjax.generate(model, params, jnp.asarray([ids], jnp.int32), config)
         sequence = np.asarray(out.sequences)[0]
         new = sequence[len(ids) :]
@@ -169,8 +167,8 @@ def _agreement(model, params, hf, tokenizer, new_tokens: int) -> list[dict]:
     return rows
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+def real_checkpoint():
+    """``(path, tokenizer)`` of the parity suite's SmolLM2 Q4_1 GGUF, downloaded on first use."""
     warnings.filterwarnings("ignore", category=UserWarning)
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
     import real_model
@@ -178,10 +176,20 @@ def main(argv: list[str] | None = None) -> None:
     import genjax
 
     path = str(real_model.smollm2_gguf())
-    tokenizer = genjax.tokenizer.from_pretrained(path)
-    prompt_ids = tokenizer.apply_chat_template(
-        [{"role": "user", "content": PROMPTS[0]}], add_generation_prompt=True
+    return path, genjax.tokenizer.from_pretrained(path)
+
+
+def chat_ids(tokenizer, prompt: str) -> list[int]:
+    """The token ids of ``prompt`` as one user message, ready for the assistant's reply."""
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True
     )
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    path, tokenizer = real_checkpoint()
+    prompt_ids = chat_ids(tokenizer, PROMPTS[0])
     runners, notes = {}, {}
     runners["llama.cpp"], notes["llama.cpp"] = _llama_cpp(path, prompt_ids, args.new_tokens)
     loaded = {}

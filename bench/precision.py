@@ -24,12 +24,11 @@ import os
 import statistics
 import sys
 import time
-import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _machine  # noqa: E402
-from four_bit import PROMPTS  # noqa: E402
+from four_bit import PROMPTS, chat_ids, real_checkpoint  # noqa: E402
 
 FORMATS = {  # name -> from_pretrained keywords
     "float32": {},
@@ -131,18 +130,11 @@ def _step_ms(model, params, batch, runs):
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    warnings.filterwarnings("ignore", category=UserWarning)
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-    import real_model
+    path, tokenizer = real_checkpoint()
+    prompts = [chat_ids(tokenizer, prompt) for prompt in PROMPTS]
 
     import genjax
 
-    path = str(real_model.smollm2_gguf())
-    tokenizer = genjax.tokenizer.from_pretrained(path)
-    prompts = [
-        tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
-        for p in PROMPTS
-    ]
     loaded = {}
     for name, keywords in FORMATS.items():
         model, params = genjax.models.from_pretrained(path, **keywords)

@@ -159,7 +159,7 @@ def test_pool_installs_once_renumbers_and_evicts_the_least_recently_used():
     # Nothing in use: phone takes the place of the least recently used (words), not choice's.
     assert pool.acquire(constraint_key(phone), phone) == 0 and pool.num_installed == 2
     table = pool.device()
-    assert table.bits.shape == (30, 128) and table.tokens.shape == (13000,)
+    assert table.bits.shape == (30, 128) and table.targets.shape == (13000,)
 
 
 def test_walk_follows_the_automaton_like_the_device_loop():

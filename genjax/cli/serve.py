@@ -60,7 +60,7 @@ def add_parser(commands) -> None:
         "--max-constraint-edges",
         type=options.positive,
         metavar="N",
-        help="transitions of that pool, 8 bytes each (default 2**20)",
+        help="transitions of that pool, 4 bytes each (default 2**20)",
     )
     serve.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S")
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning"))

@@ -41,8 +41,8 @@ class ContinuousBatchingConfig:
             ``n + 1``. 0: no pool, and a request with a constraint raises InputError.
         max_constraint_edges: ``E_p``, transitions in the pool (a JSON-schema automaton over a
             4096-token vocabulary takes from thousands to a few hundred thousand). The pool
-            takes ``S_p * ceil(V / 32) * 4 + 8 * E_p`` bytes of device memory (``V`` the
-            vocabulary): 10 MiB by default for the bundled model.
+            takes ``S_p * ceil(V / 32) * 4 + 4 * E_p`` bytes of device memory (``V`` the
+            vocabulary): 6 MiB by default for the bundled model.
         prefix_caching: share the cache blocks of equal prompt prefixes (full blocks only).
         poll_interval: the longest single wait of the loop and of callers (each is woken by the
             event it waits for; this only bounds it).

@@ -4,9 +4,9 @@ shared by every request, and the host's bookkeeping of it.
 The pool is a :class:`~genjax.constraints.CompressedTable` of fixed size (the engine's
 ``constraint_states`` ``S_p`` and ``constraint_edges`` ``E_p``; ``V`` the model's vocabulary):
 ``bits uint32[S_p, ceil(V / 32)]`` (the allowed tokens of each state), ``offsets int32[S_p + 1]``
-and ``tokens``/``targets int32[E_p]`` (each state's sorted allowed tokens and the states they
-lead to). Memory: ``S_p * ceil(V / 32) * 4 + 4 * (S_p + 1) + 8 * E_p`` bytes (about
-``S_p * V / 8 + 8 * E_p``).
+and ``targets int32[E_p]`` (the states each state's allowed tokens lead to, in token order).
+Memory: ``S_p * ceil(V / 32) * 4 + 4 * (S_p + 1) + 4 * E_p`` bytes (about
+``S_p * V / 8 + 4 * E_p``).
 
 The host keeps a numpy copy. Each distinct automaton (by content: the same pattern over the same
 vocabulary, whichever ``Constraint`` object carries it) is installed once at a contiguous range of
@@ -150,7 +150,6 @@ class ConstraintPool:
         self.max_states, self.max_edges, self.vocab_size = max_states, max_edges, vocab_size
         self.bits = np.zeros((max_states, -(-vocab_size // 32)), np.uint32)
         self.offsets = np.zeros((max_states + 1,), np.int32)
-        self.tokens = np.full((max_edges,), vocab_size, np.int32)
         self.targets = np.full((max_edges,), -1, np.int32)
         self._installed: dict[bytes, _Installed] = {}
         self._clock = 0
@@ -186,7 +185,6 @@ class ConstraintPool:
                 CompressedTable(
                     bits=self.bits.copy(),
                     offsets=self.offsets.copy(),
-                    tokens=self.tokens.copy(),
                     targets=self.targets.copy(),
                     initial=np.zeros((0,), np.int32),  # each row's state is in the engine state
                     eos_token_id=np.full((), -1, np.int32),  # each row's is in its settings
@@ -214,7 +212,6 @@ class ConstraintPool:
         self.bits[rows] = bitmask(constraint.offsets, constraint.tokens, n, self.vocab_size)
         self.offsets[state_start : state_start + n + 1] = constraint.offsets + edge_start
         span = slice(edge_start, edge_start + edges)
-        self.tokens[span] = constraint.tokens
         self.targets[span] = constraint.targets + state_start
         entry = _Installed(state_start, states, edge_start, edges)
         self._installed[key] = entry

@@ -133,6 +133,18 @@ def test_matches_recorded_transformers(runs, name, case):
     _check(runs.run(name, case), _recorded()[1], name, case)
 
 
+def test_inside_a_users_jit(runs):
+    """Inside a user's ``jax.jit`` (the source is not padded to a bucket) the same values."""
+    model, params = runs.models["t5_v1_1"]
+    config = GenerationConfig(**_kwargs("t5_v1_1", "greedy"))
+
+    @jax.jit
+    def generate(params, ids, mask):
+        return genjax.generate(model, params, ids, config, attention_mask=mask)
+
+    _check(generate(params, *runs.source("t5_v1_1")), _recorded()[1], "t5_v1_1", "greedy")
+
+
 def test_first_step_is_the_prefix_and_attention_rows_sum_to_one(runs):
     """Step 0 is the decoder's prefill over its prefix (``q = Pd``: 3 with decoder_input_ids),
     causal over it; every cross-attention row puts all its weight on the real source tokens."""

@@ -23,7 +23,6 @@ import genjax
 from genjax import GenerationConfig
 from genjax.errors import UnsupportedError
 from genjax.models import LlamaModel
-from genjax.testing import tiny_config
 
 pytestmark = pytest.mark.usefixtures("fast_compiles")
 
@@ -191,7 +190,6 @@ class _PlainApply(LlamaModel):
         {"prefill_chunk_size": 4},
         {"mesh": "one device"},
         {"model": "without flags"},
-        {"model": "encoder-decoder"},
     ],
     ids=lambda o: "+".join(f"{k}={v}" for k, v in o.items()),
 )
@@ -202,9 +200,6 @@ def test_combinations_not_recorded_raise_naming_the_option(flag, options):
     kind = options.pop("model", None)
     if kind == "without flags":
         model = _PlainApply(model.config)
-    elif kind == "encoder-decoder":
-        model = genjax.models.from_config(tiny_config("t5"))
-        params = model.param_shapes()
     if options.get("mesh"):
         options["mesh"] = genjax.sharding.make_mesh((1, 1), devices=jax.devices()[:1])
     ids = np.array([[5, 6, 7]], np.int32)

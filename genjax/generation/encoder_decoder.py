@@ -44,6 +44,13 @@ A ``constraint`` (:mod:`genjax.constraints`) applies to the new decoder tokens, 
 decoder-only model's continuation: the prefix (the start token, ``decoder_input_ids``) is not
 read by the automaton, which starts in its initial state at the first new token.
 
+``output_hidden_states`` / ``output_attentions`` (:mod:`genjax.generation.outputs`): the
+prefill runs the encoder and the decoder's prefix with the flags and returns the encoder's
+outputs (over the source bucket ``Pb``, one row per prompt) beside the decoder's; the loops
+record every later decoder call as for a decoder-only model. ``PreparedCall.finish`` cuts the
+bucket to the source's ``P``. With ``encoder_outputs`` the encoder does not run: the encoder
+fields are the given object's (:func:`given_outputs`), as transformers passes them through.
+
 Not supported for encoder-decoder models yet, each raising ``UnsupportedError`` by name:
 assisted generation, ``mesh`` and ``max_cache_len``.
 
@@ -67,7 +74,9 @@ from genjax.typing import Array
 __all__ = [
     "check_request",
     "decoder_prefix",
+    "encoder_inputs",
     "encoder_states",
+    "given_outputs",
     "is_encoder_decoder",
     "place_source",
     "prefill",
@@ -233,6 +242,84 @@ def encoder_states(encoder_outputs, model, batch: int | None) -> Array:
     return states.astype(model.dtype)
 
 
+def encoder_inputs(model, input_ids, encoder_outputs, config):
+    """``(input_ids, states, source_length)`` of an encoder-decoder call (``config`` resolved):
+    with ``encoder_outputs``, its states float[B, Ps, D] and ``input_ids`` (for the ``encoder_*``
+    processors only) checked against them, or ids of 0 when None, which no processor reads
+    (``source_length`` 0); without, the ids as given, None and their length.
+
+    Raises:
+        InputError: ``input_ids`` None without ``encoder_outputs``, or with ``encoder_*``
+            processors; ``input_ids`` whose shape is not the states' ``[B, Ps]``.
+    """
+    if encoder_outputs is None:
+        if input_ids is None:
+            raise InputError(
+                "input_ids is None: pass the source ids, or encoder_outputs= (the encoder's "
+                "states from an earlier call) to skip the encoder."
+            )
+        return input_ids, None, np.shape(input_ids)[1]
+    batch = None if input_ids is None else np.shape(input_ids)[0]
+    states = encoder_states(encoder_outputs, model, batch)
+    if input_ids is not None:
+        if tuple(np.shape(input_ids)) != tuple(states.shape[:2]):
+            raise InputError(
+                f"input_ids {tuple(np.shape(input_ids))} must be the [B, Ps] of encoder_outputs "
+                f"{tuple(states.shape)}: the source the states were computed from (read by the "
+                f"encoder_* processors only), or None."
+            )
+        return input_ids, states, states.shape[1]
+    ngrams = config.encoder_no_repeat_ngram_size
+    active = {
+        "encoder_repetition_penalty": config.is_active("encoder_repetition_penalty"),
+        "encoder_no_repeat_ngram_size": ngrams is not None and ngrams > 0,
+    }
+    for name, on in active.items():
+        if on:
+            raise InputError(
+                f"{name} reads the source ids, but input_ids is None (encoder_outputs= alone). "
+                f"Pass the source ids as input_ids too, or unset {name}."
+            )
+    xp = jnp if isinstance(states, jax.core.Tracer) else np
+    return xp.zeros(states.shape[:2], xp.int32), states, 0
+
+
+def given_outputs(encoder_outputs, config) -> dict:
+    """The ``encoder_hidden_states`` / ``encoder_attentions`` of a call given
+    ``encoder_outputs``, for the ``output_*`` flags of ``config`` that are set: as transformers,
+    the given object's own ``hidden_states`` / ``attentions`` (a ``BaseModelOutput``, a dict,
+    or an object with those attributes), as jax arrays, or None when it carries none. Empty
+    without ``encoder_outputs`` (the program records the encoder then).
+
+    Example:
+        >>> states = np.zeros((1, 3, 32), np.float32)
+        >>> given = given_outputs({"last_hidden_state": states, "hidden_states": (states,)},
+        ...                       genjax.GenerationConfig(output_hidden_states=True))
+        >>> given["encoder_hidden_states"][0].shape
+        (1, 3, 32)
+    """
+    if encoder_outputs is None:
+        return {}
+    given = {}
+    for key in ("hidden_states", "attentions"):
+        if not getattr(config, f"output_{key}"):
+            continue
+        if isinstance(encoder_outputs, dict):
+            layers = encoder_outputs.get(key)
+        else:
+            layers = getattr(encoder_outputs, key, None)
+        given[f"encoder_{key}"] = None if layers is None else tuple(_as_jax(x) for x in layers)
+    return given
+
+
+def _as_jax(value) -> Array:
+    """A jax array (or tracer) from a jax, numpy or torch (CPU) array."""
+    if isinstance(value, (jax.Array, jax.core.Tracer)):
+        return value
+    detach = getattr(value, "detach", None)  # a torch tensor
+    return jnp.asarray(np.asarray(value.detach().cpu() if detach else value))
+
+
 def place_states(states, width: int):
     """float[B, width, D]: encoder states right-padded with zeros to the source's bucket length
     ``width`` (slots its mask hides); as given when they fill it (or are traced)."""
@@ -258,7 +345,16 @@ def place_source(input_ids, attention_mask, pad_token_id, policy):
 
 
 def prefill(
-    model, params, source, source_mask, prefix, new_slots: int, pad_token_id, quantized, states=None
+    model,
+    params,
+    source,
+    source_mask,
+    prefix,
+    new_slots: int,
+    pad_token_id,
+    quantized,
+    states=None,
+    forward_flags=None,
 ):
     """Runs the encoder once (unless ``states`` are given), builds the decoder cache with its
     cross-attention keys and values, and runs the decoder over the prefix.
@@ -275,23 +371,34 @@ def prefill(
             values stay in the model dtype.
         states: None, or float[B, Pb, D] encoder states to use instead of running the encoder
             (``generate(encoder_outputs=)``); then ``source`` is read by nobody here.
+        forward_flags: None, or the ``output_*`` keywords (static) for the encoder and the
+            decoder (:mod:`genjax.models.encoder_decoder`).
 
     Returns:
         ``(logits float32[B, 1, V], cache, cache_mask int32[B, Pd + N], tokens int32[B, Pd + N])``
         as :func:`genjax.generation.prefill.prefill` returns them for a decoder-only model: the
-        loops of :mod:`genjax.decoding` take them unchanged.
+        loops of :mod:`genjax.decoding` take them unchanged. With ``forward_flags``, a fifth
+        value: the dict of the encoder's outputs (none when ``states`` are given) and the
+        decoder's over the prefix.
     """
+    flags = forward_flags or {}
     batch, length = prefix.shape
+    recorded = {}
     if states is None:
-        states = model.encode(params, source, source_mask)
+        states = model.encode(params, source, source_mask, **flags)
+        if flags:
+            states, recorded = states
     cache = model.init_cache(batch, length + new_slots, states, source_mask, params)
     if quantized:  # the float slots are never read: XLA drops them
         cache = cache.replace(self_attention=QuantizedKVCache.like(cache.self_attention))
     cache_mask = jnp.ones((batch, length + new_slots), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
-    logits, cache = model.apply(params, prefix, positions, cache, cache_mask, logits_to_keep=1)
+    logits, cache, *decoded = model.apply(
+        params, prefix, positions, cache, cache_mask, logits_to_keep=1, **flags
+    )
     filler = jnp.full((batch, new_slots), pad_token_id, jnp.int32)
-    return logits, cache, cache_mask, jnp.concatenate([prefix, filler], axis=1)
+    result = (logits, cache, cache_mask, jnp.concatenate([prefix, filler], axis=1))
+    return (*result, {**recorded, **decoded[0]}) if flags else result
 
 
 def source_tokens(source, source_length, rows_per_prompt: int) -> Array:

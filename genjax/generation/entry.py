@@ -225,7 +225,8 @@ def generate(
         A :class:`GenerateOutput`; ``sequences`` is int32[B*R, P+N]. With ``max_cache_len = M``
         (static): ``sequences`` is int32[B*R, M], the prompt, its ``N`` new tokens, then
         ``pad_token_id``; ``scores``/``logits`` hold ``M - 1`` steps, 0 from step ``N`` on.
-        Hidden states and attentions when asked for: :mod:`genjax.generation.outputs`.
+        Hidden states and attentions when asked for (an encoder-decoder model's
+        ``encoder_*``, ``decoder_*`` and ``cross_attentions``): :mod:`genjax.generation.outputs`.
 
     Raises:
         InputError: malformed ``input_ids``, ``attention_mask`` or ``key``; ``stop_strings``

@@ -32,12 +32,14 @@ INERT: dict[str, str] = {
     # Outputs besides the tokens (tested where they are built).
     "output_scores": "adds GenerateOutput.scores; the tokens are the same",
     "output_logits": "adds GenerateOutput.logits; the tokens are the same",
-    "output_hidden_states": "adds GenerateOutput.hidden_states; the tokens are the same "
-    "(tests/test_hidden_states.py); raises where genjax does not record them "
-    "(check_forward_outputs)",
-    "output_attentions": "adds GenerateOutput.attentions; the tokens are the same "
-    "(tests/test_hidden_states.py); raises where genjax does not record them "
-    "(check_forward_outputs)",
+    "output_hidden_states": "adds GenerateOutput.hidden_states (encoder-decoder models: "
+    "encoder_hidden_states, decoder_hidden_states); the tokens are the same "
+    "(tests/test_hidden_states.py, tests/test_encoder_decoder_outputs.py); raises where "
+    "genjax does not record them (check_forward_outputs)",
+    "output_attentions": "adds GenerateOutput.attentions (encoder-decoder models: "
+    "encoder_attentions, decoder_attentions, cross_attentions); the tokens are the same "
+    "(tests/test_hidden_states.py, tests/test_encoder_decoder_outputs.py); raises where "
+    "genjax does not record them (check_forward_outputs)",
     # Same tokens by design.
     "use_cache": "genjax always decodes through its KV cache (same tokens; see generate)",
     "prefill_chunk_size": "the prompt is prefilled in chunks of this size: the same tokens "
@@ -136,9 +138,13 @@ def check_forward_outputs(
     """Raises UnsupportedError for ``output_hidden_states`` / ``output_attentions`` in a call
     genjax does not record them in, naming the option and what it is combined with.
 
-    They are recorded for decoder-only models whose ``apply`` takes the flags (the built-in
-    ones), in greedy decoding, sampling, beam search and beam sampling, on one device, with the
-    prompt prefilled in one pass.
+    They are recorded for models whose ``apply`` takes the flags (the built-in ones,
+    encoder-decoder models included: transformers' ``encoder_*``, ``decoder_*`` and
+    ``cross_attentions`` fields), in greedy decoding, sampling, beam search and beam sampling,
+    on one device, with the prompt prefilled in one pass (an encoder-decoder model's decoder
+    prefix always is). What an encoder-decoder call refuses anyway (assisted generation, a
+    mesh, ``max_cache_len``: :func:`genjax.generation.encoder_decoder.check_request`) is
+    refused here first, naming the flag.
 
     Args:
         config: the call's resolved config.
@@ -155,9 +161,7 @@ def check_forward_outputs(
     if not asked:
         return
     refused = []
-    if encoder_decoder:
-        refused.append(f"an encoder-decoder model ({type(model).__name__})")
-    elif not _takes_output_flags(model):
+    if not _takes_output_flags(model):
         refused.append(
             f"{type(model).__name__}, whose apply() takes no output_hidden_states / "
             f"output_attentions keywords (see the model protocol in genjax.models)"
@@ -166,7 +170,7 @@ def check_forward_outputs(
         refused.append("assisted generation (a draft model or prompt_lookup_num_tokens)")
     if config.max_cache_len is not None:
         refused.append("max_cache_len")
-    if config.prefill_chunk_size is not None:
+    if config.prefill_chunk_size is not None and not encoder_decoder:
         refused.append("prefill_chunk_size")
     if sharded:
         refused.append("a mesh (mesh= or jax.set_mesh)")
@@ -174,8 +178,8 @@ def check_forward_outputs(
         flags = " and ".join(f"`{name}=True`" for name in asked)
         raise UnsupportedError(
             f"generation option {flags} is not supported by genjax with "
-            f"{'; '.join(refused)}: it records them for decoder-only models in greedy decoding, "
-            f"sampling and beam search, on one device, with the prompt prefilled in one pass. "
+            f"{'; '.join(refused)}: it records them in greedy decoding, sampling and beam "
+            f"search, on one device, with the prompt prefilled in one pass. "
             f"Unset {' and '.join(asked)} or drop the combination."
         )
 

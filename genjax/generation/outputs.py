@@ -28,6 +28,23 @@ the user's padding positions (queries that may attend to nothing) are not meanin
 values follow from genjax's bucket padding and differ from transformers' (which are not
 meaningful either); every real position matches.
 
+Encoder-decoder models (T5, BART, Marian) return transformers' ``GenerateEncoderDecoderOutput``
+fields instead of ``hidden_states`` / ``attentions``: the encoder's, once, and the decoder's per
+new token, as above with ``q = Pd`` (the decoder's prefix: the start token, or ``Pd`` tokens
+with ``decoder_input_ids``) at step 0 and ``P`` the source length::
+
+    encoder_hidden_states   Le + 1 arrays dtype[B, P, D]: the embeddings, each layer's output
+                            but the last, the last after the final norm (one row per source
+                            row: transformers does not repeat them for beams or R)
+    encoder_attentions      Le arrays dtype[B, Ne, P, P]
+    decoder_hidden_states   per token: L + 1 arrays dtype[rows, q, D]
+    decoder_attentions      per token: L arrays dtype[rows, N, q, Pd + t]
+    cross_attentions        per token: L arrays dtype[rows, N, q, P]: the weights over the source
+
+``Le`` and ``Ne`` are the encoder's layers and heads. genjax's padding of the source (right, to
+its bucket) is removed; every position matches transformers', the source's own padding
+included (its queries still see the real tokens).
+
 Memory: the program keeps, besides the prefill's ``(L + 1) * rows * P * D`` hidden values and
 ``L * rows * N * P * P`` attention weights, buffers for all ``N - 1`` later steps:
 ``(N - 1) * (L + 1) * rows * D`` hidden values and ``(N - 1) * L * rows * N * S`` attention
@@ -73,6 +90,13 @@ class GenerateOutput:
     hidden_states: tuple | ForwardRecord | None = None
     # output_attentions: N tuples of L arrays dtype[rows, N, q, k], k = P + t keys at step t.
     attentions: tuple | ForwardRecord | None = None
+    # Encoder-decoder models instead (see the module docstring), as transformers names them.
+    # Le+1 arrays dtype[B, P, D]; inside the program dtype[Le+1, B, W, D] (W: the source bucket)
+    encoder_hidden_states: tuple | Array | None = None
+    encoder_attentions: tuple | Array | None = None  # Le arrays dtype[B, Ne, P, P]
+    decoder_hidden_states: tuple | ForwardRecord | None = None  # N tuples of L+1 [rows, q, D]
+    decoder_attentions: tuple | ForwardRecord | None = None  # N tuples of L [rows, N, q, Pd+t]
+    cross_attentions: tuple | ForwardRecord | None = None  # N tuples of L [rows, N, q, P]
 
 
 @struct.dataclass
@@ -111,8 +135,9 @@ def per_token(
         (5, 3, (2, 5, 8), (2, 1, 8))
     """
     attentions = record.prefill.ndim == 5
-    if attentions:
-        first = tuple(layer[..., offset:, offset:] for layer in record.prefill)
+    if attentions:  # an encoder-decoder prefill reads the prompt's slots of S: keys past W go
+        width = record.prefill.shape[3]
+        first = tuple(layer[..., offset:, offset:width] for layer in record.prefill)
     else:
         first = tuple(layer[:, offset:] for layer in record.prefill)
     prompt_length = record.prefill.shape[2 + attentions] - offset
@@ -127,6 +152,55 @@ def per_token(
             ]
         later.append(tuple(layers))
     return (first, *later)
+
+
+def over_source(record: ForwardRecord, source_length: int) -> tuple[tuple[Array, ...], ...]:
+    """Transformers' layout of recorded cross-attention weights: one tuple per new token, each
+    over the layers, keeping the first ``source_length`` keys (host int ``P``) of genjax's
+    source bucket.
+
+    Example:
+        >>> record = ForwardRecord(prefill=jnp.zeros((2, 3, 4, 1, 16)),
+        ...                        steps=jnp.zeros((5, 2, 3, 4, 1, 16)))
+        >>> weights = over_source(record, 9)
+        >>> len(weights), len(weights[0]), weights[0][0].shape
+        (6, 2, (3, 4, 1, 9))
+    """
+    first = tuple(layer[..., :source_length] for layer in record.prefill)
+    later = [tuple(layer[..., :source_length] for layer in step) for step in record.steps]
+    return (first, *later)
+
+
+def lay_out(out: GenerateOutput, offset: int, windows=(), source_length=None) -> GenerateOutput:
+    """``out`` with every recorded forward output in transformers' layout: :func:`per_token`
+    (``offset``, ``windows``) for the per-token ones, :func:`over_source` for
+    ``cross_attentions``, the encoder's cut to the first ``source_length`` positions (an
+    encoder-decoder model's ``P``; host int). Fields that are None or already tuples (laid
+    out, or passed through) stay as they are."""
+    changes = {}
+    for name in ("hidden_states", "decoder_hidden_states"):
+        if isinstance(getattr(out, name), ForwardRecord):
+            changes[name] = per_token(getattr(out, name), offset)
+    for name in ("attentions", "decoder_attentions"):
+        if isinstance(getattr(out, name), ForwardRecord):
+            changes[name] = per_token(getattr(out, name), offset, windows)
+    if isinstance(out.cross_attentions, ForwardRecord):
+        changes["cross_attentions"] = over_source(out.cross_attentions, source_length)
+    if _stacked(out.encoder_hidden_states):  # [Le+1, B, W, D]
+        changes["encoder_hidden_states"] = tuple(
+            layer[:, :source_length] for layer in out.encoder_hidden_states
+        )
+    if _stacked(out.encoder_attentions):  # [Le, B, Ne, W, W]
+        changes["encoder_attentions"] = tuple(
+            layer[..., :source_length, :source_length] for layer in out.encoder_attentions
+        )
+    return out.replace(**changes) if changes else out
+
+
+def _stacked(value) -> bool:
+    """Whether an encoder output is still the program's stacked array (not None, not a
+    tuple)."""
+    return value is not None and not isinstance(value, (tuple, list))
 
 
 def _per_layer(windows: Sequence[int | None], layers: int) -> Sequence[int | None]:

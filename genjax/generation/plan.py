@@ -69,7 +69,7 @@ from genjax.generation.inputs import (
     stop_string_table_for,
 )
 from genjax.generation.options import check_forward_outputs, check_options
-from genjax.generation.outputs import ForwardRecord, GenerateOutput, per_token
+from genjax.generation.outputs import GenerateOutput, lay_out
 from genjax.generation.prefill import is_quantized, special_ids
 from genjax.models.quantize import library_dots
 from genjax.processors import Processor, as_processors, validate_config
@@ -225,10 +225,13 @@ class PreparedCall:
     traced: TracedInputs
     prompt_ids: Array  # int[B, P]: what the streamer gets first: the prompt as given (an
     # encoder-decoder model: the decoder's prefix int32[B, Pd], as transformers puts it)
-    prompt_length: int  # P
+    prompt_length: int  # P (an encoder-decoder model: the source's)
     new_tokens: int  # N asked for (traced in bounds with max_cache_len)
     offset: int  # o, the padding slots before the prompt
     policy: buckets.BucketPolicy
+    # Outputs set on the host after the run: with encoder_outputs=, the encoder_hidden_states /
+    # encoder_attentions it carries, passed through as transformers does.
+    given: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def arguments(self, stream_id: Array | None = None) -> tuple:
         """The program's arguments after ``plan``: ``(params, input_ids, attention_mask,
@@ -238,17 +241,14 @@ class PreparedCall:
 
     def finish(self, out: GenerateOutput) -> GenerateOutput:
         """``out`` with the bucket padding removed from ``sequences`` (none with
-        ``max_cache_len``, whose program returns the slots from the prompt's start), and
-        recorded hidden states and attentions laid out per token
-        (:func:`~genjax.generation.outputs.per_token`)."""
+        ``max_cache_len``, whose program returns the slots from the prompt's start), recorded
+        hidden states and attentions laid out as transformers returns them, without genjax's
+        padding (:func:`~genjax.generation.outputs.lay_out`), and the ``given`` outputs."""
         if self.offset and self.plan.slots is None:
             out = out.replace(sequences=out.sequences[:, self.offset :])
-        if isinstance(out.hidden_states, ForwardRecord):
-            out = out.replace(hidden_states=per_token(out.hidden_states, self.offset))
-        if isinstance(out.attentions, ForwardRecord):
-            windows = getattr(self.plan.model, "attention_windows", ())
-            out = out.replace(attentions=per_token(out.attentions, self.offset, windows))
-        return out
+        windows = getattr(self.plan.model, "attention_windows", ())
+        out = lay_out(out, self.offset, windows, self.prompt_length)
+        return out.replace(**self.given) if self.given else out
 
 
 def prepare(model, params: PyTree, input_ids, config, request: CallRequest) -> PreparedCall:
@@ -369,11 +369,14 @@ def _prepare_encoder_decoder(model, params, input_ids, config, request) -> Prepa
     ``input_ids`` is the source, right-padded to its bucket; the decoder starts from its prefix,
     and ``max_length`` counts decoder tokens only."""
     lengths, resolved, mode = _resolve(model, config, request)
+    sharded = request.mesh is not None  # refused below too; named with the flag here
     check_forward_outputs(
-        resolved, model, assisted=mode is Mode.ASSISTED, sharded=False, encoder_decoder=True
+        resolved, model, assisted=mode is Mode.ASSISTED, sharded=sharded, encoder_decoder=True
     )
     encoder_decoder.check_request(model, request, resolved, mode is Mode.ASSISTED)
-    input_ids, states, source_length = _encoder_inputs(model, input_ids, request, resolved)
+    input_ids, states, source_length = encoder_decoder.encoder_inputs(
+        model, input_ids, request.encoder_outputs, resolved
+    )
     input_ids, attention_mask, key = check_inputs(
         model, input_ids, request.attention_mask, request.key, resolved
     )
@@ -398,6 +401,7 @@ def _prepare_encoder_decoder(model, params, input_ids, config, request) -> Prepa
         attention_mask = xp.ones(input_ids.shape, xp.int32)
     policy = buckets.resolve(request.prompt_buckets)
     ids, mask = encoder_decoder.place_source(input_ids, attention_mask, pad_token_id, policy)
+    width = source_length if states is None else states.shape[1]  # P, also without input_ids
     if states is not None:
         states = encoder_decoder.place_states(states, ids.shape[1])
     plan = _plan(model, resolved, mode, ids.shape, new_tokens, None, None, request)
@@ -417,51 +421,10 @@ def _prepare_encoder_decoder(model, params, input_ids, config, request) -> Prepa
         source_length=jnp.asarray(source_length, jnp.int32),
         encoder_states=states,
     )
+    given = encoder_decoder.given_outputs(request.encoder_outputs, resolved)
     return PreparedCall(
-        plan, params, ids, mask, traced, prefix, source_length, new_tokens, 0, policy
+        plan, params, ids, mask, traced, prefix, width, new_tokens, 0, policy, given
     )
-
-
-def _encoder_inputs(model, input_ids, request: CallRequest, config):
-    """``(input_ids, states, source_length)`` of an encoder-decoder call: with
-    ``encoder_outputs``, its states float[B, Ps, D] and ``input_ids`` (for the ``encoder_*``
-    processors only) checked against them, or ids of 0 when None, which no processor reads
-    (``source_length`` 0); without, the ids as given, None and their length.
-
-    Raises:
-        InputError: ``input_ids`` None without ``encoder_outputs``, or with ``encoder_*``
-            processors; ``input_ids`` whose shape is not the states' ``[B, Ps]``.
-    """
-    if request.encoder_outputs is None:
-        if input_ids is None:
-            raise InputError(
-                "input_ids is None: pass the source ids, or encoder_outputs= (the encoder's "
-                "states from an earlier call) to skip the encoder."
-            )
-        return input_ids, None, np.shape(input_ids)[1]
-    batch = None if input_ids is None else np.shape(input_ids)[0]
-    states = encoder_decoder.encoder_states(request.encoder_outputs, model, batch)
-    if input_ids is not None:
-        if tuple(np.shape(input_ids)) != tuple(states.shape[:2]):
-            raise InputError(
-                f"input_ids {tuple(np.shape(input_ids))} must be the [B, Ps] of encoder_outputs "
-                f"{tuple(states.shape)}: the source the states were computed from (read by the "
-                f"encoder_* processors only), or None."
-            )
-        return input_ids, states, states.shape[1]
-    ngrams = config.encoder_no_repeat_ngram_size
-    active = {
-        "encoder_repetition_penalty": config.is_active("encoder_repetition_penalty"),
-        "encoder_no_repeat_ngram_size": ngrams is not None and ngrams > 0,
-    }
-    for name, on in active.items():
-        if on:
-            raise InputError(
-                f"{name} reads the source ids, but input_ids is None (encoder_outputs= alone). "
-                f"Pass the source ids as input_ids too, or unset {name}."
-            )
-    xp = jnp if isinstance(states, jax.core.Tracer) else np
-    return xp.zeros(states.shape[:2], xp.int32), states, 0
 
 
 def _resolve(model, config, request: CallRequest):

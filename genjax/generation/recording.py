@@ -5,8 +5,9 @@ static), the model's ``apply`` gets those flags and returns its extra outputs th
 protocol of :mod:`genjax.models`): the prefill's are kept as they are, and the decoding loops
 write each later call's into buffers of their carry (``step_outputs``, leaves ``[N - 1, ...]``).
 :func:`records` wraps both as :class:`~genjax.generation.outputs.ForwardRecord` s, which
-``PreparedCall.finish`` lays out per token on the host. Without the flags nothing here adds to
-the program. Everything runs inside ``generate``'s trace; the plan is static.
+``PreparedCall.finish`` lays out per token on the host. An encoder-decoder model's prefill
+also returns its encoder's outputs (:data:`ONCE`), kept as they are. Without the flags nothing
+here adds to the program. Everything runs inside ``generate``'s trace; the plan is static.
 """
 
 from __future__ import annotations
@@ -18,6 +19,11 @@ import jax.numpy as jnp
 from genjax.decoding.sampling import step_output_buffers
 from genjax.generation.outputs import ForwardRecord
 from genjax.typing import PyTree
+
+ONCE = ("encoder_hidden_states", "encoder_attentions")
+"""Outputs of the prefill alone, returned once as computed (an encoder-decoder model's
+encoder: one row per prompt, which transformers does not repeat for beams or return
+sequences)."""
 
 
 def step_fn(plan):
@@ -38,16 +44,20 @@ def with_buffers(plan, params: PyTree, state, prefill_outputs: list):
 
 
 def records(prefill_outputs: list, step_outputs: PyTree, copies: int) -> dict:
-    """``GenerateOutput``'s ``hidden_states`` / ``attentions`` as ``ForwardRecord`` s: the
+    """``GenerateOutput``'s per-token outputs (``hidden_states`` / ``attentions``, or an
+    encoder-decoder model's ``decoder_*`` and ``cross_attentions``) as ``ForwardRecord`` s: the
     prefill's ``B`` rows repeated ``copies`` times (static: ``R``, or ``M`` beams; transformers
-    expands the prompts before its prefill), then the loop's buffers. Empty when nothing is
-    recorded."""
+    expands the prompts before its prefill), then the loop's buffers; the :data:`ONCE` outputs
+    as they are. Empty when nothing is recorded."""
     if not prefill_outputs:
         return {}
     (first,) = prefill_outputs
-    return {
+    once = {name: first[name] for name in ONCE if name in first}
+    per_token = {
         name: ForwardRecord(
             prefill=jnp.repeat(first[name], copies, axis=1), steps=step_outputs[name]
         )
         for name in first
+        if name not in once
     }
+    return {**once, **per_token}

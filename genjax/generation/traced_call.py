@@ -70,6 +70,7 @@ class TracedCall:
                 self.pad_token_id,
                 self.plan.quantized,
                 self.traced.encoder_states,
+                self.plan.forward_flags,
             )
         if draft:
             model, params = self.plan.assistant, self.traced.assistant_params

@@ -40,7 +40,9 @@ Any object with these members plugs into ``genjax.generate``; nothing else about
     embeddings, each layer's output but the last, then the last layer's after the final norm,
     transformers' order) and/or ``"attentions"`` dtype[L, B, N, T, S] (each layer's softmax
     weights over the cache's ``S`` logical slots). ``generate``'s ``output_hidden_states`` and
-    ``output_attentions`` need them (the built-in decoder-only models have them).
+    ``output_attentions`` need them (every built-in model has them; an encoder-decoder model's
+    ``encode`` and ``apply`` return transformers' ``encoder_*``, ``decoder_*`` and
+    ``cross_attentions`` instead: ``genjax.models.encoder_decoder``).
 
   A full forward pass is ``apply`` on a fresh ``init_cache(B, T)`` (index 0). Prefill then
   decode is ``apply`` with ``T = P`` then ``T = 1`` repeatedly on one cache of length ``S``.

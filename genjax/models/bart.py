@@ -66,7 +66,7 @@ from genjax.cache import attention_bias
 from genjax.errors import UnsupportedError
 from genjax.models import _hf
 from genjax.models import encoder_decoder as ed
-from genjax.models.layers import ACTIVATIONS, attention, check_activation, linear
+from genjax.models.layers import ACTIVATIONS, check_activation, linear
 
 MODEL_TYPES = ("bart", "mbart", "marian")
 _DEFAULTS = {
@@ -270,7 +270,7 @@ class _Bart:
         act = ACTIVATIONS[self.c.activation]
         return ed.dense(p["fc2"], act(ed.dense(p["fc1"], x, self.dtype)), self.dtype)
 
-    def encode(self, params, ids, mask):
+    def encode(self, params, ids, mask, record):
         c, dt = self.c, self.dtype
         enc = params["model"]["encoder"]
         length = ids.shape[1]
@@ -278,16 +278,20 @@ class _Bart:
         bias = ed.mask_bias(mask, length)
         scale = (c.hidden_size // c.encoder_heads) ** -0.5
         for i in range(c.num_encoder_layers):
+            record.layer_input(x)
             layer = enc["layers"][str(i)]
             p = layer["self_attn"]
 
             def attend(h, p=p):
                 q, k, v = (self.project(p[f"{n}_proj"], h, c.encoder_heads) for n in "qkv")
-                return ed.dense(p["out_proj"], ed.full_attention(q, k, v, bias, scale), dt)
+                mixed = ed.full_attention(q, k, v, bias, scale, record)
+                return ed.dense(p["out_proj"], mixed, dt)
 
             x = self.sublayer(layer["self_attn_layer_norm"], x, attend)
             x = self.sublayer(layer["final_layer_norm"], x, lambda h, p=layer: self.mlp(p, h))
-        return self.norm(enc["layer_norm"], x) if c.pre_norm else x
+        x = self.norm(enc["layer_norm"], x) if c.pre_norm else x
+        record.last(x)
+        return x
 
     def cross_kv(self, params, layer, states):
         p = params["model"]["decoder"]["layers"][str(layer)]["encoder_attn"]
@@ -295,7 +299,7 @@ class _Bart:
         n = self.c.num_heads
         return self.project(p["k_proj"], states, n), self.project(p["v_proj"], states, n)
 
-    def decode(self, params, tokens, cache, mask, logits_to_keep):
+    def decode(self, params, tokens, cache, mask, logits_to_keep, record):
         c, dt = self.c, self.dtype
         dec = params["model"]["decoder"]
         length = tokens.shape[1]
@@ -303,25 +307,30 @@ class _Bart:
         bias = attention_bias(mask, cache.index, length, jnp.float32)
         scale = c.head_dim**-0.5
         for i in range(c.num_layers):
+            record.layer_input(x)
             layer = dec["layers"][str(i)]
 
             def self_attend(h, p=layer["self_attn"], i=i):
                 nonlocal cache
                 q, k, v = (self.project(p[f"{n}_proj"], h, c.num_heads) for n in "qkv")
                 keys, values, cache = cache.update_layer(i, k, v)
-                return ed.dense(p["out_proj"], attention(q, keys, values, bias, scale), dt)
+                mixed = ed.attend(q, keys, values, bias, scale, record, "decoder_attentions")
+                return ed.dense(p["out_proj"], mixed, dt)
 
             def cross_attend(h, p=layer["encoder_attn"], i=i):
                 q = self.project(p["q_proj"], h, c.num_heads)
-                return ed.dense(p["out_proj"], ed.cross_attention(q, cache, i, scale), dt)
+                return ed.dense(p["out_proj"], ed.cross_attention(q, cache, i, scale, record), dt)
 
             x = self.sublayer(layer["self_attn_layer_norm"], x, self_attend)
             x = self.sublayer(layer["encoder_attn_layer_norm"], x, cross_attend)
             x = self.sublayer(layer["final_layer_norm"], x, lambda h, p=layer: self.mlp(p, h))
-        if logits_to_keep:
+        if logits_to_keep and not record.hidden_states:  # the norm is per position: cut first
             x = x[:, -logits_to_keep:]
         if c.pre_norm:
             x = self.norm(dec["layer_norm"], x)
+        record.last(x)
+        if logits_to_keep:
+            x = x[:, -logits_to_keep:]
         if c.tie_word_embeddings:
             logits = linear(x, params["model"]["shared"]["embedding"], None, dt)
         else:
@@ -361,14 +370,15 @@ class BartModel(ed.EncoderDecoderBase):
         """The first decoder token, from config.json."""
         return self.config.decoder_start_token_id
 
-    def _encode(self, params, input_ids, attention_mask):
-        return _Bart(self.config).encode(params, input_ids, attention_mask)
+    def _encode(self, params, input_ids, attention_mask, record):
+        return _Bart(self.config).encode(params, input_ids, attention_mask, record)
 
     def _cross_kv(self, params, layer, states):
         return _Bart(self.config).cross_kv(params, layer, states)
 
-    def _decode(self, params, tokens, cache, attention_mask, logits_to_keep):
-        return _Bart(self.config).decode(params, tokens, cache, attention_mask, logits_to_keep)
+    def _decode(self, params, tokens, cache, attention_mask, logits_to_keep, record):
+        bart = _Bart(self.config)
+        return bart.decode(params, tokens, cache, attention_mask, logits_to_keep, record)
 
     def _shapes(self) -> dict[tuple[str, ...], tuple[int, ...]]:
         c = self.config

@@ -29,6 +29,22 @@ traced:
 A full teacher-forced forward pass is ``apply`` on a fresh ``init_cache(B, T, ...)``; decoding
 is ``apply`` with ``T = 1`` repeatedly, and equals it.
 
+``encode`` and ``apply`` take the keywords ``output_hidden_states`` and ``output_attentions``
+(static; both False: the program without them). With one set they return a dict of the stack's
+extra outputs last, in transformers' layout stacked over the layers (:class:`Recorder`)::
+
+    encode  -> (states, {"encoder_hidden_states": dtype[Le+1, B, Se, D],
+                         "encoder_attentions":    dtype[Le, B, Ne, Se, Se]})
+    apply   -> (logits, cache, {"decoder_hidden_states": dtype[L+1, B, T, D],
+                                "decoder_attentions":    dtype[L, B, N, T, S],
+                                "cross_attentions":      dtype[L, B, N, T, Se]})
+
+each entry present when its flag is set. Hidden states are the embeddings, the output of each
+layer but the last, then the stack's last output after its final norm (T5, mBART; BART and
+Marian have none), as transformers returns them; attentions are the softmax weights, 0 on
+masked keys (the decoder's over all ``S`` cache slots, later ones masked). ``Le`` and ``Ne``
+are the encoder's layers and heads.
+
 The models also carry ``decoder_start_token_id`` (from ``config.json``, None when it has none:
 ``GenerationConfig`` then supplies it), ``vocab_size``, ``hidden_size`` (``D``), ``num_layers``
 (decoder layers),
@@ -79,7 +95,8 @@ class EncoderDecoderBase(ModelBase):
 
     Subclasses define ``_shapes()`` ({param path: shape}), ``_encode``, ``_cross_kv`` (one
     layer's cross keys and values, each float[B, Se, K, H]) and ``_decode``, plus
-    ``num_kv_heads``, ``head_dim``, ``num_layers`` and ``decoder_start_token_id``.
+    ``num_kv_heads``, ``head_dim``, ``num_layers`` and ``decoder_start_token_id``. ``_encode``
+    and ``_decode`` get a :class:`Recorder` and hand it each layer's input and weights.
     """
 
     is_encoder_decoder = True
@@ -87,13 +104,13 @@ class EncoderDecoderBase(ModelBase):
     def _shapes(self) -> dict[tuple[str, ...], tuple[int, ...]]:
         raise NotImplementedError
 
-    def _encode(self, params: PyTree, input_ids: Array, attention_mask: Array) -> Array:
+    def _encode(self, params: PyTree, input_ids: Array, attention_mask: Array, record) -> Array:
         raise NotImplementedError
 
     def _cross_kv(self, params: PyTree, layer: int, states: Array) -> tuple[Array, Array]:
         raise NotImplementedError
 
-    def _decode(self, params, tokens, cache, attention_mask, logits_to_keep):
+    def _decode(self, params, tokens, cache, attention_mask, logits_to_keep, record):
         raise NotImplementedError
 
     def _hf_transposed(self, path: tuple[str, ...]) -> bool:
@@ -104,16 +121,28 @@ class EncoderDecoderBase(ModelBase):
         """``D``, the width of the encoder states and of the decoder (``d_model``)."""
         return self.config.hidden_size
 
-    def encode(self, params: PyTree, input_ids: Array, attention_mask: Array | None = None):
+    def encode(
+        self,
+        params: PyTree,
+        input_ids: Array,
+        attention_mask: Array | None = None,
+        *,
+        output_hidden_states: bool = False,
+        output_attentions: bool = False,
+    ):
         """Runs the encoder; pure, jittable with the model static.
 
         Args:
             params: the parameter tree.
             input_ids: int[B, Se] source ids, left-padded.
             attention_mask: int or bool[B, Se], nonzero for real tokens; None means all real.
+            output_hidden_states: static; also return every layer's hidden states.
+            output_attentions: static; also return every layer's attention weights.
 
         Returns:
-            float[B, Se, D] encoder states, in the model dtype.
+            float[B, Se, D] encoder states, in the model dtype; with an ``output_*`` flag,
+            ``(states, outputs)``: ``"encoder_hidden_states"`` dtype[Le+1, B, Se, D] and
+            ``"encoder_attentions"`` dtype[Le, B, Ne, Se, Se] (see the module docstring).
 
         Example:
             >>> states = model.encode(params, ids, mask)  # doctest: +SKIP
@@ -131,7 +160,9 @@ class EncoderDecoderBase(ModelBase):
                 f"attention_mask must match input_ids {tuple(input_ids.shape)}, got shape "
                 f"{tuple(attention_mask.shape)}."
             )
-        return self._encode(params, input_ids, attention_mask)
+        record = Recorder("encoder", output_hidden_states, output_attentions)
+        states = self._encode(params, input_ids, attention_mask, record)
+        return (states, record.outputs()) if record.active else states
 
     def init_cache(
         self,
@@ -192,7 +223,10 @@ class EncoderDecoderBase(ModelBase):
         cache: EncoderDecoderCache,
         attention_mask: Array,
         logits_to_keep: int = 0,
-    ) -> tuple[Array, EncoderDecoderCache]:
+        *,
+        output_hidden_states: bool = False,
+        output_attentions: bool = False,
+    ) -> tuple[Array, EncoderDecoderCache] | tuple[Array, EncoderDecoderCache, dict]:
         """Runs the decoder on ``T`` tokens written at ``cache.index`` (see the module docstring).
 
         Args:
@@ -202,9 +236,15 @@ class EncoderDecoderBase(ModelBase):
             cache: from :meth:`init_cache`.
             attention_mask: int or bool[B, S] over the decoder slots.
             logits_to_keep: static; 0 for every position, ``k > 0`` for the last ``k``.
+            output_hidden_states: static; also return every layer's hidden states (of all
+                ``T`` positions, whatever ``logits_to_keep``).
+            output_attentions: static; also return the self- and cross-attention weights.
 
         Returns:
-            ``(logits, cache)``: float32[B, T or k, V] and the cache advanced by ``T``.
+            ``(logits, cache)``: float32[B, T or k, V] and the cache advanced by ``T``; with an
+            ``output_*`` flag, ``(logits, cache, outputs)``: ``"decoder_hidden_states"``
+            dtype[L+1, B, T, D], ``"decoder_attentions"`` dtype[L, B, N, T, S] and
+            ``"cross_attentions"`` dtype[L, B, N, T, Se] (see the module docstring).
 
         Example:
             >>> logits, cache = model.apply(params, ids, pos, cache, mask)  # doctest: +SKIP
@@ -214,8 +254,10 @@ class EncoderDecoderBase(ModelBase):
             raise InputError(
                 f"logits_to_keep must be an int >= 0 (0: every position), got {logits_to_keep!r}."
             )
-        logits, cache = self._decode(params, tokens, cache, attention_mask, logits_to_keep)
-        return logits.astype(jnp.float32), cache.advance(tokens.shape[1])
+        record = Recorder("decoder", output_hidden_states, output_attentions)
+        logits, cache = self._decode(params, tokens, cache, attention_mask, logits_to_keep, record)
+        logits, cache = logits.astype(jnp.float32), cache.advance(tokens.shape[1])
+        return (logits, cache, record.outputs()) if record.active else (logits, cache)
 
     def param_shapes(self) -> PyTree:
         """The parameter tree as ``jax.ShapeDtypeStruct`` leaves (nothing allocated)."""
@@ -295,13 +337,24 @@ def mask_bias(mask: Array, query_length: int) -> Array:
     return jnp.where(allowed, 0.0, jnp.finfo(jnp.float32).min)
 
 
-def full_attention(q: Array, k: Array, v: Array, bias: Array, scale: float) -> Array:
+def full_attention(q: Array, k: Array, v: Array, bias: Array, scale: float, record=None):
     """Attention of queries dtype[B, T, N, H] over keys and values dtype[B, Se, N, H] (no cache),
-    with ``bias`` float32[B, 1 or N, T, Se]; returns dtype[B, T, N * H]."""
-    return attention(q, slots_last(k), heads_first(v), bias, scale)
+    with ``bias`` float32[B, 1 or N, T, Se]; returns dtype[B, T, N * H]. The weights
+    dtype[B, N, T, Se] go to ``record`` (a :class:`Recorder`) as ``encoder_attentions``."""
+    return attend(q, slots_last(k), heads_first(v), bias, scale, record, "encoder_attentions")
 
 
-def cross_attention(q: Array, cache: EncoderDecoderCache, layer: int, scale: float) -> Array:
+def attend(q, keys, values, bias, scale: float, record, name: str) -> Array:
+    """:func:`~genjax.models.layers.attention`, its weights handed to ``record`` (a
+    :class:`Recorder`, or None) as ``name`` when it records attentions."""
+    if record is None or not record.attentions:
+        return attention(q, keys, values, bias, scale)
+    out, weights = attention(q, keys, values, bias, scale, return_weights=True)
+    record.weights(name, weights)
+    return out
+
+
+def cross_attention(q: Array, cache: EncoderDecoderCache, layer: int, scale: float, record=None):
     """The decoder's attention over a layer's cached cross keys and values.
 
     The ``R = rows_per_prompt`` rows of each prompt are folded into one block of ``R * T``
@@ -312,6 +365,8 @@ def cross_attention(q: Array, cache: EncoderDecoderCache, layer: int, scale: flo
         cache: the cache holding the cross blocks.
         layer: the decoder layer (a Python int).
         scale: the score multiplier (static).
+        record: a :class:`Recorder` (or None): gets the weights dtype[B, N, T, Se] as
+            ``cross_attentions``, unfolded to one row per decoder row.
 
     Returns:
         dtype[B, T, N * H].
@@ -321,8 +376,70 @@ def cross_attention(q: Array, cache: EncoderDecoderCache, layer: int, scale: flo
     bias = jnp.broadcast_to(
         cache.cross_bias(), (cache.num_prompts, 1, folded.shape[1], cache.source_length)
     )
-    out = attention(folded, cache.cross_keys[layer], cache.cross_values[layer], bias, scale)
+    keys, values = cache.cross_keys[layer], cache.cross_values[layer]
+    if record is None or not record.attentions:
+        return unfold_rows(attention(folded, keys, values, bias, scale), rows)
+    out, weights = attention(folded, keys, values, bias, scale, return_weights=True)
+    prompts, heads, _, source = weights.shape  # [B / R, N, R * T, Se] -> [B, N, T, Se]
+    weights = weights.reshape(prompts, heads, rows, -1, source).transpose(0, 2, 1, 3, 4)
+    record.weights("cross_attentions", weights.reshape(prompts * rows, heads, -1, source))
     return unfold_rows(out, rows)
+
+
+class Recorder:
+    """Collects one stack's hidden states and attention weights during one forward pass, for the
+    ``output_hidden_states`` / ``output_attentions`` keywords (static flags; with both off it
+    keeps nothing and the program is the one without it).
+
+    The stack calls :meth:`layer_input` with each layer's input, :meth:`weights` with each
+    layer's softmax weights and :meth:`last` with its final output (after the final norm);
+    :meth:`outputs` stacks them over the layers.
+
+    Example:
+        >>> record = Recorder("decoder", hidden_states=True, attentions=False)
+        >>> for layer in range(2):
+        ...     record.layer_input(jnp.zeros((1, 3, 8)))
+        >>> record.last(jnp.ones((1, 3, 8)))
+        >>> {k: v.shape for k, v in record.outputs().items()}
+        {'decoder_hidden_states': (3, 1, 3, 8)}
+    """
+
+    def __init__(self, stack: str, hidden_states: bool, attentions: bool):
+        self.stack = stack  # "encoder" or "decoder": names the hidden states
+        self.hidden_states = bool(hidden_states)
+        self.attentions = bool(attentions)
+        self._states: list[Array] = []
+        self._weights: dict[str, list[Array]] = {}
+
+    @property
+    def active(self) -> bool:
+        """Whether anything is recorded."""
+        return self.hidden_states or self.attentions
+
+    def layer_input(self, x: Array) -> None:
+        """A layer's input dtype[B, T, D] (the first: the embeddings)."""
+        if self.hidden_states:
+            self._states.append(x)
+
+    def last(self, x: Array) -> None:
+        """The stack's output dtype[B, T, D] after its final norm, all ``T`` positions."""
+        if self.hidden_states:
+            self._states.append(x)
+
+    def weights(self, name: str, weights: Array) -> None:
+        """One layer's softmax weights dtype[B, N, T, K], kept under ``name``."""
+        if self.attentions:
+            self._weights.setdefault(name, []).append(weights)
+
+    def outputs(self) -> dict[str, Array]:
+        """``{f"{stack}_hidden_states": dtype[L+1, B, T, D]}`` and each kind of weights
+        dtype[L, B, N, T, K], as recorded."""
+        out = {}
+        if self.hidden_states:
+            out[f"{self.stack}_hidden_states"] = jnp.stack(self._states)
+        for name, weights in self._weights.items():
+            out[name] = jnp.stack(weights)
+        return out
 
 
 def slot_positions(cache: EncoderDecoderCache, length: int) -> Array:

@@ -61,7 +61,7 @@ from genjax.cache import attention_bias
 from genjax.errors import UnsupportedError
 from genjax.models import _hf
 from genjax.models import encoder_decoder as ed
-from genjax.models.layers import ACTIVATIONS, attention, check_activation, linear
+from genjax.models.layers import ACTIVATIONS, check_activation, linear
 from genjax.typing import Array
 
 _DEFAULTS = {
@@ -276,7 +276,7 @@ class _T5:
             h = act(ed.dense(p["wi"], x, dt))
         return ed.dense(p["wo"], h, dt)
 
-    def encode(self, params, ids, mask):
+    def encode(self, params, ids, mask, record):
         enc, dt = params["encoder"], self.dtype
         x = ed.embed(params["shared"], ids, dt)
         length = ids.shape[1]
@@ -284,12 +284,15 @@ class _T5:
         positions = jnp.arange(length, dtype=jnp.int32)
         bias = ed.mask_bias(mask, length) + self.position_bias(table, positions, length, True)
         for i in range(self.c.num_encoder_layers):
+            record.layer_input(x)
             block = enc["block"][str(i)]["layer"]
             attn = block["0"]["SelfAttention"]
             q, k, v = self.qkv(attn, self.norm(block["0"]["layer_norm"], x))
-            x = x + ed.dense(attn["o"], ed.full_attention(q, k, v, bias, 1.0), dt)
+            x = x + ed.dense(attn["o"], ed.full_attention(q, k, v, bias, 1.0, record), dt)
             x = x + self.mlp(block["1"]["DenseReluDense"], self.norm(block["1"]["layer_norm"], x))
-        return self.norm(enc["final_layer_norm"], x)
+        x = self.norm(enc["final_layer_norm"], x)
+        record.last(x)
+        return x
 
     def cross_kv(self, params, layer, states):
         p = params["decoder"]["block"][str(layer)]["layer"]["1"]["EncDecAttention"]
@@ -297,7 +300,7 @@ class _T5:
         states = states.astype(dt)
         return ed.heads(ed.dense(p["k"], states, dt), n), ed.heads(ed.dense(p["v"], states, dt), n)
 
-    def decode(self, params, tokens, cache, mask, logits_to_keep):
+    def decode(self, params, tokens, cache, mask, logits_to_keep, record):
         dec, dt = params["decoder"], self.dtype
         length = tokens.shape[1]
         x = ed.embed(params["shared"], tokens, dt)
@@ -307,19 +310,24 @@ class _T5:
             table, queries, cache.length, False
         )
         for i in range(self.c.num_layers):
+            record.layer_input(x)
             block = dec["block"][str(i)]["layer"]
             attn = block["0"]["SelfAttention"]
             q, k, v = self.qkv(attn, self.norm(block["0"]["layer_norm"], x))
             keys, values, cache = cache.update_layer(i, k, v)
-            x = x + ed.dense(attn["o"], attention(q, keys, values, bias, 1.0), dt)
+            mixed = ed.attend(q, keys, values, bias, 1.0, record, "decoder_attentions")
+            x = x + ed.dense(attn["o"], mixed, dt)
             cross = block["1"]["EncDecAttention"]
             h = self.norm(block["1"]["layer_norm"], x)
             q = ed.heads(ed.dense(cross["q"], h, dt), self.c.num_heads)
-            x = x + ed.dense(cross["o"], ed.cross_attention(q, cache, i, 1.0), dt)
+            x = x + ed.dense(cross["o"], ed.cross_attention(q, cache, i, 1.0, record), dt)
             x = x + self.mlp(block["2"]["DenseReluDense"], self.norm(block["2"]["layer_norm"], x))
-        if logits_to_keep:
+        if logits_to_keep and not record.hidden_states:  # the norm is per position: cut first
             x = x[:, -logits_to_keep:]
         x = self.norm(dec["final_layer_norm"], x)
+        record.last(x)
+        if logits_to_keep:
+            x = x[:, -logits_to_keep:]
         if self.c.scale_decoder_outputs:
             x = x * jnp.asarray(self.c.hidden_size**-0.5, dt)
         if self.c.tie_word_embeddings:
@@ -355,14 +363,15 @@ class T5Model(ed.EncoderDecoderBase):
         """The first decoder token, from config.json (T5 checkpoints use the pad id, 0)."""
         return self.config.decoder_start_token_id
 
-    def _encode(self, params, input_ids, attention_mask):
-        return _T5(self.config).encode(params, input_ids, attention_mask)
+    def _encode(self, params, input_ids, attention_mask, record):
+        return _T5(self.config).encode(params, input_ids, attention_mask, record)
 
     def _cross_kv(self, params, layer, states):
         return _T5(self.config).cross_kv(params, layer, states)
 
-    def _decode(self, params, tokens, cache, attention_mask, logits_to_keep):
-        return _T5(self.config).decode(params, tokens, cache, attention_mask, logits_to_keep)
+    def _decode(self, params, tokens, cache, attention_mask, logits_to_keep, record):
+        t5 = _T5(self.config)
+        return t5.decode(params, tokens, cache, attention_mask, logits_to_keep, record)
 
     def _shapes(self) -> dict[tuple[str, ...], tuple[int, ...]]:
         c = self.config

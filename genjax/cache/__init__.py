@@ -5,7 +5,8 @@ final length ``S``); ``quantized`` its int8 form; ``slots`` the fixed slot layou
 compiled program serve many prompt and output lengths (``max_cache_len``); ``memory`` sizes a
 cache before it is allocated; ``encoder_decoder`` the decoder-plus-cross-attention cache of
 T5/BART-style models; ``paged`` the block pool of the serving engine (rows of
-different lengths in fixed-size blocks, per-row write indices); ``ring`` the sliding-window layers
+different lengths in fixed-size blocks, per-row write indices; in the model's dtype or as int8
+codes with scales, the ``quantized`` code); ``ring`` the sliding-window layers
 of a float cache, kept as rings of ``W`` slots (written modulo ``W``) instead of ``S``. The int8
 and paged caches keep every layer in the full layout (windows are applied by the mask there).
 
@@ -28,7 +29,14 @@ from genjax.cache.kv import (
     replace_layer,
     slots_last,
 )
-from genjax.cache.memory import CacheRequest, cache_bytes, check_fits, free_bytes
+from genjax.cache.memory import (
+    CacheRequest,
+    cache_bytes,
+    check_fits,
+    check_pool_fits,
+    free_bytes,
+    paged_block_bytes,
+)
 from genjax.cache.paged import SCRATCH_BLOCK, PagedKVCache
 from genjax.cache.quantized import (
     QuantizedKVCache,
@@ -50,6 +58,7 @@ __all__ = [
     "cache_bytes",
     "check_cache_options",
     "check_fits",
+    "check_pool_fits",
     "dequantize",
     "fold_rows",
     "free_bytes",
@@ -57,6 +66,7 @@ __all__ = [
     "grow_slots",
     "heads_first",
     "init_cache",
+    "paged_block_bytes",
     "quantize",
     "repeat_rows",
     "replace_layer",

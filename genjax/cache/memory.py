@@ -8,6 +8,14 @@ mesh (rows over ``data``, key/value heads over ``model`` when they divide). :fun
 compares it with the free memory of the call's devices and raises :class:`CacheMemoryError`
 giving both figures, instead of an allocator failure deep inside XLA.
 
+The serving engine's paged pool (:mod:`genjax.cache.paged`) is counted in blocks:
+:func:`paged_block_bytes` gives one block's bytes over all layers (keys, values, and with an int8
+pool their scales), from which ``ContinuousBatchingConfig(kv_cache_memory_bytes=...)`` sizes the
+pool, and :func:`check_pool_fits` checks the whole pool before the engine allocates it. An int8
+block of ``K`` KV heads of size ``H`` takes ``2 * L * K * block_size * (H + itemsize)`` bytes
+against ``2 * L * K * block_size * H * itemsize`` in the model dtype (``itemsize`` that dtype's
+bytes): at ``H = 64`` 1.94x the tokens per byte of bfloat16 and 3.76x of float32.
+
 Free memory: ``device.memory_stats()`` where the backend reports it (GPU, TPU: ``bytes_limit -
 bytes_in_use``); on the CPU backend, which reports nothing, the host's available memory
 (``MemAvailable`` of ``/proc/meminfo``, else ``os.sysconf``) shared by the call's devices. Only
@@ -29,6 +37,7 @@ from collections.abc import Sequence
 import jax
 from jax.sharding import Mesh
 
+from genjax.cache.paged import PagedKVCache
 from genjax.cache.quantized import init_cache
 from genjax.errors import CacheMemoryError
 
@@ -170,4 +179,58 @@ def check_fits(requests: Sequence[CacheRequest], layout=None) -> int:
         f"max_new_tokens (or max_length), the batch size, num_beams or num_return_sequences; "
         f"{quantize}or shard the rows and KV heads over more devices with "
         f"mesh=genjax.sharding.make_mesh(...)."
+    )
+
+
+def paged_block_bytes(model, block_size: int, quantized: bool = False) -> int:
+    """The bytes one block of the serving engine's pool takes, over all layers.
+
+    Args:
+        model: the model (its ``num_layers``, ``num_kv_heads``, ``head_dim`` and ``dtype``).
+        block_size: slots per block (static).
+        quantized: int8 codes with one scale per slot and KV head (``kv_cache_dtype="int8"``)
+            instead of the model's dtype.
+
+    Counted from the shapes :meth:`~genjax.cache.PagedKVCache.create` gives (nothing is
+    allocated); the block tables and indices (a few bytes per row) are left out.
+
+    Example:
+        >>> # float32, L=4, K=2, H=64: 2 (k, v) x 4 x 2 x 16 slots x 64 x 4 bytes
+        >>> paged_block_bytes(model, 16), paged_block_bytes(model, 16, quantized=True)
+        (65536, 17408)
+    """
+    return _block_bytes(
+        model.num_layers, model.num_kv_heads, model.head_dim, model.dtype, block_size, quantized
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _block_bytes(layers, heads, head_dim, dtype, block_size, quantized) -> int:
+    def build():
+        return PagedKVCache.create(layers, 1, block_size, 1, 1, heads, head_dim, dtype, quantized)
+
+    cache = jax.eval_shape(build)
+    pools = (*cache.keys, *cache.values, *cache.key_scales, *cache.value_scales)
+    return sum(math.prod(x.shape) * x.dtype.itemsize for x in pools)
+
+
+def check_pool_fits(model, num_blocks: int, block_size: int, quantized: bool = False) -> int:
+    """Raises :class:`CacheMemoryError` when the engine's pool would not fit on the default
+    device; returns its bytes (``num_blocks * paged_block_bytes(...)``).
+
+    Example:
+        >>> check_pool_fits(model, num_blocks=65, block_size=16)
+        4259840
+    """
+    needed = num_blocks * paged_block_bytes(model, block_size, quantized)
+    free, source = free_bytes(call_devices())
+    if needed <= free:
+        return needed
+    int8 = "" if quantized else "store it as int8 with kv_cache_dtype='int8'; "
+    raise CacheMemoryError(
+        f"the serving engine's KV pool of {num_blocks} blocks of {block_size} slots "
+        f"({'int8 + scales' if quantized else 'model dtype'}) needs {needed:,} bytes "
+        f"({needed / GiB:.2f} GiB), but only {free:,} bytes ({free / GiB:.2f} GiB) are {source}. "
+        f"Lower ContinuousBatchingConfig.num_blocks or kv_cache_memory_bytes (or max_batch_size "
+        f"and max_length, which size it by default); {int8}or serve a smaller model."
     )

@@ -15,6 +15,17 @@ row, which :func:`~genjax.cache.attention_bias` accepts. Rows never hold padding
 ``p`` holds the token at position ``p``, so the attention mask may be all ones and causality
 alone hides the slots after a row's end.
 
+An int8 pool (``create(..., quantized=True)``; the engine's ``kv_cache_dtype="int8"``) stores
+each layer's keys and values as int8 codes in the same layouts, with one symmetric absmax scale
+per head vector of one slot (``key_scales`` and ``value_scales`` float[num_blocks, K,
+block_size], in the float dtype; :func:`genjax.cache.quantized.quantize`): a block costs
+``2 * K * block_size * (H + itemsize)`` bytes per layer against ``2 * K * block_size * H *
+itemsize``, about half of bfloat16 and a quarter of float32 (``H = 64``: 51.6% and 26.6%).
+``update_layer`` quantizes the ``T`` new slots as it writes them and returns the rows' blocks
+dequantized, except those ``T`` slots, which hold the exact new keys and values: the tokens of
+one call attend to themselves in full precision, as in :class:`~genjax.cache.QuantizedKVCache`,
+whose numbers it reproduces slot for slot.
+
 Sliding windows are applied by the attention mask here: every layer keeps its rows' blocks
 (no ring layers, unlike :mod:`genjax.cache.ring` in the float cache of ``generate``).
 
@@ -30,8 +41,8 @@ Example: ``block_size = 4``, a row of 6 tokens owning blocks 3 and 1::
 
 Static or traced:
     Static: the number of layers, ``num_blocks``, ``block_size``, ``max_blocks_per_row``, the
-    batch, the head count and size, the dtype (array shapes). Traced: the pool contents, the block
-    tables and ``index``.
+    batch, the head count and size, the dtype and whether the pool is int8 (array shapes and
+    dtypes). Traced: the pool contents (codes and scales), the block tables and ``index``.
 
 References:
     Kwon et al. 2023, "Efficient Memory Management for Large Language Model Serving with
@@ -44,6 +55,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from genjax.cache.kv import replace_layer
+from genjax.cache.quantized import dequantize, quantize
 from genjax.typing import Array
 
 SCRATCH_BLOCK = 0
@@ -59,12 +71,19 @@ class PagedKVCache:
         ...                             max_blocks_per_row=3, batch=2, num_kv_heads=1, head_dim=2)
         >>> cache.keys[0].shape, cache.values[0].shape, cache.length, cache.batch
         ((8, 1, 2, 4), (8, 1, 4, 2), 12, 2)
+        >>> int8 = PagedKVCache.create(2, 8, 4, 3, 2, 1, 2, quantized=True)
+        >>> int8.keys[0].dtype, int8.key_scales[0].shape, int8.dtype
+        (dtype('int8'), (8, 1, 4), dtype('float32'))
     """
 
     keys: tuple[Array, ...]  # L x float[num_blocks, K, H, block_size]: slots last, as KVCache
-    values: tuple[Array, ...]  # L x float[num_blocks, K, block_size, H]
+    #   (int8 codes in an int8 pool)
+    values: tuple[Array, ...]  # L x float[num_blocks, K, block_size, H] (int8 codes likewise)
     block_tables: Array  # int32[B, max_blocks_per_row]: pool block of each logical block
     index: Array  # int32[B]: per row, the first logical slot not yet written
+    key_scales: tuple[Array, ...] = ()  # int8 pool: L x float[num_blocks, K, block_size],
+    #   max |key| / 127 per slot and KV head (0 never written); float pool: ()
+    value_scales: tuple[Array, ...] = ()  # int8 pool: L x float[num_blocks, K, block_size]
 
     @classmethod
     def create(
@@ -77,16 +96,36 @@ class PagedKVCache:
         num_kv_heads: int,
         head_dim: int,
         dtype: jnp.dtype = jnp.float32,
+        quantized: bool = False,
     ) -> PagedKVCache:
-        """Returns an empty cache: zero pools, every table entry the scratch block, index 0."""
+        """Returns an empty cache: zero pools, every table entry the scratch block, index 0.
+
+        ``dtype`` is the float dtype of the pools, or with ``quantized`` (static) of the scales
+        and of the blocks ``update_layer`` returns, the codes being int8."""
         key_shape = (num_blocks, num_kv_heads, head_dim, block_size)
         value_shape = (num_blocks, num_kv_heads, block_size, head_dim)
+        layers = range(num_layers)
+        pool = jnp.int8 if quantized else dtype
+        scales = tuple(jnp.zeros(value_shape[:-1], dtype) for _ in layers) if quantized else ()
         return cls(
-            keys=tuple(jnp.zeros(key_shape, dtype) for _ in range(num_layers)),
-            values=tuple(jnp.zeros(value_shape, dtype) for _ in range(num_layers)),
+            keys=tuple(jnp.zeros(key_shape, pool) for _ in layers),
+            values=tuple(jnp.zeros(value_shape, pool) for _ in layers),
             block_tables=jnp.full((batch, max_blocks_per_row), SCRATCH_BLOCK, jnp.int32),
             index=jnp.zeros((batch,), jnp.int32),
+            key_scales=scales,
+            value_scales=tuple(jnp.zeros_like(x) for x in scales),
         )
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the pools hold int8 codes with scales (static)."""
+        return bool(self.key_scales)
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        """The float dtype of the blocks ``update_layer`` returns: the pools', or in an int8
+        pool the scales' (static)."""
+        return (self.value_scales if self.quantized else self.values)[0].dtype
 
     @property
     def block_size(self) -> int:
@@ -145,28 +184,71 @@ class PagedKVCache:
 
         Returns:
             ``(keys, values, cache)``: the layer's keys float[B, K, H, S] and values
-            float[B, K, S, H] in logical slot order after the write, and the cache holding them.
+            float[B, K, S, H] in logical slot order after the write (in an int8 pool
+            dequantized, except the ``T`` new slots of each row, which hold ``new_keys`` and
+            ``new_values`` exactly), and the cache holding them.
         """
         batch, count, heads, dim = new_keys.shape
         block, offset = self._write_slots(count)
-        pool_k, pool_v = self.keys[layer], self.values[layer]
-        flat_k = new_keys.reshape(batch * count, heads, dim).astype(pool_k.dtype)
-        flat_v = new_values.reshape(batch * count, heads, dim).astype(pool_v.dtype)
-        pool_k = pool_k.at[block, :, :, offset].set(flat_k)  # [B*T, K, H] at (block, :, :, off)
-        pool_v = pool_v.at[block, :, offset, :].set(flat_v)
-        keys = pool_k[self.block_tables]  # [B, M, K, H, bs]
-        keys = keys.transpose(0, 2, 3, 1, 4).reshape(batch, heads, dim, self.length)
-        values = pool_v[self.block_tables]  # [B, M, K, bs, H]
-        values = values.transpose(0, 2, 1, 3, 4).reshape(batch, heads, self.length, dim)
+        flat_k = new_keys.reshape(batch * count, heads, dim).astype(self.dtype)
+        flat_v = new_values.reshape(batch * count, heads, dim).astype(self.dtype)
+        if not self.quantized:
+            pool_k = self.keys[layer].at[block, :, :, offset].set(flat_k)  # [B*T, K, H] at
+            pool_v = self.values[layer].at[block, :, offset, :].set(flat_v)  # (block, :, :, off)
+            keys, values = self._gather(pool_k, pool_v)
+            cache = self.replace(
+                keys=replace_layer(self.keys, layer, pool_k),
+                values=replace_layer(self.values, layer, pool_v),
+            )
+            return keys, values, cache
+        codes_k, scales_k = quantize(flat_k, self.dtype)  # int8[B*T, K, H], float[B*T, K]
+        codes_v, scales_v = quantize(flat_v, self.dtype)
+        pool_k = self.keys[layer].at[block, :, :, offset].set(codes_k)
+        pool_v = self.values[layer].at[block, :, offset, :].set(codes_v)
+        key_scales = self.key_scales[layer].at[block, :, offset].set(scales_k)
+        value_scales = self.value_scales[layer].at[block, :, offset].set(scales_v)
+        keys, values = self._gather(pool_k, pool_v, key_scales, value_scales)
+        # The call's own slots: exact (mode="drop": slots past S exist only in the scratch block).
+        rows = jnp.arange(batch)[:, None]  # [B, 1]
+        slots = self.index[:, None] + jnp.arange(count)[None, :]  # [B, T]
+        exact_k = flat_k.reshape(batch, count, heads, dim)
+        exact_v = flat_v.reshape(batch, count, heads, dim)
+        keys = keys.at[rows, :, :, slots].set(exact_k, mode="drop")  # [B, T, K, H] at (b, s)
+        values = values.at[rows, :, slots, :].set(exact_v, mode="drop")
         cache = self.replace(
             keys=replace_layer(self.keys, layer, pool_k),
             values=replace_layer(self.values, layer, pool_v),
+            key_scales=replace_layer(self.key_scales, layer, key_scales),
+            value_scales=replace_layer(self.value_scales, layer, value_scales),
         )
         return keys, values, cache
+
+    def _gather(self, pool_k, pool_v, key_scales=None, value_scales=None) -> tuple[Array, Array]:
+        """Every row's blocks in logical order: keys float[B, K, H, S] and values
+        float[B, K, S, H] (codes times their scales when scales are given)."""
+        batch, heads, dim = self.batch, pool_v.shape[1], pool_v.shape[3]
+        keys = pool_k[self.block_tables]  # [B, M, K, H, bs]
+        values = pool_v[self.block_tables]  # [B, M, K, bs, H]
+        if key_scales is not None:
+            key_scales = key_scales[self.block_tables][:, :, :, None, :]  # [B, M, K, 1, bs]
+            keys = (keys.astype(jnp.float32) * key_scales.astype(jnp.float32)).astype(self.dtype)
+            values = dequantize(values, value_scales[self.block_tables], self.dtype)
+        keys = keys.transpose(0, 2, 3, 1, 4).reshape(batch, heads, dim, self.length)
+        values = values.transpose(0, 2, 1, 3, 4).reshape(batch, heads, self.length, dim)
+        return keys, values
 
     def advance(self, num_slots: int | Array) -> PagedKVCache:
         """Returns the cache with every row's ``index`` moved forward by ``num_slots``."""
         return self.replace(index=self.index + jnp.asarray(num_slots, jnp.int32))
+
+    def with_pools(self, other: PagedKVCache) -> PagedKVCache:
+        """This cache's tables and indices with the pools (codes and scales) of ``other``."""
+        return self.replace(
+            keys=other.keys,
+            values=other.values,
+            key_scales=other.key_scales,
+            value_scales=other.value_scales,
+        )
 
     def select_rows(self, rows: Array) -> PagedKVCache:
         """The cache seen by rows ``rows`` (int32[B']) alone: the same pools, their tables and
@@ -175,6 +257,4 @@ class PagedKVCache:
 
     def merge_rows(self, rows: Array, part: PagedKVCache) -> PagedKVCache:
         """Takes the pools of ``part`` (made by :meth:`select_rows`) and its rows' indices."""
-        return self.replace(
-            keys=part.keys, values=part.values, index=self.index.at[rows].set(part.index)
-        )
+        return self.with_pools(part).replace(index=self.index.at[rows].set(part.index))

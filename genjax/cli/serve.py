@@ -6,6 +6,7 @@ Usage::
                  [--served-model-name NAME] [--dtype D] [--quantize M] [--max-batch-size N]
                  [--max-waiting N]
                  [--max-length N] [--max-constraint-states N] [--max-constraint-edges N]
+                 [--kv-cache-dtype {auto,int8}] [--kv-cache-memory-bytes N]
                  [--shutdown-timeout S] [--log-level L]
 
 The server and its web dependencies are imported only when the command runs.
@@ -18,6 +19,7 @@ import dataclasses
 import os
 
 from genjax.cli import options
+from genjax.serving.config import KV_CACHE_DTYPES
 
 
 def add_parser(commands) -> None:
@@ -61,6 +63,19 @@ def add_parser(commands) -> None:
         type=options.positive,
         metavar="N",
         help="transitions of that pool, 4 bytes each (default 2**20)",
+    )
+    serve.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="the KV pool's storage: auto (the model's dtype, default) or int8 (int8 codes "
+        "with one scale per head vector: about 2x the tokens per byte of bfloat16, 4x float32)",
+    )
+    serve.add_argument(
+        "--kv-cache-memory-bytes",
+        type=options.positive,
+        metavar="N",
+        help="the KV pool's size in bytes (default: one --max-length request per slot)",
     )
     serve.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S")
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning"))

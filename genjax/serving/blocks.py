@@ -136,16 +136,19 @@ class BlockAllocator:
         self._block_of[digest] = block
         self._hash_of[block] = digest
 
-    def match(self, hashes: list[bytes]) -> list[int]:
-        """The blocks of the longest run of ``hashes`` found from the first; each is taken
-        (its count goes up, and a cached one leaves the eviction queue)."""
+    def match(self, hashes: list[bytes], multiple: int = 1) -> list[int]:
+        """The blocks of the longest run of ``hashes`` found from the first, cut to a multiple
+        of ``multiple`` blocks; each is taken (its count goes up, and a cached one leaves the
+        eviction queue)."""
         found = []
         for digest in hashes:
             block = self._block_of.get(digest)
             if block is None:
                 break
+            found.append(block)
+        found = found[: len(found) - len(found) % multiple]
+        for block in found:
             if self._refs[block] == 0:
                 del self._evictable[block]
             self._refs[block] += 1
-            found.append(block)
         return found

@@ -1,13 +1,24 @@
-"""The static sizes of the continuous-batching engine (:class:`ContinuousBatchingConfig`)."""
+"""The static sizes of the continuous-batching engine (:class:`ContinuousBatchingConfig`).
+
+The KV pool is sized in blocks (``num_blocks``), or from a byte budget
+(``kv_cache_memory_bytes``, vLLM's name) divided by the bytes of one block as
+:func:`genjax.cache.memory.paged_block_bytes` counts them: with ``kv_cache_dtype="int8"`` a block
+takes about half the bytes of a bfloat16 one and a quarter of a float32 one, so the same budget
+holds about twice (four times) the blocks, and tokens.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 
+from genjax.cache.memory import paged_block_bytes
 from genjax.errors import InputError
 from genjax.serving.engine import EngineShape
 
-__all__ = ["ContinuousBatchingConfig"]
+__all__ = ["KV_CACHE_DTYPES", "ContinuousBatchingConfig"]
+
+KV_CACHE_DTYPES = ("auto", "int8")
+"""Values of ``ContinuousBatchingConfig.kv_cache_dtype`` (and ``genjax serve --kv-cache-dtype``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,8 +29,23 @@ class ContinuousBatchingConfig:
         max_batch_size: ``R``, requests decoded together.
         block_size: slots per cache block.
         max_length: the most tokens (prompt plus new) of one request; rounded up to blocks.
-        num_blocks: blocks in the pool (the scratch block included); None: enough for
+        num_blocks: blocks in the pool (the scratch block included); None: as many as
+            ``kv_cache_memory_bytes`` holds, or when that is None too, enough for
             ``max_batch_size`` requests of ``max_length`` (no preemption).
+        kv_cache_memory_bytes: the pool's size in bytes (per device, all layers, keys, values
+            and scales); the pool gets ``kv_cache_memory_bytes // paged_block_bytes(...)``
+            blocks, the scratch block included (:func:`genjax.cache.memory.paged_block_bytes`).
+            None: ``num_blocks`` decides. Setting both raises InputError.
+        kv_cache_dtype: what the pool stores: ``"auto"``, the model's dtype; ``"int8"``, int8
+            codes with one scale (in the model's dtype) per key or value vector of one slot and
+            KV head, as ``genjax.generate``'s ``cache_implementation="quantized"`` with
+            ``cache_config={"nbits": 8}`` (:mod:`genjax.cache.paged`). Each model call attends
+            to its own tokens' exact keys and values and to the earlier ones dequantized, so a
+            request runs the computation of ``genjax.generate`` of it alone with that cache and
+            ``prefill_chunk_size=prefill_chunk_size`` (prefix-cache hits are cut to whole
+            chunks to keep it; the README's "The int8 KV pool" says what preemption and
+            rounding change). The engine's choice for every request: a request asking
+            ``cache_implementation="quantized"`` runs only on an int8 pool.
         prefill_chunk_size: ``C``, prompt tokens prefilled per step.
         max_decode_steps: ``K``, decode steps per host round trip when nothing waits.
         max_eos_tokens: the most EOS ids per request.
@@ -63,19 +89,39 @@ class ContinuousBatchingConfig:
     max_constraint_edges: int = 2**20
     prefix_caching: bool = True
     poll_interval: float = 0.05
+    kv_cache_dtype: str = "auto"
+    kv_cache_memory_bytes: int | None = None
 
-    def engine_shape(self) -> EngineShape:
-        """The :class:`EngineShape` these settings give."""
+    def engine_shape(self, model=None) -> EngineShape:
+        """The :class:`EngineShape` these settings give; ``model`` (its layers, KV heads, head
+        size and dtype) is needed only to size the pool from ``kv_cache_memory_bytes``.
+
+        Raises:
+            InputError: a size below 1, an unknown ``kv_cache_dtype``, both ``num_blocks`` and
+                ``kv_cache_memory_bytes``, or a pool that cannot hold one whole request.
+        """
         for name in ("max_batch_size", "block_size", "max_length", "prefill_chunk_size"):
             if getattr(self, name) < 1:
                 raise InputError(f"ContinuousBatchingConfig.{name} must be >= 1.")
-        per_row = -(-self.max_length // self.block_size)
-        blocks = self.num_blocks or self.max_batch_size * per_row + 1
-        if blocks - 1 < per_row:
+        if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise InputError(
-                f"num_blocks={blocks} holds {blocks - 1} usable blocks, fewer than the {per_row} "
-                f"one request of max_length={self.max_length} may need. Raise num_blocks to at "
-                f"least {per_row + 1} or lower max_length."
+                f"ContinuousBatchingConfig.kv_cache_dtype={self.kv_cache_dtype!r} is not "
+                f"supported; use one of {list(KV_CACHE_DTYPES)}: 'auto' keeps the model's "
+                f"dtype, 'int8' stores int8 codes with one scale per head vector."
+            )
+        per_row = -(-self.max_length // self.block_size)
+        blocks = self._pool_blocks(model)
+        if blocks is None:
+            blocks = self.max_batch_size * per_row + 1
+        if blocks - 1 < per_row:
+            budget = ""
+            if self.kv_cache_memory_bytes is not None:
+                budget = f" (kv_cache_memory_bytes={self.kv_cache_memory_bytes:,})"
+            raise InputError(
+                f"num_blocks={blocks}{budget} holds {blocks - 1} usable blocks, fewer than the "
+                f"{per_row} one request of max_length={self.max_length} may need. Raise "
+                f"num_blocks (or kv_cache_memory_bytes) to at least {per_row + 1} blocks, lower "
+                f"max_length, or store the pool with kv_cache_dtype='int8'."
             )
         states, edges = self.max_constraint_states, self.max_constraint_edges
         if states < 0 or (states > 0 and edges < 1):
@@ -98,4 +144,27 @@ class ContinuousBatchingConfig:
             max_ngram=max(0, self.max_no_repeat_ngram_size),
             constraint_states=states,
             constraint_edges=edges if states else 0,
+            kv_cache_dtype=self.kv_cache_dtype,
         )
+
+    def _pool_blocks(self, model) -> int | None:
+        """The blocks ``num_blocks`` or ``kv_cache_memory_bytes`` asks for (None: neither)."""
+        budget = self.kv_cache_memory_bytes
+        if budget is None:
+            return self.num_blocks or None
+        if self.num_blocks is not None:
+            raise InputError(
+                f"ContinuousBatchingConfig sets both num_blocks={self.num_blocks} and "
+                f"kv_cache_memory_bytes={budget}; set one of them."
+            )
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+            raise InputError(
+                f"ContinuousBatchingConfig.kv_cache_memory_bytes must be a positive int (bytes), "
+                f"got {budget!r}."
+            )
+        if model is None:
+            raise InputError(
+                "ContinuousBatchingConfig.kv_cache_memory_bytes sizes the pool from the model's "
+                "block size in bytes: call engine_shape(model)."
+            )
+        return budget // paged_block_bytes(model, self.block_size, self.kv_cache_dtype == "int8")

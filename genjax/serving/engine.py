@@ -17,6 +17,11 @@ model ``C`` tokens per step) or decoding (one token per step). One call of :func
    sizes (:func:`decode_buckets`), one compiled program each.
 
 So a long prompt never stalls the decoding rows: each step decodes while it prefills a chunk.
+
+The pool holds the model's dtype, or with ``kv_cache_dtype="int8"`` int8 codes and one scale per
+head vector (:mod:`genjax.cache.paged`): each model call then attends to its own tokens' exact
+keys and values (a prompt chunk's, a decoded token's) and to the dequantized earlier ones, as
+``genjax.generate`` with ``cache_implementation="quantized"`` and ``prefill_chunk_size=C``.
 The host (:mod:`genjax.serving.scheduler`) owns the block tables and chooses what each step does
 through a small :class:`StepInput`.
 
@@ -44,7 +49,8 @@ step one ``any`` reduction.
 Static or traced:
     Static (the shape of a compiled program): the model, ``R`` (``max_batch_size``), the rows
     decoded ``B_k`` (one program per bucket), the pool (``num_blocks``, ``block_size``,
-    ``max_blocks_per_row``), the chunk ``C``, the most decode steps per call ``K``, the most EOS
+    ``max_blocks_per_row``, and ``kv_cache_dtype``: the model's dtype or int8 codes with
+    scales), the chunk ``C``, the most decode steps per call ``K``, the most EOS
     ids per request ``E``. Traced: everything in
     :class:`EngineState` and :class:`StepInput`: the requests' tokens, lengths, sampling values
     (``do_sample`` included), seeds, EOS ids, biased ids and biases, penalties, how many top
@@ -100,6 +106,12 @@ class EngineShape:
     max_top_logprobs: int = 0  # L: the most top log-probabilities per token
     constraint_states: int = 0  # S_p: states in the constraint pool (0: no pool)
     constraint_edges: int = 0  # E_p: transitions in the constraint pool
+    kv_cache_dtype: str = "auto"  # the pool: "auto" (the model's dtype) or "int8" (codes+scales)
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the pool holds int8 codes with scales (``kv_cache_dtype="int8"``)."""
+        return self.kv_cache_dtype == "int8"
 
     @property
     def max_length(self) -> int:
@@ -182,7 +194,9 @@ class StepOutput:
 
 
 def init_state(model, shape: EngineShape, dtype=None) -> EngineState:
-    """An empty engine state: every slot free, a zero pool (numpy then one device put)."""
+    """An empty engine state: every slot free, a zero pool (numpy then one device put); the
+    pool's float dtype is ``dtype`` or the model's, int8 codes with scales in that dtype when
+    ``shape.quantized``."""
     cache = PagedKVCache.create(
         num_layers=model.num_layers,
         num_blocks=shape.num_blocks,
@@ -192,6 +206,7 @@ def init_state(model, shape: EngineShape, dtype=None) -> EngineState:
         num_kv_heads=model.num_kv_heads,
         head_dim=model.head_dim,
         dtype=model.dtype if dtype is None else jnp.dtype(dtype),
+        quantized=shape.quantized,
     )
     rows = shape.max_batch_size
     state = EngineState(
@@ -308,9 +323,7 @@ def _decode_once(model, params, state: EngineState, pool, top: int):
     view = state.cache.replace(block_tables=tables, index=fed)
     mask = jnp.ones((live.shape[0], view.length), jnp.int32)
     logits, view = model.apply(params, state.tokens[rows, fed][:, None], fed[:, None], view, mask)
-    cache = state.cache.replace(
-        keys=view.keys, values=view.values, index=jnp.where(live, fed + 1, state.cache.index)
-    )
+    cache = state.cache.with_pools(view).replace(index=jnp.where(live, fed + 1, state.cache.index))
     chosen = choose_rows(
         logits[:, 0],
         state.tokens,

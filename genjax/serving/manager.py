@@ -38,6 +38,7 @@ from typing import Any
 
 import jax
 
+from genjax.cache.memory import check_pool_fits
 from genjax.config import GenerationConfig
 from genjax.errors import InputError, UnsupportedError
 from genjax.generation.inputs import effective_config
@@ -74,7 +75,12 @@ class ContinuousBatchingManager:
         default = getattr(model, "generation_config", None)  # fills what the manager's leaves unset
         self.generation_config = effective_config(generation_config, {}, default)
         self.cb_config = cb_config or ContinuousBatchingConfig()
-        self.shape = self.cb_config.engine_shape()
+        self.shape = self.cb_config.engine_shape(model)
+        shape = self.shape
+        # Raises CacheMemoryError before anything is allocated when the pool cannot fit.
+        self._pool_bytes = check_pool_fits(
+            model, shape.num_blocks, shape.block_size, shape.quantized
+        )
         top = self.shape.max_top_logprobs
         # One jitted step per decoded-row bucket: int8 params want library dots for several rows.
         self._steps = {
@@ -331,9 +337,11 @@ class ContinuousBatchingManager:
 
         Keys: ``running``, ``waiting`` (requests); ``blocks_in_use`` (held by requests),
         ``blocks_free`` (held by none, cached ones included), ``blocks_cached`` (held by none
-        but naming a prefix); ``prefill_tokens`` (run through prefill), ``prefix_cache_hit_rate``
-        (of the tokens admitted requests looked up, the share found cached) with
-        ``prefix_cache_hit_tokens`` and ``prefix_cache_query_tokens``;
+        but naming a prefix); ``kv_cache_bytes`` (the pool's size, scratch block included:
+        :func:`~genjax.cache.memory.check_pool_fits`) and ``kv_cache_tokens`` (the slots of
+        its usable blocks; both fixed); ``prefill_tokens`` (run through prefill),
+        ``prefix_cache_hit_rate`` (of the tokens admitted requests looked up, the share found
+        cached) with ``prefix_cache_hit_tokens`` and ``prefix_cache_query_tokens``;
         ``constraint_automata`` (automata installed in the constraint pool); ``steps``, ``tokens``
         (generated), ``preemptions``, ``step_seconds`` (device calls), ``busy_seconds`` (wall
         time of steps), ``tokens_per_second`` (tokens / busy_seconds); ``ttft_seconds`` and
@@ -357,6 +365,8 @@ class ContinuousBatchingManager:
             "blocks_in_use": allocator.num_used,
             "blocks_free": allocator.num_free,
             "blocks_cached": allocator.num_cached,
+            "kv_cache_bytes": self._pool_bytes,
+            "kv_cache_tokens": (self.shape.num_blocks - 1) * self.shape.block_size,
             "prefill_tokens": scheduler.prefill_tokens,
             "prefix_cache_hit_tokens": scheduler.prefix_hit_tokens,
             "prefix_cache_query_tokens": queried,
@@ -510,6 +520,10 @@ def init_continuous_batching(
     Raises:
         UnsupportedError: an encoder-decoder model (T5, BART): the engine's paged cache holds
             decoder-only self-attention; run those with ``genjax.generate``.
+        InputError: a bad ``continuous_batching_config`` value (naming it; see
+            :meth:`ContinuousBatchingConfig.engine_shape`).
+        CacheMemoryError: the KV pool would not fit in the device's free memory
+            (:func:`~genjax.cache.memory.check_pool_fits`).
 
     Example:
         >>> manager = init_continuous_batching(model, params)

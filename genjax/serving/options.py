@@ -12,6 +12,16 @@ up to ``ContinuousBatchingConfig.max_bias_sequence_length`` tokens);
 (matched on the host with the tokenizer) and a ``seed``. Any other field set to a non-default
 value raises :class:`~genjax.errors.UnsupportedError` naming it.
 
+The KV cache is the engine's, not the request's (vLLM's ``kv_cache_dtype``):
+``ContinuousBatchingConfig.kv_cache_dtype`` decides for every request whether the paged pool
+holds the model's dtype or int8 codes. A request's ``cache_implementation`` is checked against
+it (:func:`check_cache_choice`): ``"quantized"`` (with ``cache_config={"nbits": 8}``, checked as
+``genjax.generate`` checks it) runs only on an int8 pool, and raises UnsupportedError naming
+``kv_cache_dtype`` on the others; the float layouts (None, ``"static"``, ``"dynamic"``,
+``"sliding_window"``, ``"hybrid"``, ``"hybrid_chunked"``, ``"paged"``; a checkpoint's
+``generation_config.json`` may name one) are accepted by either pool, which replaces them with
+its paged blocks; an offloaded cache raises.
+
 Beyond the config, :class:`EngineOptions` holds what ``GenerationConfig`` has no field for:
 OpenAI's ``presence_penalty`` and ``frequency_penalty``, ``logprobs``, and a structured-output
 ``constraint`` (:mod:`genjax.serving.constraint_pool`).
@@ -25,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from genjax.cache.quantized import FLOAT_IMPLEMENTATIONS, check_cache_options
 from genjax.config import GenerationConfig
 from genjax.config.fields import DEFAULT_GENERATION_PARAMS, FIELD_NAMES, METADATA_FIELDS
 from genjax.errors import InputError, UnsupportedError
@@ -65,6 +76,7 @@ SUPPORTED = frozenset(
         "continuous_batching_config",
         "prefill_chunk_size",
         "cache_implementation",
+        "cache_config",
         "disable_compile",
         "compile_config",
     }
@@ -206,6 +218,38 @@ def check_supported(config: GenerationConfig) -> None:
             )
 
 
+def check_cache_choice(config: GenerationConfig, shape: EngineShape) -> None:
+    """Checks the request's ``cache_implementation`` and ``cache_config`` against the engine's
+    pool (see the module docstring).
+
+    Raises:
+        UnsupportedError: ``"quantized"`` on a pool in the model's dtype (set
+            ``ContinuousBatchingConfig.kv_cache_dtype="int8"``), a quantized ``cache_config``
+            other than ``{"nbits": 8}``, or an offloaded cache.
+        GenerationConfigError: ``cache_config`` without ``cache_implementation="quantized"``.
+    """
+    name, options = config.cache_implementation, config.cache_config
+    if name == "quantized":
+        check_cache_options(name, options)
+        if not shape.quantized:
+            raise UnsupportedError(
+                f"cache_implementation='quantized' asks for an int8 KV cache, but this engine's "
+                f"pool holds the model's dtype (ContinuousBatchingConfig.kv_cache_dtype="
+                f"{shape.kv_cache_dtype!r}): the continuous-batching engine chooses its KV cache "
+                f"for all requests, not per request. Build it with ContinuousBatchingConfig("
+                f"kv_cache_dtype='int8') (genjax serve --kv-cache-dtype int8), or leave "
+                f"cache_implementation unset."
+            )
+        return
+    if name not in (*FLOAT_IMPLEMENTATIONS, "paged"):
+        raise UnsupportedError(
+            f"cache_implementation={name!r} is not supported by the continuous-batching engine: "
+            f"its KV cache is a paged pool in device memory, in the model's dtype or int8 "
+            f"(ContinuousBatchingConfig.kv_cache_dtype). Leave cache_implementation unset."
+        )
+    check_cache_options(None if name == "paged" else name, options)  # a stray cache_config
+
+
 def _eos_ids(config: GenerationConfig, max_eos: int) -> tuple[int, ...]:
     eos = config.eos_token_id
     if eos is None:
@@ -293,7 +337,8 @@ def build_request(
     """Checks one request and returns its host record (raises before anything is queued).
 
     Raises:
-        UnsupportedError: beam search or another option the engine does not run.
+        UnsupportedError: beam search or another option the engine does not run; a
+            ``cache_implementation`` the engine's pool does not give (:func:`check_cache_choice`).
         InputError: ids outside ``[0, vocab_size)``, an empty prompt, a request longer than the
             engine's ``max_length``, stop strings without a tokenizer, too many EOS ids or biased
             tokens, a biased sequence longer than the engine matches, a bad :class:`EngineOptions`
@@ -302,6 +347,7 @@ def build_request(
         GenerationConfigError: invalid values (as :func:`genjax.generate` raises them).
     """
     check_supported(config)
+    check_cache_choice(config, shape)
     extras = extras or EngineOptions()
     extras.check(shape)
     resolved = config.with_defaults()

@@ -41,6 +41,11 @@ class ServeOptions:
             ``max_position_embeddings``, at most 4096.
         max_constraint_states, max_constraint_edges: the structured-output pool's sizes
             (``ContinuousBatchingConfig``); None: its defaults.
+        kv_cache_dtype: the KV pool's storage: "auto" (the model's dtype) or "int8" (int8
+            codes with one scale per head vector, about half the bytes of bfloat16 and a
+            quarter of float32; ``ContinuousBatchingConfig.kv_cache_dtype``).
+        kv_cache_memory_bytes: the KV pool's size in bytes (as many blocks as fit); None: one
+            ``max_length`` request per slot (``ContinuousBatchingConfig``).
         shutdown_timeout: seconds draining waits for requests in flight.
         log_level: uvicorn's log level.
     """
@@ -57,6 +62,8 @@ class ServeOptions:
     max_length: int | None = None
     max_constraint_states: int | None = None
     max_constraint_edges: int | None = None
+    kv_cache_dtype: str = "auto"
+    kv_cache_memory_bytes: int | None = None
     shutdown_timeout: float = 30.0
     log_level: str = "info"
 
@@ -96,7 +103,11 @@ def engine_sizes(options: ServeOptions, model):
         if getattr(options, name) is not None
     }
     return ContinuousBatchingConfig(
-        max_batch_size=options.max_batch_size, max_length=max_length, **pool
+        max_batch_size=options.max_batch_size,
+        max_length=max_length,
+        kv_cache_dtype=options.kv_cache_dtype,
+        kv_cache_memory_bytes=options.kv_cache_memory_bytes,
+        **pool,
     )
 
 

@@ -19,7 +19,12 @@ Policy:
 * Prefix caching (on by default): an admitted request first takes the cached blocks of its
   longest known prefix (:mod:`genjax.serving.blocks`) and prefills only what follows (at least
   its last token, whose logits choose the first new token); each full block it prefills is named
-  for later requests. Preemption and cancellation drop the request's references like finishing.
+  for later requests. With an int8 pool (``kv_cache_dtype="int8"``) the prefix taken is cut to
+  a multiple of ``C`` tokens (of ``lcm(block_size, C)``): a chunk's tokens attend to each other
+  exactly and to earlier ones through their int8 codes, so every chunk must start at a multiple
+  of ``C``, as in ``genjax.generate(..., prefill_chunk_size=C)``, for a block to hold the same
+  values whichever request wrote it.
+  Preemption and cancellation drop the request's references like finishing.
 * Structured output: a request with a constraint takes a reference to its automaton in the
   constraint pool (:mod:`genjax.serving.constraint_pool`) when admitted, and drops it with its
   slot. When the automaton cannot be placed (the pool is full of automata in use), the request
@@ -33,6 +38,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+import math
 import time
 from typing import Any
 
@@ -140,6 +146,10 @@ class Scheduler:
         self.prefix_hit_tokens = 0  # of those, tokens found (their prefill skipped)
         self._admissions = 0
         self._chunk: tuple[int, bool] | None = None  # (count, last) of the planned chunk
+        # Cached prefixes are taken in runs of this many blocks: 1, or with an int8 pool the
+        # blocks of lcm(block_size, C) tokens (chunks then start at multiples of C).
+        run = math.lcm(shape.block_size, shape.chunk) // shape.block_size
+        self._prefix_blocks = run if shape.quantized else 1
 
     # ---- requests coming and going ------------------------------------------------------
     def add(self, request: RequestState) -> None:
@@ -214,7 +224,7 @@ class Scheduler:
         size = self.shape.block_size
         request.hashes = block_hashes(request.pending, size)
         usable = (len(request.pending) - 1) // size
-        blocks = self.allocator.match(request.hashes[:usable])
+        blocks = self.allocator.match(request.hashes[:usable], self._prefix_blocks)
         request.blocks = blocks
         request.named = len(blocks)
         request.prefilled = len(blocks) * size

@@ -25,7 +25,13 @@ The state of a generate call follows the same rules (:class:`Layout`): every ``[
 of the loop carry (token buffer, positions, mask, finished flags, recorded scores, beam scores
 and hypotheses) has its rows on ``batch``; each layer's KV cache (keys ``[B, K, H, S]``, values
 ``[B, K, S, H]``) has ``B`` on ``batch`` and ``K`` on ``kv_heads``; scalars (the slot counter,
-the PRNG key) are replicated.
+the PRNG key) are replicated. An encoder-decoder model (T5, BART, mBART, Marian) follows the same
+rules: its params by the T5 and BART names in the table below (``q``/``k``/``v``/``q_proj``...
+and ``wi``/``fc1`` column-parallel, ``o``/``out_proj`` and ``wo``/``fc2`` row-parallel, T5's
+relative position bias ``[buckets, N]`` on its heads), its source rows on ``batch``, and its
+cache's cross-attention keys ``[B / R, K, H, Se]`` and values ``[B / R, K, Se, H]`` (one entry per
+prompt, beside the decoder's slots) like a KV cache; a BART encoder head count that does not
+divide over ``model`` raises as the decoder's does.
 
 Five ways to run sharded, all giving the single-device tokens:
 
@@ -100,7 +106,7 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-from genjax.cache import KVCache
+from genjax.cache import EncoderDecoderCache, KVCache
 from genjax.cache.quantized import QuantizedKVCache
 from genjax.errors import ShardingError, UnsupportedError
 from genjax.typing import Array, PyTree
@@ -143,6 +149,26 @@ _PARAM_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r"mlp/c_proj/kernel$", ("embed", "mlp")),
     (r"wte/embedding$", ("vocab", "embed")),
     (r"wpe/embedding$", ("positions", "embed")),
+    # T5 (SelfAttention and EncDecAttention: q/k/v [N*H, D], o [D, N*H]; wi/wi_0/wi_1 [F, D],
+    # wo [D, F]; the relative position bias [buckets, N] split on its heads)
+    (r"Attention/q/kernel$", ("heads", "embed")),
+    (r"Attention/[kv]/kernel$", ("kv_heads", "embed")),
+    (r"Attention/o/kernel$", ("embed", "heads")),
+    (r"relative_attention_bias/embedding$", (None, "heads")),
+    (r"DenseReluDense/wi(_[01])?/kernel$", ("mlp", "embed")),
+    (r"DenseReluDense/wo/kernel$", ("embed", "mlp")),
+    (r"shared/embedding$", ("vocab", "embed")),
+    # BART, mBART, Marian (self_attn and encoder_attn; q/k/v_proj are matched above for
+    # self_attn; fc1 [F, D], fc2 [D, F])
+    (r"encoder_attn/q_proj/kernel$", ("heads", "embed")),
+    (r"encoder_attn/q_proj/bias$", ("heads",)),
+    (r"encoder_attn/[kv]_proj/kernel$", ("kv_heads", "embed")),
+    (r"encoder_attn/[kv]_proj/bias$", ("kv_heads",)),
+    (r"_attn/out_proj/kernel$", ("embed", "heads")),
+    (r"/fc1/kernel$", ("mlp", "embed")),
+    (r"/fc1/bias$", ("mlp",)),
+    (r"/fc2/kernel$", ("embed", "mlp")),
+    (r"embed_positions/embedding$", ("positions", "embed")),
 )
 
 
@@ -351,7 +377,10 @@ class Layout:
         Every array leaf of rank >= 1 has its leading axis on ``batch`` and its other axes
         replicated; scalars (counters, the PRNG key) are replicated; a :class:`KVCache` follows
         :data:`CACHE_AXES` (a :class:`~genjax.cache.quantized.QuantizedKVCache` too, its scales
-        ``[B, K, S]`` likewise). Works inside ``jax.jit`` (``with_sharding_constraint``).
+        ``[B, K, S]`` likewise), and so do an :class:`~genjax.cache.EncoderDecoderCache`'s
+        decoder slots and its per-prompt cross-attention keys ``[B / R, K, H, Se]`` and values
+        ``[B / R, K, Se, H]`` (its encoder mask has its rows on ``batch``). Works inside
+        ``jax.jit`` (``with_sharding_constraint``).
 
         Args:
             tree: e.g. a :class:`~genjax.decoding.sampling.DecodeState`, a
@@ -374,11 +403,18 @@ class Layout:
                         value_scales=jax.lax.with_sharding_constraint(x.value_scales, scales),
                     )
                 return x
+            if isinstance(x, EncoderDecoderCache):  # cross blocks [B / R, K, H, Se] as keys
+                cross = self.sharding(*CACHE_AXES)
+                return x.replace(
+                    self_attention=one(x.self_attention),
+                    cross_keys=jax.lax.with_sharding_constraint(x.cross_keys, cross),
+                    cross_values=jax.lax.with_sharding_constraint(x.cross_values, cross),
+                    encoder_mask=jax.lax.with_sharding_constraint(x.encoder_mask, rows),
+                )
             return jax.lax.with_sharding_constraint(x, rows if np.ndim(x) else replicated)
 
-        return jax.tree_util.tree_map(
-            one, tree, is_leaf=lambda x: isinstance(x, (KVCache, QuantizedKVCache))
-        )
+        caches = (KVCache, QuantizedKVCache, EncoderDecoderCache)
+        return jax.tree_util.tree_map(one, tree, is_leaf=lambda x: isinstance(x, caches))
 
     def place_params(self, params: PyTree) -> PyTree:
         """Returns ``params`` unchanged when every leaf already lives on this mesh (any split),
@@ -415,8 +451,9 @@ def layout_for(
     """Checks a model (and batch) against a mesh and returns the :class:`Layout` to run it with.
 
     Args:
-        model: a model; its ``config.num_heads`` (``N``) and ``num_kv_heads`` (``K``) are
-            checked when it has them (the built-in models do).
+        model: a model; its ``config.num_heads`` (``N``), ``num_kv_heads`` (``K``) and (BART,
+            mBART, Marian) ``config.encoder_heads`` are checked when it has them (the built-in
+            models do).
         mesh: the mesh (static).
         rules: logical-axis rules (a dict or pairs; static); None means :data:`DEFAULT_RULES`.
         batch: the number of prompt rows ``B`` to check against the ``batch`` axis, if known.
@@ -436,8 +473,14 @@ def layout_for(
     rules = _as_rules(rules)
     layout = Layout(mesh, rules)
     heads = getattr(getattr(model, "config", None), "num_heads", None)
+    encoder_heads = getattr(getattr(model, "config", None), "encoder_heads", None)  # BART's
     kv_heads = getattr(model, "num_kv_heads", None)
-    for name, size, what in (("batch", batch, "rows"), ("heads", heads, "attention heads")):
+    checks = (
+        ("batch", batch, "rows"),
+        ("heads", heads, "attention heads"),
+        ("heads", encoder_heads, "encoder attention heads"),
+    )
+    for name, size, what in checks:
         ways = layout.ways(name)
         if size is not None and size % ways:
             axis = _mesh_axis(name, mesh, rules)

@@ -51,8 +51,16 @@ record every later decoder call as for a decoder-only model. ``PreparedCall.fini
 bucket to the source's ``P``. With ``encoder_outputs`` the encoder does not run: the encoder
 fields are the given object's (:func:`given_outputs`), as transformers passes them through.
 
+``mesh=`` (or a user's ``jax.jit`` under ``jax.set_mesh``) runs the call sharded as a
+decoder-only call (:mod:`genjax.sharding`): the T5 and BART params split by the logical-axis
+rules (attention heads and MLP width on ``model``), the source, its mask, the decoder's prefix
+and any ``encoder_outputs`` with their rows on ``data``, and the cache's decoder slots
+``[B, K, H, S]`` and per-prompt cross-attention blocks ``[B / R, K, H, Se]`` with rows on
+``data`` and heads on ``model``. The prompts of a ``data`` block keep their beams and returned
+sequences on that block, so the per-prompt cross blocks are never gathered.
+
 Not supported for encoder-decoder models yet, each raising ``UnsupportedError`` by name:
-assisted generation, ``mesh`` and ``max_cache_len``.
+assisted generation and ``max_cache_len``.
 
 Static or traced:
     Static: the source's bucket length ``Pb``, the prefix length ``Pd``, ``N``. Traced: the
@@ -85,7 +93,6 @@ __all__ = [
 ]
 
 _REFUSED = {
-    "mesh": "mesh=",
     "assistant_model": "assistant_model= (assisted generation)",
     "negative_prompt_ids": "negative_prompt_ids= (classifier-free guidance)",
 }
@@ -116,7 +123,7 @@ def check_request(model, request, config, assisted: bool) -> None:
         raise UnsupportedError(
             f"{', '.join(dict.fromkeys(refused))} is not supported with encoder-decoder models "
             f"({type(model).__name__}) yet: generate runs them with greedy decoding, sampling, "
-            f"beam search and beam sampling, unsharded. Drop it."
+            f"beam search and beam sampling, on one device or a mesh. Drop it."
         )
 
 

@@ -130,8 +130,9 @@ def generate(
 
     Encoder-decoder models (T5, BART, Marian): ``input_ids`` is the source, read once by the
     encoder; ``sequences`` are the decoder's tokens from ``decoder_start_token_id``, and a
-    streamer gets them (the decoder's prefix first, not the source), a constraint the new ones;
-    no assisted generation or mesh (see :mod:`genjax.generation.encoder_decoder`).
+    streamer gets them (the decoder's prefix first, not the source), a constraint the new ones,
+    a mesh shards them as a decoder-only model; no assisted generation (see
+    :mod:`genjax.generation.encoder_decoder`).
 
     Args:
         model: a model following the protocol of :mod:`genjax.models` (hashable; static).

@@ -369,11 +369,10 @@ def _prepare_encoder_decoder(model, params, input_ids, config, request) -> Prepa
     ``input_ids`` is the source, right-padded to its bucket; the decoder starts from its prefix,
     and ``max_length`` counts decoder tokens only."""
     lengths, resolved, mode = _resolve(model, config, request)
-    sharded = request.mesh is not None  # refused below too; named with the flag here
-    check_forward_outputs(
-        resolved, model, assisted=mode is Mode.ASSISTED, sharded=sharded, encoder_decoder=True
-    )
-    encoder_decoder.check_request(model, request, resolved, mode is Mode.ASSISTED)
+    assisted = mode is Mode.ASSISTED
+    sharded = request.mesh is not None  # and the mesh of jax.set_mesh, below
+    check_forward_outputs(resolved, model, assisted=assisted, sharded=sharded, encoder_decoder=True)
+    encoder_decoder.check_request(model, request, resolved, assisted)
     input_ids, states, source_length = encoder_decoder.encoder_inputs(
         model, input_ids, request.encoder_outputs, resolved
     )
@@ -381,6 +380,11 @@ def _prepare_encoder_decoder(model, params, input_ids, config, request) -> Prepa
         model, input_ids, request.attention_mask, request.key, resolved
     )
     batch = input_ids.shape[0]
+    layout = call_layout(model, request.mesh, request.rules, batch)
+    if layout is not None:
+        check_forward_outputs(
+            resolved, model, assisted=assisted, sharded=True, encoder_decoder=True
+        )
     start = encoder_decoder.start_token_id(resolved, model)
     prefix = encoder_decoder.decoder_prefix(
         start, request.decoder_input_ids, batch, model.vocab_size
@@ -404,10 +408,13 @@ def _prepare_encoder_decoder(model, params, input_ids, config, request) -> Prepa
     width = source_length if states is None else states.shape[1]  # P, also without input_ids
     if states is not None:
         states = encoder_decoder.place_states(states, ids.shape[1])
-    plan = _plan(model, resolved, mode, ids.shape, new_tokens, None, None, request)
+    plan = _plan(model, resolved, mode, ids.shape, new_tokens, None, layout, request)
     rows = library_dots(params, _decode_rows(plan, ids))
     plan = dataclasses.replace(plan, caches=(), library_dots=rows)  # no memory check: its
     # sizes are a decoder-only model's caches
+    if request.mesh is not None:  # concrete arrays only; inside a user's jit constraints place
+        params = layout.place_params(params)
+        ids, mask, states, prefix = layout.place_rows(ids, mask, states, prefix)
     traced = TracedInputs(
         config=resolved,
         key=key if key is not None else jax.random.key(0),

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 import genjax
 from genjax import sharding
 from genjax.errors import ShardingError, UnsupportedError
-from genjax.testing import write_random_checkpoint
+from genjax.testing import assert_same_generation, write_random_checkpoint
 
 BATCH, SOURCE, NEW = 4, 7, 5
 GREEDY = genjax.GenerationConfig(
@@ -62,11 +62,7 @@ def reference(models):
 
 
 def _assert_same(out, expected):
-    np.testing.assert_array_equal(out.sequences, expected.sequences)
-    np.testing.assert_allclose(out.scores, expected.scores, atol=ATOL, rtol=1e-5)
-    if expected.sequences_scores is not None:
-        np.testing.assert_allclose(out.sequences_scores, expected.sequences_scores, atol=ATOL)
-        np.testing.assert_array_equal(out.beam_indices, expected.beam_indices)
+    assert_same_generation(out, expected, ATOL)
 
 
 # --- rules and layouts (nothing compiles) ------------------------------------------------------

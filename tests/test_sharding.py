@@ -26,7 +26,7 @@ from genjax.cache import KVCache
 from genjax.decoding.sampling import DecodeRules, DecodeState, decode, greedy_chooser
 from genjax.errors import InputError, ShardingError
 from genjax.stopping import stopping_rules
-from genjax.testing import left_padded_batch, write_random_checkpoint
+from genjax.testing import assert_same_generation, left_padded_batch, write_random_checkpoint
 
 BATCH, PROMPT, NEW = 8, 5, 4
 GREEDY = genjax.GenerationConfig(max_new_tokens=NEW, pad_token_id=0, output_scores=True)
@@ -95,11 +95,7 @@ def reference(models):
 
 
 def _assert_same(out, expected):
-    np.testing.assert_array_equal(out.sequences, expected.sequences)
-    np.testing.assert_allclose(out.scores, expected.scores, atol=ATOL, rtol=1e-5)
-    if expected.sequences_scores is not None:
-        np.testing.assert_allclose(out.sequences_scores, expected.sequences_scores, atol=ATOL)
-        np.testing.assert_array_equal(out.beam_indices, expected.beam_indices)
+    assert_same_generation(out, expected, ATOL)
 
 
 def _assert_rows_on_data(out, mesh):

@@ -18,6 +18,7 @@ from genjax.testing.gguf import write_gguf
 
 __all__ = [
     "TINY_CORPUS",
+    "assert_same_generation",
     "chi_square_p_value",
     "count_compiles",
     "left_padded_batch",
@@ -26,6 +27,16 @@ __all__ = [
     "write_gguf",
     "write_random_checkpoint",
 ]
+
+
+def assert_same_generation(out, expected, atol: float) -> None:
+    """Asserts that two ``GenerateOutput`` objects agree: equal sequences (and beam indices),
+    scores and beam scores within ``atol`` (plus a 1e-5 relative margin on the scores)."""
+    np.testing.assert_array_equal(out.sequences, expected.sequences)
+    np.testing.assert_allclose(out.scores, expected.scores, atol=atol, rtol=1e-5)
+    if expected.sequences_scores is not None:
+        np.testing.assert_allclose(out.sequences_scores, expected.sequences_scores, atol=atol)
+        np.testing.assert_array_equal(out.beam_indices, expected.beam_indices)
 
 
 TINY_CORPUS = ("def fibonacci(n):\n    return n", "hello world, hello tokens") * 20

@@ -58,11 +58,11 @@ BLOCK = 32
 """Inputs per block: one scale and one minimum per 32 weights of a row."""
 
 KERNEL_MAX_ROWS = 128
-"""Products of up to this many activation rows run the CPU kernel; more take the XLA path
-(dequantized matrix, float32 product), which is faster for long prefills. On the 2-core EPYC,
-SmolLM2-135M's prefill: 42 tokens 107 ms by the kernel against 195 ms by XLA (whose fixed cost is
-unpacking every matrix), 128 tokens 223 against 240, 500 tokens 1023 against 698 (float32
-params: 66, 116 and 419 ms)."""
+"""Rounded products (decode steps) of up to this many activation rows run the CPU kernel; more
+take the XLA path (dequantized matrix, float32 product). Timed on SmolLM2-135M's whole forward
+pass over 42 / 128 / 500 rows on the 2-core EPYC: kernel 107 / 223 / 1023 ms, XLA 195 / 240 /
+698 ms (XLA's fixed cost is unpacking every matrix; the kernel's grows with the rows), so the
+two meet near 128 rows."""
 
 EXACT_KERNEL_MAX_ROWS = 32
 """The same bound for exact products (float activations; prompts): the kernel's float path

@@ -607,6 +607,11 @@ def test_cached_decoding_equals_full_forward(tmp_path, case):
     )
     assert last.shape == (3, 1, model.vocab_size)
     np.testing.assert_allclose(last[:, 0], full[:, -1], atol=1e-5, rtol=1e-5)
+    # transformers' tensor form: the logits of the positions given, in their order.
+    picked, _ = model.apply(
+        params, tokens, positions, model.init_cache(3, 12), mask, jnp.asarray([7, 2], jnp.int32)
+    )
+    np.testing.assert_allclose(picked, full[:, [7, 2]], atol=1e-5, rtol=1e-5)
     for got, want in zip(last_cache.keys, cache.keys, strict=True):  # the cache is the same
         np.testing.assert_array_equal(got, want)  # (per layer: ring layers hold fewer slots)
 
@@ -668,8 +673,9 @@ def test_apply_validates_shapes(tmp_path):
         model.apply(params, tokens, tokens, cache, jnp.ones((2, 3), jnp.int32))
     with pytest.raises(InputError, match="positions"):
         model.apply(params, tokens, tokens[:, :1], cache, jnp.ones((2, 8), jnp.int32))
-    with pytest.raises(InputError, match="logits_to_keep"):
-        model.apply(params, tokens, tokens, cache, jnp.ones((2, 8), jnp.int32), logits_to_keep=-1)
+    for bad in (-1, 1.5, jnp.zeros((1, 1), jnp.int32), jnp.zeros((1,), jnp.float32)):
+        with pytest.raises(InputError, match="logits_to_keep"):
+            model.apply(params, tokens, tokens, cache, jnp.ones((2, 8), jnp.int32), bad)
 
 
 def test_apply_names_a_param_of_the_wrong_shape(tmp_path):

@@ -38,6 +38,7 @@ from genjax.serving import (
 )
 from genjax.serving.blocks import block_hashes
 from genjax.serving.choosing import ban_repeated_ngrams
+from genjax.serving.engine import attention_spans
 from genjax.serving.options import build_request
 from genjax.testing import count_compiles as compiles
 from genjax.testing import write_random_checkpoint
@@ -52,6 +53,7 @@ CB = ContinuousBatchingConfig(
     max_length=48,
     num_blocks=14,
     prefill_chunk_size=8,
+    attention_spans=(16,),  # steps whose rows hold at most 4 blocks attend over those alone
     max_decode_steps=4,
     max_constraint_states=0,  # constraints: tests/test_serving_constraints.py
     poll_interval=0.01,
@@ -166,6 +168,20 @@ def test_block_allocator_shares_counts_and_evicts_a_prefix_tail_first():
     assert allocator.allocate(1) is None and allocator.num_used == 4
 
 
+def test_attention_spans_are_powers_of_two_in_blocks_then_the_whole_table():
+    assert attention_spans(768, 16, 128) == (8, 16, 32, 48)
+    assert attention_spans(100, 16, 128) == (7,)
+    assert attention_spans(48, 4, 16) == (4, 8, 12)
+    shape = CB.engine_shape()
+    assert shape.spans == (4, 12)
+    assert shape.programs == ((1, 4), (1, 12), (2, 4), (2, 12), (3, 4), (3, 12))
+    assert ContinuousBatchingConfig(max_length=512).engine_shape().spans == (8, 16, 32)
+    assert ContinuousBatchingConfig(attention_spans=()).engine_shape().spans == (32,)
+    for bad in ((0,), (513,), (True,), 128):
+        with pytest.raises(InputError, match="attention_spans"):
+            ContinuousBatchingConfig(attention_spans=bad).engine_shape()
+
+
 # ---- the step alone -------------------------------------------------------------------------
 def test_step_alone_prefills_chooses_and_decodes_a_hand_checked_request():
     model, params = _model()
@@ -194,6 +210,7 @@ def test_step_alone_prefills_chooses_and_decodes_a_hand_checked_request():
         constraint_state=np.asarray(-1, np.int32),  # unconstrained
         history=np.zeros((shape.max_length,), np.int32),
         decode_rows=np.asarray([1], np.int32),  # bucket 1: slot 1 alone goes through the model
+        decode_tables=tables[[1], :2],  # span 2 blocks: the decode loop reads only those
     )
     state, out = step(params, state, work)
     want = _reference(tuple(prompt))
@@ -256,11 +273,19 @@ def test_engine_greedy_equals_generate_alone_across_a_mixed_workload(manager):
             pairs = zip(prompts[1:], specs[1:], strict=True)
             ids.extend(manager.add_request(p, **s) for p, s in pairs)
 
+    spans = []  # the attention span (blocks) of every step's decode loop
+    step = manager._step
+    manager._step = lambda work: (spans.append(work.decode_tables.shape[1]), step(work))[1]
     manager.register_result_handler(arrive_while_the_first_decodes)
-    manager.add_request(prompts[0], request_id="mixed-0", streaming=True, **specs[0])
-    first_out = manager.get_result("mixed-0", timeout=300)
-    assert len(ids) == 7, "the handler did not add the other requests"
-    outputs = [first_out] + [manager.get_result(i, timeout=300) for i in ids[1:]]
+    try:
+        manager.add_request(prompts[0], request_id="mixed-0", streaming=True, **specs[0])
+        first_out = manager.get_result("mixed-0", timeout=300)
+        assert len(ids) == 7, "the handler did not add the other requests"
+        outputs = [first_out] + [manager.get_result(i, timeout=300) for i in ids[1:]]
+    finally:
+        del manager._step  # the class's again
+    # Steps whose rows held at most 4 blocks read those alone; the others the whole table.
+    assert set(spans) == {4, 12}, sorted(set(spans))
     for prompt, spec, extra, out in zip(prompts, specs, extras, outputs, strict=True):
         eos_ids = tuple(spec.get("eos_token_id", ())) or None
         if "logprobs" in spec:  # plain greedy: each token is its raw distribution's argmax

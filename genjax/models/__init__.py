@@ -33,7 +33,9 @@ Any object with these members plugs into ``genjax.generate``; nothing else about
   - Optional: a keyword ``logits_to_keep: int`` (static, default 0 = all positions); ``k > 0``
     returns only the last ``k`` positions' logits, float32[B, k, V], as transformers'
     ``logits_to_keep``. ``generate`` passes ``logits_to_keep=1`` to the prefill when ``apply``
-    accepts it, so a long prompt does not pay for ``P`` rows of the vocabulary projection.
+    accepts it, so a long prompt does not pay for ``P`` rows of the vocabulary projection. The
+    serving engine passes transformers' tensor form, int32[k] positions (traced), to keep the
+    logits of a prompt chunk's last real token; a model taking the keyword takes both forms.
   - Optional: keywords ``output_hidden_states: bool`` and ``output_attentions: bool``
     (static, default False). When either is True, ``apply`` returns ``(logits, cache,
     outputs)``, ``outputs`` a dict holding ``"hidden_states"`` dtype[L+1, B, T, D] (the

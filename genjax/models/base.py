@@ -151,6 +151,8 @@ class ModelBase:
                 real token (slots at and after ``index + T`` may hold anything).
             logits_to_keep: static; 0 computes the logits of all ``T`` positions, ``k > 0`` only
                 of the last ``k`` (as transformers' ``logits_to_keep``: a prefill needs one).
+                Or, as transformers' tensor form, int32[k] positions (traced) whose logits
+                to compute: the serving engine keeps a prompt chunk's last real token's.
             output_hidden_states: static; also return every layer's hidden states.
             output_attentions: static; also return every layer's attention weights. With both
                 False the program is the one without these arguments.
@@ -172,10 +174,7 @@ class ModelBase:
             ((1, 3, 4096), 3)
         """
         _check_inputs(tokens, positions, cache, attention_mask)
-        if not isinstance(logits_to_keep, int) or logits_to_keep < 0:
-            raise InputError(
-                f"logits_to_keep must be an int >= 0 (0: every position), got {logits_to_keep!r}."
-            )
+        _check_logits_to_keep(logits_to_keep)
         flags = {}
         if output_hidden_states or output_attentions:  # else the module's defaults
             flags = dict(
@@ -231,3 +230,22 @@ def _check_inputs(tokens: Array, positions: Array, cache: KVCache, attention_mas
         raise InputError(f"the cache holds {cache.batch} rows, but tokens have {batch}.")
     if not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise InputError(f"tokens must be integers, got dtype {tokens.dtype}.")
+
+
+def _check_logits_to_keep(logits_to_keep) -> None:
+    """Raises InputError unless ``logits_to_keep`` is an int >= 0 or a 1-D integer array."""
+    if isinstance(logits_to_keep, int) and not isinstance(logits_to_keep, bool):
+        if logits_to_keep >= 0:
+            return
+    else:
+        dtype = getattr(logits_to_keep, "dtype", None)
+        if (
+            dtype is not None
+            and jnp.ndim(logits_to_keep) == 1
+            and jnp.issubdtype(dtype, jnp.integer)
+        ):
+            return
+    raise InputError(
+        f"logits_to_keep must be an int >= 0 (0: every position) or a 1-D integer array of "
+        f"positions, got {logits_to_keep!r}."
+    )

@@ -61,7 +61,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from genjax.cache import KVCache, attention_bias, ring_bias, ring_to_slots
-from genjax.models.layers import ACTIVATIONS, Embed, RMSNorm, attention, dense, forward_outputs
+from genjax.models.layers import (
+    ACTIVATIONS,
+    Embed,
+    RMSNorm,
+    attention,
+    dense,
+    forward_outputs,
+    keep_positions,
+)
 from genjax.models.rope import apply_rope, rope_cos_sin
 
 NORM_LAYOUTS = ("pre", "post", "sandwich")
@@ -249,8 +257,7 @@ class DecoderLM(nn.Module):
         if output_hidden_states:  # the last hidden state is the final norm's output
             x = norm(x)
             hidden.append(x)
-        if logits_to_keep:  # only the last positions' logits (prefill needs one)
-            x = x[:, -logits_to_keep:]
+        x = keep_positions(x, logits_to_keep)  # a prefill needs one position's logits
         if not output_hidden_states:
             x = norm(x)
         if c.tie_word_embeddings:

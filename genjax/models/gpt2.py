@@ -49,6 +49,7 @@ from genjax.models.layers import (
     check_activation,
     dense,
     forward_outputs,
+    keep_positions,
 )
 
 _DEFAULTS = {
@@ -279,8 +280,7 @@ class _GPT2LM(nn.Module):
         if output_hidden_states:  # the last hidden state is ln_f's output
             x = final_norm(x)
             hidden.append(x)
-        if logits_to_keep:  # only the last positions' logits (prefill needs one)
-            x = x[:, -logits_to_keep:]
+        x = keep_positions(x, logits_to_keep)  # a prefill needs one position's logits
         if not output_hidden_states:
             x = final_norm(x)
         if c.tie_word_embeddings:

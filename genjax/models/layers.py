@@ -546,3 +546,12 @@ def forward_outputs(hidden: list | None, weights: list | None) -> dict:
     if weights is not None:
         outputs["attentions"] = jnp.stack(weights)
     return outputs
+
+
+def keep_positions(x: Array, logits_to_keep) -> Array:
+    """The positions of ``x`` (dtype[B, T, D]) whose logits the model computes: all of them for
+    0, the last ``k`` for an int ``k > 0``, those given for an int32[k] array (transformers'
+    two forms of ``logits_to_keep``); dtype[B, T or k, D]."""
+    if not isinstance(logits_to_keep, int):
+        return jnp.take(x, logits_to_keep, axis=1)
+    return x[:, -logits_to_keep:] if logits_to_keep else x

@@ -13,9 +13,12 @@ import dataclasses
 
 from genjax.cache.memory import paged_block_bytes
 from genjax.errors import InputError
-from genjax.serving.engine import EngineShape
+from genjax.serving.engine import EngineShape, attention_spans
 
-__all__ = ["KV_CACHE_DTYPES", "ContinuousBatchingConfig"]
+__all__ = ["KV_CACHE_DTYPES", "SHORTEST_SPAN", "ContinuousBatchingConfig"]
+
+SHORTEST_SPAN = 128
+"""The shortest attention span (tokens) of ``ContinuousBatchingConfig.attention_spans=None``."""
 
 KV_CACHE_DTYPES = ("auto", "int8")
 """Values of ``ContinuousBatchingConfig.kv_cache_dtype`` (and ``genjax serve --kv-cache-dtype``)."""
@@ -47,6 +50,13 @@ class ContinuousBatchingConfig:
             rounding change). The engine's choice for every request: a request asking
             ``cache_implementation="quantized"`` runs only on an int8 pool.
         prefill_chunk_size: ``C``, prompt tokens prefilled per step.
+        attention_spans: the lengths (tokens, each rounded up to whole blocks) the decode loop
+            may attend over; every one is a compiled program per decoded-row bucket, and a step
+            attends over the shortest that holds its decoding rows' blocks, so short requests
+            do not pay for ``max_length`` (:func:`~genjax.serving.engine.attention_spans`).
+            ``max_length`` is always one. None: the powers of two from
+            :data:`SHORTEST_SPAN` tokens below ``max_length``; ``()``: ``max_length`` alone
+            (fewest programs, fastest warmup).
         max_decode_steps: ``K``, decode steps per host round trip when nothing waits.
         max_eos_tokens: the most EOS ids per request.
         max_logit_bias: ``L_b``, the most entries of a request's bias table: its
@@ -79,6 +89,7 @@ class ContinuousBatchingConfig:
     max_length: int = 512
     num_blocks: int | None = None
     prefill_chunk_size: int = 32
+    attention_spans: tuple[int, ...] | None = None
     max_decode_steps: int = 8
     max_eos_tokens: int = 4
     max_logit_bias: int = 300
@@ -145,7 +156,25 @@ class ContinuousBatchingConfig:
             constraint_states=states,
             constraint_edges=edges if states else 0,
             kv_cache_dtype=self.kv_cache_dtype,
+            span_blocks=self._span_blocks(),
         )
+
+    def _span_blocks(self) -> tuple[int, ...]:
+        """``attention_spans`` in blocks (:attr:`EngineShape.spans` adds the whole table)."""
+        spans = self.attention_spans
+        if spans is None:
+            return attention_spans(self.max_length, self.block_size, SHORTEST_SPAN)
+        listed = isinstance(spans, tuple | list)
+        if not listed or any(
+            isinstance(s, bool) or not isinstance(s, int) or not 1 <= s <= self.max_length
+            for s in spans
+        ):
+            raise InputError(
+                f"ContinuousBatchingConfig.attention_spans={spans!r}: give a tuple of token "
+                f"counts from 1 to max_length={self.max_length} (None: powers of two from "
+                f"{SHORTEST_SPAN}; (): max_length alone)."
+            )
+        return tuple(sorted({-(-s // self.block_size) for s in spans}))
 
     def _pool_blocks(self, model) -> int | None:
         """The blocks ``num_blocks`` or ``kv_cache_memory_bytes`` asks for (None: neither)."""

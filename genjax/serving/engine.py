@@ -14,7 +14,9 @@ model ``C`` tokens per step) or decoding (one token per step). One call of :func
    the host names in ``StepInput.decode_rows`` go through the model (``B = B_k``, ``T = 1``):
    they are gathered before the loop and written back after it, so a step with two requests
    in flight multiplies two rows of activations, not ``R``. ``B_k`` is one of a few bucket
-   sizes (:func:`decode_buckets`), one compiled program each.
+   sizes (:func:`decode_buckets`), and the loop attends over the first ``M_s`` blocks of the
+   rows' tables, the shortest of a few spans (:func:`attention_spans`) that holds every
+   decoding row's blocks: one compiled program per pair.
 
 So a long prompt never stalls the decoding rows: each step decodes while it prefills a chunk.
 
@@ -48,18 +50,17 @@ step one ``any`` reduction.
 
 Static or traced:
     Static (the shape of a compiled program): the model, ``R`` (``max_batch_size``), the rows
-    decoded ``B_k`` (one program per bucket), the pool (``num_blocks``, ``block_size``,
-    ``max_blocks_per_row``, and ``kv_cache_dtype``: the model's dtype or int8 codes with
-    scales), the chunk ``C``, the most decode steps per call ``K``, the most EOS
-    ids per request ``E``. Traced: everything in
-    :class:`EngineState` and :class:`StepInput`: the requests' tokens, lengths, sampling values
-    (``do_sample`` included), seeds, EOS ids, biased ids and biases, penalties, how many top
-    log-probabilities a row wants, limits, which slot prefills and which slots decode, the
-    number of steps, the rows' automaton states and the constraint pool's contents. Also
-    static: the most biased tokens per request ``L_b`` and the longest biased prefix ``W``, the
-    most top log-probabilities ``L``,
-    and the constraint pool's sizes (``S_p`` states, ``E_p`` transitions; none when ``S_p`` is
-    0).
+    decoded ``B_k`` and their attention span ``M_s`` blocks (one program per pair), the pool
+    (``num_blocks``, ``block_size``, ``max_blocks_per_row``, and ``kv_cache_dtype``: the
+    model's dtype or int8 codes with scales), the chunk ``C``, the most decode steps per call
+    ``K``, the most EOS ids per request ``E``, the most biased tokens per request ``L_b`` and
+    the longest biased prefix ``W``, the most top log-probabilities ``L``, and the constraint
+    pool's sizes (``S_p`` states, ``E_p`` transitions; none when ``S_p`` is 0). Traced:
+    everything in :class:`EngineState` and :class:`StepInput`: the requests' tokens, lengths,
+    sampling values (``do_sample`` included), seeds, EOS ids, biased ids and biases,
+    penalties, how many top log-probabilities a row wants, limits, which slot prefills and
+    which slots decode, the number of steps, the rows' automaton states and the constraint
+    pool's contents.
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ from flax import struct
 
 from genjax.cache import PagedKVCache
 from genjax.constraints import CompressedTable
+from genjax.generation.prefill import accepts_logits_to_keep
 from genjax.models.quantize import LIBRARY_DOT_OPTIONS
 from genjax.serving.choosing import RowSettings, Scored, choose_rows, no_scores
 from genjax.typing import Array, PyTree
@@ -85,6 +87,7 @@ __all__ = [
     "Scored",
     "StepInput",
     "StepOutput",
+    "attention_spans",
     "decode_buckets",
 ]
 
@@ -107,6 +110,20 @@ class EngineShape:
     constraint_states: int = 0  # S_p: states in the constraint pool (0: no pool)
     constraint_edges: int = 0  # E_p: transitions in the constraint pool
     kv_cache_dtype: str = "auto"  # the pool: "auto" (the model's dtype) or "int8" (codes+scales)
+    span_blocks: tuple[int, ...] = ()  # the decode loop's attention spans, in blocks (empty:
+    #   the whole table only); see `spans`
+
+    @property
+    def spans(self) -> tuple[int, ...]:
+        """The block counts ``M_s`` the decode loop may attend over, one program each,
+        ascending, the last ``max_blocks_per_row``: a step whose decoding rows hold at most
+        ``M_s`` blocks reads only those (:func:`attention_spans`)."""
+        return tuple(sorted({*self.span_blocks, self.max_blocks_per_row}))
+
+    @property
+    def programs(self) -> tuple[tuple[int, int], ...]:
+        """Every ``(B_k, M_s)`` pair: the compiled step programs."""
+        return tuple((rows, span) for rows in self.buckets for span in self.spans)
 
     @property
     def quantized(self) -> bool:
@@ -139,6 +156,31 @@ def decode_buckets(max_batch_size: int) -> tuple[int, ...]:
         sizes.append(size)
         size *= 2
     return (*sizes, max_batch_size)
+
+
+def attention_spans(max_length: int, block_size: int, shortest: int) -> tuple[int, ...]:
+    """The decode loop's attention spans in blocks: the powers of two of tokens from
+    ``shortest`` up to ``max_length``, then ``max_length``, each rounded up to whole blocks.
+
+    The decode loop reads every slot of the block tables it is given, and on a CPU that read
+    (the gathered keys and values, written and read again) costs as much as the weights at a
+    few rows: a step attends over the smallest span that holds its rows' blocks, so its cost
+    follows the longest request in flight rather than ``max_length``. Measured on SmolLM-135M,
+    8 rows of 128 tokens: 768 slots cost 1.4x 256 slots; 32 rows of 100 tokens: 256 slots cost
+    1.2x 128 (``bench/results/2026-12-02-cpu-amd-epyc-engine-spans.txt``).
+
+    Example:
+        >>> attention_spans(768, 16, 128)  # 128, 256 and 512 tokens, then 768
+        (8, 16, 32, 48)
+        >>> attention_spans(100, 16, 128)
+        (7,)
+    """
+    blocks = -(-max_length // block_size)
+    spans, size = set(), max(1, shortest)
+    while size < max_length:
+        spans.add(-(-size // block_size))
+        size *= 2
+    return tuple(sorted({*(s for s in spans if s < blocks), blocks}))
 
 
 @struct.dataclass
@@ -176,6 +218,8 @@ class StepInput:
     #   prefix, whose blocks are shared and not prefilled again); later tokens are ignored
     decode_rows: Array  # int32[B_k]: distinct slots, every decoding one (the prefilled slot
     #   too when its chunk is the last); the others fill the bucket and decode nothing
+    decode_tables: Array  # int32[B_k, M_s]: those rows' block tables cut to the span the decode
+    #   loop attends over (M_s from EngineShape.spans: every decoding row's blocks fit)
 
 
 @struct.dataclass
@@ -225,9 +269,10 @@ def _rows(tree: PyTree, rows: Array) -> PyTree:
     return jax.tree.map(lambda x: x[rows], tree)
 
 
-def _take_rows(state: EngineState, rows: Array) -> EngineState:
-    """The state of slots ``rows`` alone (the pools whole, the per-row arrays gathered)."""
-    cache = state.cache.select_rows(rows)
+def _take_rows(state: EngineState, rows: Array, tables: Array) -> EngineState:
+    """The state of slots ``rows`` alone: the pools whole, the per-row arrays gathered, the
+    block tables ``tables`` (int32[B_k, M_s], the rows' own cut to the span)."""
+    cache = state.cache.select_rows(rows).replace(block_tables=tables)
     per_row = state.replace(cache=None)
     return _rows(per_row, rows).replace(cache=cache)
 
@@ -277,7 +322,10 @@ def _prefill(model, params, state: EngineState, work: StepInput, pool, top: int)
     part = state.cache.select_rows(slot).replace(index=start[None])
     positions = (start + jnp.arange(chunk, dtype=jnp.int32))[None]  # [1, C]
     mask = jnp.ones((1, part.length), jnp.int32)
-    logits, part = model.apply(params, work.prefill_tokens[None], positions, part, mask)
+    # Only the last real token's logits are used (after the prompt's last chunk): computing
+    # the vocabulary projection of the whole chunk would cost a sixth of SmolLM's prefill.
+    keep = {"logits_to_keep": (count - 1)[None]} if accepts_logits_to_keep(model) else {}
+    logits, part = model.apply(params, work.prefill_tokens[None], positions, part, mask, **keep)
     cache = state.cache.merge_rows(slot, part.replace(index=(start + count)[None]))
     columns = jnp.where(jnp.arange(chunk) < count, positions[0], state.tokens.shape[1])
     tokens = state.tokens.at[slot[0], columns].set(work.prefill_tokens, mode="drop")
@@ -285,7 +333,10 @@ def _prefill(model, params, state: EngineState, work: StepInput, pool, top: int)
     state = state.replace(cache=cache, tokens=tokens, lengths=state.lengths.at[slot].set(length))
 
     def first_token(state):
-        last = jax.lax.dynamic_index_in_dim(logits[0], count - 1, keepdims=True)  # [1, V]
+        if keep:
+            last = logits[0]  # [1, V]
+        else:
+            last = jax.lax.dynamic_index_in_dim(logits[0], count - 1, keepdims=True)
         chosen = choose_rows(
             last,
             state.tokens[slot],
@@ -415,7 +466,8 @@ def engine_step(
         scores = jax.tree.map(lambda all_, new: all_.at[i].set(new), scores, scored)
         return i + 1, state, buffer.at[i].set(tokens), scores, finished | done
 
-    start = (jnp.zeros((), jnp.int32), _take_rows(state, rows), buffer, scores, finished[rows])
+    part = _take_rows(state, rows, work.decode_tables)
+    start = (jnp.zeros((), jnp.int32), part, buffer, scores, finished[rows])
     steps, part, buffer, scores, done = jax.lax.while_loop(cond, body, start)
     state = _put_rows(state, rows, part)
     # Back to one column per slot: the host reads tokens and scores by slot.

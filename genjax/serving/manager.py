@@ -120,21 +120,23 @@ class ContinuousBatchingManager:
 
     # ---- lifecycle ----------------------------------------------------------------------
     def warmup(self) -> None:
-        """Compiles the engine's programs (a step program per decoded-row bucket, and the
-        state's allocation) now, so that serving compiles nothing
+        """Compiles the engine's programs (a step program per decoded-row bucket and attention
+        span, and the state's allocation) now, so that serving compiles nothing
         (:func:`~genjax.serving.programs.compile_buckets`: programs another manager of the same
         model and sizes compiled are reused)."""
         if self._state is None:
             self._state = init_state(self.model, self.shape)
-        work = {b: Scheduler(self.shape)._step_input(1, b) for b in self.shape.buckets}
+        plans = Scheduler(self.shape)
+        work = {(b, m): plans._step_input(1, b, m) for b, m in self.shape.programs}
+        steps = {(b, m): self._steps[b] for b, m in self.shape.programs}
         self._compiled = compile_buckets(
-            self._steps, lambda b: (self.params, self._state, work[b], self._pool())
+            steps, lambda program: (self.params, self._state, work[program], self._pool())
         )
 
     def _step(self, work):
-        """Runs the compiled step of ``work``'s bucket on the current state (donated), with the
-        constraint pool (uploaded again when an automaton was installed)."""
-        step = self._compiled[work.decode_rows.shape[0]]
+        """Runs the compiled step of ``work``'s bucket and span on the current state (donated),
+        with the constraint pool (uploaded again when an automaton was installed)."""
+        step = self._compiled[work.decode_tables.shape]
         return step(self.params, self._state, work, self._pool())
 
     def _pool(self):

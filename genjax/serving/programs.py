@@ -1,4 +1,5 @@
-"""The engine's compiled step programs, one per decoded-row bucket, shared between managers.
+"""The engine's compiled step programs, one per decoded-row bucket and attention span, shared
+between managers.
 
 A manager compiles its step programs ahead of time in ``warmup`` (``jit(...).lower(...)
 .compile()``), so serving never compiles. Ahead-of-time programs do not land in ``jax.jit``'s
@@ -15,7 +16,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 import jax
@@ -23,7 +24,7 @@ import numpy as np
 
 __all__ = ["MAX_PROGRAMS", "compile_buckets"]
 
-MAX_PROGRAMS = 32
+MAX_PROGRAMS = 64
 """Compiled step programs kept for reuse."""
 
 _PROGRAMS: dict[tuple, Any] = {}
@@ -43,8 +44,11 @@ def _dtype(x: Any):
     return x.dtype if hasattr(x, "dtype") else np.result_type(x)
 
 
-def compile_buckets(steps: Mapping[int, Any], arguments: Callable[[int], tuple]) -> dict[int, Any]:
-    """The compiled program of each bucket: ``steps[b]`` (a jitted step) for ``arguments(b)``.
+def compile_buckets(
+    steps: Mapping[Hashable, Any], arguments: Callable[[Hashable], tuple]
+) -> dict[Hashable, Any]:
+    """The compiled program of each bucket (the engine's: a decoded-row count and an attention
+    span): ``steps[b]`` (a jitted step) for ``arguments(b)``.
 
     Args:
         steps: bucket -> its jitted step function.

@@ -283,19 +283,34 @@ class Scheduler:
         """int32[B_k]: the slots the step decodes: every running request's but the prefilling
         one's (unless ``last_chunk``: its first token comes this step), then free slots up to
         the smallest bucket that holds them (or ``bucket``)."""
-        active = [
-            slot
-            for slot, request in enumerate(self.slots)
-            if request is not None and (request is not self.prefilling or last_chunk)
-        ]
+        active = [request.slot for request in self._decoding(last_chunk)]
         if bucket is None:
             bucket = next(b for b in self.shape.buckets if b >= len(active))
         chosen = set(active)
         fill = [slot for slot in range(self.shape.max_batch_size) if slot not in chosen]
         return np.asarray(active + fill[: bucket - len(active)], np.int32)
 
-    def _step_input(self, steps: int, bucket: int | None = None) -> StepInput:
-        """The step's input; ``bucket`` forces the decoded-row count (warm-up compiles each)."""
+    def span(self, last_chunk: bool) -> int:
+        """``M_s``: the shortest of :attr:`EngineShape.spans` holding the blocks of every
+        request the step decodes (:meth:`decode_rows`; a request's blocks cover what the step
+        writes: :meth:`_allocate`)."""
+        longest = max((len(r.blocks) for r in self._decoding(last_chunk)), default=0)
+        return next(s for s in self.shape.spans if s >= longest)
+
+    def _decoding(self, last_chunk: bool) -> list[RequestState]:
+        """The requests a step decodes: every running one but the prefilling one (unless
+        ``last_chunk``: its first token comes this step)."""
+        return [
+            request
+            for request in self.slots
+            if request is not None and (request is not self.prefilling or last_chunk)
+        ]
+
+    def _step_input(
+        self, steps: int, bucket: int | None = None, span: int | None = None
+    ) -> StepInput:
+        """The step's input; ``bucket`` and ``span`` force the decoded-row count and the
+        attention span (warm-up compiles each pair)."""
         chunk = np.zeros((self.shape.chunk,), np.int32)
         history = np.zeros((self.shape.max_length,), np.int32)
         request = self.prefilling
@@ -314,6 +329,7 @@ class Scheduler:
                 history[:start] = request.pending[:start]
             request.admitted = True
             self._chunk = (count, last)
+        rows = self.decode_rows(last, bucket)
         work = StepInput(
             block_tables=self.tables.copy(),
             release=self.release.copy(),
@@ -328,7 +344,8 @@ class Scheduler:
             admit=np.asarray(admit, bool),
             constraint_state=np.asarray(automaton, np.int32),
             history=history,
-            decode_rows=self.decode_rows(last, bucket),
+            decode_rows=rows,
+            decode_tables=self.tables[rows, : span or self.span(last)],
         )
         self.release[:] = False
         return work

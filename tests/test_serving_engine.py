@@ -169,13 +169,15 @@ def test_block_allocator_shares_counts_and_evicts_a_prefix_tail_first():
 
 
 def test_attention_spans_are_powers_of_two_in_blocks_then_the_whole_table():
-    assert attention_spans(768, 16, 128) == (8, 16, 32, 48)
-    assert attention_spans(100, 16, 128) == (7,)
-    assert attention_spans(48, 4, 16) == (4, 8, 12)
+    assert attention_spans(4096, 16, 256) == (16, 64, 256)  # 256, 1024, 4096 tokens
+    assert attention_spans(768, 16, 128, growth=2) == (8, 16, 32, 48)
+    assert attention_spans(200, 16, 256) == (13,)
+    assert attention_spans(48, 4, 16) == (4, 12)
     shape = CB.engine_shape()
     assert shape.spans == (4, 12)
     assert shape.programs == ((1, 4), (1, 12), (2, 4), (2, 12), (3, 4), (3, 12))
-    assert ContinuousBatchingConfig(max_length=512).engine_shape().spans == (8, 16, 32)
+    assert ContinuousBatchingConfig(max_length=512).engine_shape().spans == (16, 32)
+    assert ContinuousBatchingConfig(max_length=256).engine_shape().spans == (16,)
     assert ContinuousBatchingConfig(attention_spans=()).engine_shape().spans == (32,)
     for bad in ((0,), (513,), (True,), 128):
         with pytest.raises(InputError, match="attention_spans"):

@@ -17,8 +17,9 @@ from genjax.serving.engine import EngineShape, attention_spans
 
 __all__ = ["KV_CACHE_DTYPES", "SHORTEST_SPAN", "ContinuousBatchingConfig"]
 
-SHORTEST_SPAN = 128
-"""The shortest attention span (tokens) of ``ContinuousBatchingConfig.attention_spans=None``."""
+SHORTEST_SPAN = 256
+"""The shortest attention span (tokens) of ``ContinuousBatchingConfig.attention_spans=None``;
+the others are it times powers of 4 below ``max_length``, then ``max_length``."""
 
 KV_CACHE_DTYPES = ("auto", "int8")
 """Values of ``ContinuousBatchingConfig.kv_cache_dtype`` (and ``genjax serve --kv-cache-dtype``)."""
@@ -54,9 +55,10 @@ class ContinuousBatchingConfig:
             may attend over; every one is a compiled program per decoded-row bucket, and a step
             attends over the shortest that holds its decoding rows' blocks, so short requests
             do not pay for ``max_length`` (:func:`~genjax.serving.engine.attention_spans`).
-            ``max_length`` is always one. None: the powers of two from
-            :data:`SHORTEST_SPAN` tokens below ``max_length``; ``()``: ``max_length`` alone
-            (fewest programs, fastest warmup).
+            ``max_length`` is always one. None: :data:`SHORTEST_SPAN` (256) tokens times the
+            powers of 4 below ``max_length`` (256, 1024, then ``max_length``: at most 3 programs
+            per bucket to ``max_length`` 4096); ``()``: ``max_length`` alone (fewest programs,
+            fastest warmup).
         max_decode_steps: ``K``, decode steps per host round trip when nothing waits.
         max_eos_tokens: the most EOS ids per request.
         max_logit_bias: ``L_b``, the most entries of a request's bias table: its
@@ -171,8 +173,8 @@ class ContinuousBatchingConfig:
         ):
             raise InputError(
                 f"ContinuousBatchingConfig.attention_spans={spans!r}: give a tuple of token "
-                f"counts from 1 to max_length={self.max_length} (None: powers of two from "
-                f"{SHORTEST_SPAN}; (): max_length alone)."
+                f"counts from 1 to max_length={self.max_length} (None: {SHORTEST_SPAN} times "
+                f"powers of 4; (): max_length alone)."
             )
         return tuple(sorted({-(-s // self.block_size) for s in spans}))
 

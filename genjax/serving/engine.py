@@ -158,28 +158,33 @@ def decode_buckets(max_batch_size: int) -> tuple[int, ...]:
     return (*sizes, max_batch_size)
 
 
-def attention_spans(max_length: int, block_size: int, shortest: int) -> tuple[int, ...]:
-    """The decode loop's attention spans in blocks: the powers of two of tokens from
-    ``shortest`` up to ``max_length``, then ``max_length``, each rounded up to whole blocks.
+def attention_spans(
+    max_length: int, block_size: int, shortest: int, growth: int = 4
+) -> tuple[int, ...]:
+    """The decode loop's attention spans in blocks: ``shortest`` tokens times the powers of
+    ``growth`` below ``max_length``, then ``max_length``, each rounded up to whole blocks.
 
     The decode loop reads every slot of the block tables it is given, and on a CPU that read
     (the gathered keys and values, written and read again) costs as much as the weights at a
     few rows: a step attends over the smallest span that holds its rows' blocks, so its cost
-    follows the longest request in flight rather than ``max_length``. Measured on SmolLM-135M,
-    8 rows of 128 tokens: 768 slots cost 1.4x 256 slots; 32 rows of 100 tokens: 256 slots cost
-    1.2x 128 (``bench/results/2026-12-02-cpu-amd-epyc-engine-spans.txt``).
+    follows the longest request in flight rather than ``max_length``. Measured on SmolLM-135M
+    (``bench/engine_spans.py``), 8 rows of 128 tokens: 768 slots cost 1.4x 256 slots; 32 rows
+    of 100 tokens: 256 slots cost 1.2x 128. Each span is a program per row bucket (about as
+    slow to compile as the others), hence a few spans far apart rather than many.
 
     Example:
-        >>> attention_spans(768, 16, 128)  # 128, 256 and 512 tokens, then 768
+        >>> attention_spans(4096, 16, 256)  # 256 and 1024 tokens, then 4096
+        (16, 64, 256)
+        >>> attention_spans(768, 16, 128, growth=2)
         (8, 16, 32, 48)
-        >>> attention_spans(100, 16, 128)
-        (7,)
+        >>> attention_spans(200, 16, 256)
+        (13,)
     """
     blocks = -(-max_length // block_size)
     spans, size = set(), max(1, shortest)
     while size < max_length:
         spans.add(-(-size // block_size))
-        size *= 2
+        size *= max(2, growth)
     return tuple(sorted({*(s for s in spans if s < blocks), blocks}))
 
 

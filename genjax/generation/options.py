@@ -142,9 +142,10 @@ def check_forward_outputs(
     encoder-decoder models included: transformers' ``encoder_*``, ``decoder_*`` and
     ``cross_attentions`` fields), in greedy decoding, sampling, beam search and beam sampling,
     on one device, with the prompt prefilled in one pass (an encoder-decoder model's decoder
-    prefix always is). What an encoder-decoder call refuses anyway (assisted generation,
-    ``max_cache_len``: :func:`genjax.generation.encoder_decoder.check_request`) is refused here
-    first, naming the flag.
+    prefix always is). ``max_cache_len`` is refused with them for every model; what an
+    encoder-decoder call refuses anyway (assisted generation:
+    :func:`genjax.generation.encoder_decoder.check_request`) is refused here first, naming the
+    flag.
 
     Args:
         config: the call's resolved config.

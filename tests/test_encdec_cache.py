@@ -194,3 +194,22 @@ def test_calls_that_do_not_fit_raise_naming_max_cache_len_before_compiling():
         with pytest.raises(UnsupportedError, match="max_cache_len"):  # as for decoder-only
             call(max_new_tokens=1, max_cache_len=SIZE, output_hidden_states=True)
     assert compiled == []
+
+
+def test_warmup_counts_the_decoder_prefix_not_the_source():
+    """A source longer than ``max_cache_len`` is fine (the cross-attention cache has its own
+    length): warm-up compiles the program of its bucket, which the real call then runs."""
+    kwargs, _ = _recorded("t5_v1_0", "greedy")
+    model, params, src, mask = _model("t5_v1_0")
+    config = genjax.GenerationConfig(**kwargs)
+    (entry,) = genjax.warmup(model, params, config, len(src), 40, max_cache_len=SIZE)
+    assert entry.padded_length == 64  # the source's bucket
+    long_src = np.pad(src, ((0, 0), (0, 31)))  # 40 slots, the last 31 masked
+    long_mask = np.pad(mask, ((0, 0), (0, 31)))
+    with count_compiles() as compiled:
+        out = genjax.generate(
+            model, params, long_src, config, attention_mask=long_mask, max_cache_len=SIZE
+        )
+    assert compiled == []
+    expected = _recorded("t5_v1_0", "greedy")[1]["sequences"]
+    np.testing.assert_array_equal(np.asarray(out.sequences)[:, : expected.shape[1]], expected)

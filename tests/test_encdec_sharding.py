@@ -156,6 +156,24 @@ def test_max_cache_len_beams_on_a_mesh_equal_single_device(models, reference):
     _assert_same(cut, reference("t5", "beam"))
 
 
+def test_hidden_states_and_attentions_on_a_mesh_equal_single_device(models):
+    """Beam search recording the encoder's, the decoder's and the cross-attention outputs on a
+    (2, 4) mesh: the tokens and every recorded array equal one device's."""
+    model, params = models["bart"]
+    ids, mask = _source(model.vocab_size)
+    config = BEAM.replace(output_hidden_states=True, output_attentions=True)
+    expected = genjax.generate(model, params, ids, config, attention_mask=mask)
+    mesh = sharding.make_mesh((2, 4))
+    out = genjax.generate(model, params, ids, config, attention_mask=mask, mesh=mesh)
+    _assert_same(out, expected)
+    names = ["encoder_hidden_states", "encoder_attentions", "decoder_hidden_states"]
+    for name in names + ["decoder_attentions", "cross_attentions"]:
+        got, want = jax.tree.leaves(getattr(out, name)), jax.tree.leaves(getattr(expected, name))
+        assert len(got) == len(want) > 0, name
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_allclose(g, w, atol=ATOL, rtol=1e-5)
+
+
 def test_jit_under_set_mesh_carries_cross_blocks_split_on_rows_and_heads(models, reference):
     """Your own jax.jit under ``jax.set_mesh``: no all-gather is as large as a sharded weight, and
     the while loop carries each layer's decoder slots and per-prompt cross-attention blocks as

@@ -50,7 +50,9 @@ Memory: the program keeps, besides the prefill's ``(L + 1) * rows * P * D`` hidd
 ``(N - 1) * (L + 1) * rows * D`` hidden values and ``(N - 1) * L * rows * N * S`` attention
 weights (``S`` = the bucket length plus ``N``), in the model dtype. Attentions dominate: with
 32 layers, 32 heads, 8 rows and ``S = 2048`` they take 64 MiB of float32 per step, 64 GiB for
-1024 new tokens.
+1024 new tokens. On a mesh (:mod:`genjax.sharding`) these buffers and the prefill's records
+keep their rows on ``batch``, so each device holds and writes its own rows' share; the values
+equal one device's.
 """
 
 from __future__ import annotations

@@ -289,13 +289,7 @@ def prepare(model, params: PyTree, input_ids, config, request: CallRequest) -> P
         request.negative_prompt_ids,
         request.negative_prompt_attention_mask,
     )
-    check_forward_outputs(
-        resolved,
-        model,
-        assisted=mode is Mode.ASSISTED,
-        sharded=layout is not None,
-        encoder_decoder=False,
-    )
+    check_forward_outputs(resolved, model, assisted=mode is Mode.ASSISTED, encoder_decoder=False)
     if mode is Mode.ASSISTED:
         assisted.check_call(
             resolved, model, request.assistant_model, request.assistant_params, len(input_ids)
@@ -373,8 +367,7 @@ def _prepare_encoder_decoder(model, params, input_ids, config, request) -> Prepa
     has ``M`` slots and ``N`` is traced (``bounds``), as for a decoder-only model."""
     lengths, resolved, mode = _resolve(model, config, request)
     assisted = mode is Mode.ASSISTED
-    sharded = request.mesh is not None  # and the mesh of jax.set_mesh, below
-    check_forward_outputs(resolved, model, assisted=assisted, sharded=sharded, encoder_decoder=True)
+    check_forward_outputs(resolved, model, assisted=assisted, encoder_decoder=True)
     encoder_decoder.check_request(model, request, resolved, assisted)
     input_ids, states, source_length = encoder_decoder.encoder_inputs(
         model, input_ids, request.encoder_outputs, resolved
@@ -384,10 +377,6 @@ def _prepare_encoder_decoder(model, params, input_ids, config, request) -> Prepa
     )
     batch = input_ids.shape[0]
     layout = call_layout(model, request.mesh, request.rules, batch)
-    if layout is not None:
-        check_forward_outputs(
-            resolved, model, assisted=assisted, sharded=True, encoder_decoder=True
-        )
     start = encoder_decoder.start_token_id(resolved, model)
     prefix = encoder_decoder.decoder_prefix(
         start, request.decoder_input_ids, batch, model.vocab_size

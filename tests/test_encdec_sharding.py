@@ -158,7 +158,7 @@ def test_max_cache_len_beams_on_a_mesh_equal_single_device(models, reference):
 
 def test_hidden_states_and_attentions_on_a_mesh_equal_single_device(models):
     """Beam search recording the encoder's, the decoder's and the cross-attention outputs on a
-    (2, 4) mesh: the tokens and every recorded array equal one device's."""
+    (2, 4) mesh: the tokens and every recorded array equal one device's, rows on ``data``."""
     model, params = models["bart"]
     ids, mask = _source(model.vocab_size)
     config = BEAM.replace(output_hidden_states=True, output_attentions=True)
@@ -172,6 +172,7 @@ def test_hidden_states_and_attentions_on_a_mesh_equal_single_device(models):
         assert len(got) == len(want) > 0, name
         for g, w in zip(got, want, strict=True):
             np.testing.assert_allclose(g, w, atol=ATOL, rtol=1e-5)
+            assert g.sharding.is_equivalent_to(NamedSharding(mesh, P("data")), g.ndim), name
 
 
 def test_jit_under_set_mesh_carries_cross_blocks_split_on_rows_and_heads(models, reference):

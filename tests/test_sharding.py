@@ -336,17 +336,20 @@ def _assert_same_records(out, expected, names=("hidden_states", "attentions")):
 
 def test_hidden_states_and_attentions_on_a_mesh_equal_single_device(models):
     """``output_hidden_states`` / ``output_attentions`` on a (2, 4) mesh: greedy with ``mesh=``,
-    beams under your own jax.jit with ``jax.set_mesh``, whose outputs keep their rows on
-    ``data`` and whose loop carries the recorded buffers ``[N - 1, L + 1, B*M, 1, D]`` as
-    per-device row blocks."""
+    beams under your own jax.jit with ``jax.set_mesh``; the outputs keep their rows on ``data``
+    and the loop carries the recorded buffers ``[N - 1, L + 1, B*M, 1, D]`` as per-device row
+    blocks."""
     model, params = models["llama"]
     ids, mask = _inputs(model.vocab_size)
     mesh = sharding.make_mesh((2, 4))
+    on_data = NamedSharding(mesh, P("data"))
     greedy = GREEDY.replace(**FLAGS)
     expected = genjax.generate(model, params, ids, greedy, attention_mask=mask)
     out = genjax.generate(model, params, ids, greedy, attention_mask=mask, mesh=mesh)
     _assert_same(out, expected)
     _assert_same_records(out, expected)
+    for leaf in jax.tree.leaves((out.hidden_states, out.attentions)):
+        assert leaf.sharding.is_equivalent_to(on_data, leaf.ndim), leaf.sharding
 
     beam = BEAM.replace(**FLAGS)
     rows = sharding.batch_sharding(mesh)
@@ -364,7 +367,6 @@ def test_hidden_states_and_attentions_on_a_mesh_equal_single_device(models):
         out = compiled(*args)
     _assert_same(out, expected)
     _assert_same_records(out, expected)
-    on_data = NamedSharding(mesh, P("data"))
     for leaf in jax.tree.leaves((out.hidden_states, out.attentions)):
         assert leaf.sharding.is_equivalent_to(on_data, leaf.ndim), leaf.sharding
     buffer = (NEW - 1, model.num_layers + 1, BATCH * 2, 1, model.config.hidden_size)

@@ -371,11 +371,13 @@ class Layout:
         """The spec of each layer's cache keys [B, K, H, S] and values [B, K, S, H]."""
         return self.spec(*CACHE_AXES)
 
-    def constrain(self, tree: PyTree) -> PyTree:
+    def constrain(self, tree: PyTree, rows_at: int = 0) -> PyTree:
         """Constrains a state or output pytree: rows on ``batch``, caches by :data:`CACHE_AXES`.
 
-        Every array leaf of rank >= 1 has its leading axis on ``batch`` and its other axes
-        replicated; scalars (counters, the PRNG key) are replicated; a :class:`KVCache` follows
+        Every array leaf of rank > ``rows_at`` has its axis ``rows_at`` (its rows: the leading
+        axis unless said otherwise, e.g. 1 for recorded hidden states ``[L + 1, B, T, D]``) on
+        ``batch`` and its other axes replicated; other leaves (counters, the PRNG key) are
+        replicated; a :class:`KVCache` follows
         :data:`CACHE_AXES` (a :class:`~genjax.cache.quantized.QuantizedKVCache` too, its scales
         ``[B, K, S]`` likewise), and so do an :class:`~genjax.cache.EncoderDecoderCache`'s
         decoder slots and its per-prompt cross-attention keys ``[B / R, K, H, Se]`` and values
@@ -385,8 +387,9 @@ class Layout:
         Args:
             tree: e.g. a :class:`~genjax.decoding.sampling.DecodeState`, a
                 :class:`~genjax.decoding.beam.BeamState` or a :class:`~genjax.GenerateOutput`.
+            rows_at: the rows' axis of the array leaves that are not caches (static).
         """
-        rows, replicated = self.sharding("batch"), self.sharding()
+        rows, replicated = self.sharding(*[None] * rows_at, "batch"), self.sharding()
 
         def one(x):
             if isinstance(x, (KVCache, QuantizedKVCache)):
@@ -409,9 +412,11 @@ class Layout:
                     self_attention=one(x.self_attention),
                     cross_keys=jax.lax.with_sharding_constraint(x.cross_keys, cross),
                     cross_values=jax.lax.with_sharding_constraint(x.cross_values, cross),
-                    encoder_mask=jax.lax.with_sharding_constraint(x.encoder_mask, rows),
+                    encoder_mask=jax.lax.with_sharding_constraint(
+                        x.encoder_mask, self.sharding("batch")
+                    ),
                 )
-            return jax.lax.with_sharding_constraint(x, rows if np.ndim(x) else replicated)
+            return jax.lax.with_sharding_constraint(x, rows if np.ndim(x) > rows_at else replicated)
 
         caches = (KVCache, QuantizedKVCache, EncoderDecoderCache)
         return jax.tree_util.tree_map(one, tree, is_leaf=lambda x: isinstance(x, caches))

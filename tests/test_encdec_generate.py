@@ -155,8 +155,8 @@ def test_generate_inside_jit_gives_the_recorded_tokens():
 def test_unsupported_options_raise_by_name():
     model, params, src, mask = _model("t5_v1_0")
     call = functools.partial(genjax.generate, model, params, src, attention_mask=mask)
-    with pytest.raises(UnsupportedError, match="max_cache_len"):
-        call(max_new_tokens=2, max_cache_len=32)
+    with pytest.raises(UnsupportedError, match="guidance_scale"):
+        call(max_new_tokens=2, guidance_scale=2.0)
     with pytest.raises(UnsupportedError, match="assisted generation"):
         call(max_new_tokens=2, prompt_lookup_num_tokens=2)
     with pytest.raises(InputError, match="decoder_input_ids must be int"):

@@ -112,10 +112,10 @@ def test_encoder_heads_that_do_not_divide_raise_naming_them(models, tmp_path):
             model, params, ids, GREEDY, attention_mask=mask, mesh=sharding.make_mesh((2, 4))
         )
     model, params = models["t5"]  # what stays refused names itself, mesh or not
-    with pytest.raises(UnsupportedError, match="max_cache_len"):
+    with pytest.raises(UnsupportedError, match="guidance_scale"):
         genjax.generate(
             model, params, ids, GREEDY, attention_mask=mask, mesh=sharding.make_mesh((2, 4)),
-            max_cache_len=32,
+            guidance_scale=2.0,
         )  # fmt: skip
 
 
@@ -135,6 +135,44 @@ def test_generate_with_mesh_equals_single_device(models, reference, arch, strate
         value = getattr(out, name)
         if value is not None:
             assert value.sharding.is_equivalent_to(rows, value.ndim), (name, value.sharding)
+
+
+def test_max_cache_len_beams_on_a_mesh_equal_single_device(models, reference):
+    """``max_cache_len``: the decoder's 12 slots split like the others; the first ``1 + N``
+    columns (``N`` steps) are the single-device call's without it, ``pad_token_id`` after."""
+    model, params = models["t5"]
+    ids, mask = _source(model.vocab_size)
+    mesh = sharding.make_mesh((2, 4))
+    out = genjax.generate(
+        model, params, ids, BEAM, attention_mask=mask, mesh=mesh, max_cache_len=12
+    )
+    np.testing.assert_array_equal(out.sequences[:, 1 + NEW :], 0)
+    np.testing.assert_array_equal(out.beam_indices[:, NEW:], -1)
+    cut = out.replace(
+        sequences=out.sequences[:, : 1 + NEW],
+        scores=out.scores[:, :NEW],
+        beam_indices=out.beam_indices[:, :NEW],
+    )
+    _assert_same(cut, reference("t5", "beam"))
+
+
+def test_hidden_states_and_attentions_on_a_mesh_equal_single_device(models):
+    """Beam search recording the encoder's, the decoder's and the cross-attention outputs on a
+    (2, 4) mesh: the tokens and every recorded array equal one device's, rows on ``data``."""
+    model, params = models["bart"]
+    ids, mask = _source(model.vocab_size)
+    config = BEAM.replace(output_hidden_states=True, output_attentions=True)
+    expected = genjax.generate(model, params, ids, config, attention_mask=mask)
+    mesh = sharding.make_mesh((2, 4))
+    out = genjax.generate(model, params, ids, config, attention_mask=mask, mesh=mesh)
+    _assert_same(out, expected)
+    names = ["encoder_hidden_states", "encoder_attentions", "decoder_hidden_states"]
+    for name in names + ["decoder_attentions", "cross_attentions"]:
+        got, want = jax.tree.leaves(getattr(out, name)), jax.tree.leaves(getattr(expected, name))
+        assert len(got) == len(want) > 0, name
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_allclose(g, w, atol=ATOL, rtol=1e-5)
+            assert g.sharding.is_equivalent_to(NamedSharding(mesh, P("data")), g.ndim), name
 
 
 def test_jit_under_set_mesh_carries_cross_blocks_split_on_rows_and_heads(models, reference):

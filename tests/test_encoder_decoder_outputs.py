@@ -225,14 +225,12 @@ def test_model_protocol_without_flags_returns_what_it_did(runs):
 
 @pytest.mark.parametrize(
     "options",
-    [{"max_cache_len": 32}, {"mesh": "one device"}, {"prompt_lookup_num_tokens": 2}],
+    [{"max_cache_len": 32}, {"prompt_lookup_num_tokens": 2}],
     ids=lambda o: next(iter(o)),
 )
 def test_what_is_not_recorded_raises_naming_it(runs, options):
     model, params = runs.models["t5_v1_1"]
     ids, mask = runs.source("t5_v1_1")
-    if "mesh" in options:
-        options = {"mesh": genjax.sharding.make_mesh((1, 1), devices=jax.devices()[:1])}
     config = GenerationConfig(max_new_tokens=2, output_hidden_states=True)
     name = next(iter(options))
     with pytest.raises(UnsupportedError, match="output_hidden_states") as error:

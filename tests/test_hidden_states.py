@@ -188,7 +188,6 @@ class _PlainApply(LlamaModel):
         {"prompt_lookup_num_tokens": 2},
         {"max_cache_len": 32},
         {"prefill_chunk_size": 4},
-        {"mesh": "one device"},
         {"model": "without flags"},
     ],
     ids=lambda o: "+".join(f"{k}={v}" for k, v in o.items()),
@@ -200,8 +199,6 @@ def test_combinations_not_recorded_raise_naming_the_option(flag, options):
     kind = options.pop("model", None)
     if kind == "without flags":
         model = _PlainApply(model.config)
-    if options.get("mesh"):
-        options["mesh"] = genjax.sharding.make_mesh((1, 1), devices=jax.devices()[:1])
     ids = np.array([[5, 6, 7]], np.int32)
     with pytest.raises(UnsupportedError, match=flag) as error:
         genjax.generate(model, params, ids, GenerationConfig(max_new_tokens=2, **{flag: True}),

@@ -322,6 +322,60 @@ def test_beam_search_with_mesh_equals_single_device(models, reference):
     _assert_rows_on_data(out, mesh)
 
 
+FLAGS = {"output_hidden_states": True, "output_attentions": True}
+
+
+def _assert_same_records(out, expected, names=("hidden_states", "attentions")):
+    """Every recorded forward output (tuples per token of arrays per layer) within ``ATOL``."""
+    for name in names:
+        got, want = jax.tree.leaves(getattr(out, name)), jax.tree.leaves(getattr(expected, name))
+        assert len(got) == len(want) > 0, name
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_allclose(g, w, atol=ATOL, rtol=1e-5)
+
+
+def test_hidden_states_and_attentions_on_a_mesh_equal_single_device(models):
+    """``output_hidden_states`` / ``output_attentions`` on a (2, 4) mesh: greedy with ``mesh=``,
+    beams under your own jax.jit with ``jax.set_mesh``; the outputs keep their rows on ``data``
+    and the loop carries the recorded buffers ``[N - 1, L + 1, B*M, 1, D]`` as per-device row
+    blocks."""
+    model, params = models["llama"]
+    ids, mask = _inputs(model.vocab_size)
+    mesh = sharding.make_mesh((2, 4))
+    on_data = NamedSharding(mesh, P("data"))
+    greedy = GREEDY.replace(**FLAGS)
+    expected = genjax.generate(model, params, ids, greedy, attention_mask=mask)
+    out = genjax.generate(model, params, ids, greedy, attention_mask=mask, mesh=mesh)
+    _assert_same(out, expected)
+    _assert_same_records(out, expected)
+    for leaf in jax.tree.leaves((out.hidden_states, out.attentions)):
+        assert leaf.sharding.is_equivalent_to(on_data, leaf.ndim), leaf.sharding
+
+    beam = BEAM.replace(**FLAGS)
+    rows = sharding.batch_sharding(mesh)
+
+    def run(params, ids, mask):
+        return genjax.generate(model, params, ids, beam, attention_mask=mask)
+
+    # jitted on one device too: no bucket padding either, so the query rows of the user's
+    # padding (which bucket padding changes) match as well
+    expected = jax.jit(run)(params, ids, mask)
+
+    with jax.set_mesh(mesh):
+        args = (sharding.shard_params(params, mesh), *jax.device_put((ids, mask), rows))
+        compiled = jax.jit(run).lower(*args).compile()
+        out = compiled(*args)
+    _assert_same(out, expected)
+    _assert_same_records(out, expected)
+    for leaf in jax.tree.leaves((out.hidden_states, out.attentions)):
+        assert leaf.sharding.is_equivalent_to(on_data, leaf.ndim), leaf.sharding
+    buffer = (NEW - 1, model.num_layers + 1, BATCH * 2, 1, model.config.hidden_size)
+    block = "f32[" + ",".join(map(str, (*buffer[:2], buffer[2] // 2, *buffer[3:]))) + "]"
+    carries = _while_carries(compiled.as_text())
+    assert any(block in c for c in carries), (block, carries)
+    assert not any("f32[" + ",".join(map(str, buffer)) + "]" in c for c in carries)
+
+
 def test_pmap_generate_equals_single_device(models, reference):
     model, params = models["llama"]
     ids, mask = _inputs(model.vocab_size)

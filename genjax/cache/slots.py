@@ -31,6 +31,10 @@ Outputs (static shapes, unlike the bucketed path which returns ``P + N`` columns
     for new token ``t``, 0 from step ``N`` on. ``out.sequences[:, :P + N]`` and
     ``out.scores[:, :N]`` are what the call would return without ``max_cache_len``.
 
+Encoder-decoder models give their decoder's tokens and self-attention cache ``M`` slots
+without this layout: the decoder's prefix has a static length, so it needs no chunks or
+padding (see :mod:`genjax.generation.encoder_decoder`).
+
 References:
     transformers' ``StaticCache`` / ``max_cache_len`` (a cache preallocated once so that
     compiled programs are reused); chunked prefill as in vLLM and gemma's sampler.
@@ -47,7 +51,7 @@ import numpy as np
 from genjax.errors import InputError, UnsupportedError
 from genjax.typing import Array
 
-__all__ = ["FixedSlots", "pad_prompt", "plan", "prefill_chunks"]
+__all__ = ["FixedSlots", "check_length", "pad_prompt", "plan", "prefill_chunks"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,18 +145,31 @@ def plan(config, policy, prompt_length: int, num_new_tokens: int, assisted: bool
             f"reuse one program across prompt lengths and max_new_tokens. Unset max_cache_len "
             f"(buckets still share programs), or use num_beams=1 without an assistant."
         )
+    check_length(size, prompt_length, num_new_tokens)
+    return FixedSlots(size, config.prefill_chunk_size or policy.granularity)
+
+
+def check_length(
+    size: int, prompt_length: int, num_new_tokens: int, prompt: str = "prompt"
+) -> None:
+    """Raises InputError unless ``prompt_length + num_new_tokens <= size`` (``max_cache_len``),
+    saying how to fix it; ``prompt`` names what ``prompt_length`` counts (an encoder-decoder
+    model's ``"decoder prefix"``).
+
+    Example:
+        >>> check_length(8, 3, 5)  # passes: 3 + 5 <= 8
+    """
     if prompt_length + num_new_tokens > size:
         fix = (
             f"lower max_new_tokens to at most {size - prompt_length}"
             if prompt_length < size
-            else f"shorten the prompt to under {size} tokens"
+            else f"shorten the {prompt} to under {size} tokens"
         )
         raise InputError(
-            f"prompt length {prompt_length} + {num_new_tokens} new tokens = "
+            f"{prompt} length {prompt_length} + {num_new_tokens} new tokens = "
             f"{prompt_length + num_new_tokens} exceeds max_cache_len={size}: {fix}, or raise "
             f"max_cache_len (which compiles a new program)."
         )
-    return FixedSlots(size, config.prefill_chunk_size or policy.granularity)
 
 
 def prefill_chunks(

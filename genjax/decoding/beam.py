@@ -28,7 +28,9 @@ One step, as transformers v5's ``_beam_search`` does it (all on float32):
 5. A prompt stops improving when its best running beam, at its best hypothetical length, cannot
    beat its worst finished hypothesis (transformers' heuristic; ``early_stopping="never"`` with
    ``length_penalty > 0`` assumes the full length ``N``). The loop ends when no prompt can
-   improve, when every prompt has ``M`` hypotheses and ``early_stopping=True``, or at ``N``.
+   improve, when every prompt has ``M`` hypotheses and ``early_stopping=True``, or at ``N``:
+   the buffer's new slots, or fewer (``BeamRules.num_new_tokens``, traced), so that one buffer
+   serves calls of any length up to it.
 
 Index bookkeeping, one prompt, ``M = 2`` beams, ``V = 5``, no EOS so ``K = 4``. Running beams
 ``a`` (score -1.0, row 0) and ``b`` (score -1.5, row 1); processed log-probs per beam::
@@ -48,11 +50,12 @@ Index bookkeeping, one prompt, ``M = 2`` beams, ``V = 5``, no EOS so ``K = 4``. 
 ``t`` of returned sequence ``r``: ``compute_transition_scores`` reads it there.
 
 Static or traced:
-    Static: ``M`` (``num_beams``), the buffer length ``S`` and ``N``, the processors, whether
-    continuations are sampled, ``early_stopping``, the number of EOS ids, the output flags,
-    whether a token automaton constrains the beams (:mod:`genjax.decoding.automaton`).
-    Traced: ``length_penalty`` (scalar or per prompt ``[B]``), the EOS ids, the PRNG key, the
-    processor settings, the automaton's tables and all state.
+    Static: ``M`` (``num_beams``), the buffer length ``S`` and its new slots, the processors,
+    whether continuations are sampled, ``early_stopping``, the number of EOS ids, the output
+    flags, whether a token automaton constrains the beams (:mod:`genjax.decoding.automaton`).
+    Traced: ``length_penalty`` (scalar or per prompt ``[B]``), the EOS ids, the PRNG key, ``N``
+    when ``BeamRules.num_new_tokens`` sets it below the buffer's new slots, the processor
+    settings, the automaton's tables and all state.
 
 The slots of a returned sequence after its end hold transformers v5's fill value
 (:func:`fill_token_id`): ``pad_token_id`` when it is set and not 0, else the first EOS id; -1 when
@@ -157,6 +160,9 @@ class BeamRules:
     # Structured output (genjax.decoding.automaton): masks the log-probs before the processors;
     # each beam's state follows its source beam. Its tables are traced. None: no constraint.
     automaton: TokenAutomaton | None = None
+    # int32[] (traced): the new tokens of the call, at most the buffer's N, so that one buffer
+    # serves calls of any length without compiling (``max_cache_len``); None: the buffer's N.
+    num_new_tokens: Array | None = None
 
     @property
     def num_eos(self) -> int:
@@ -344,12 +350,18 @@ def _add_hypotheses(state, picked, tokens, indices, hits, step, rules) -> BeamSt
     )
 
 
+def _limit(state: BeamState, rules: BeamRules) -> Array | int:
+    """The call's new tokens ``N``: ``rules.num_new_tokens`` (traced) when set, else the
+    buffer's (static)."""
+    return state.num_new_tokens if rules.num_new_tokens is None else rules.num_new_tokens
+
+
 def _still_improvable(state: BeamState, step: Array, rules: BeamRules) -> Array:
     """bool[B]: transformers' early-stop heuristic, after ``step + 1`` new tokens."""
     penalty = _per_prompt(rules.length_penalty)
     length = jnp.asarray(step + 1, jnp.float32)
     if rules.early_stopping == "never":
-        length = jnp.where(penalty > 0, float(state.num_new_tokens), length)
+        length = jnp.where(penalty > 0, jnp.asarray(_limit(state, rules), jnp.float32), length)
     best_possible = state.running_scores[:, :1] / length**penalty  # [B, 1]
     worst = jnp.min(state.hyp_scores, axis=-1, keepdims=True)
     worst = jnp.where(state.hyp_finished, worst, EXCLUDED)  # [B, M]
@@ -416,7 +428,7 @@ def advance(state: BeamState, logits: Array, rules: BeamRules) -> BeamState:
         not_yet = jnp.zeros(candidates.shape[0], bool)
         hits = finished_rows(rules.stopping, not_yet, candidates, state.length + 1, step)
         hits = hits.reshape(token.shape)
-    hits = hits | (step + 1 >= state.num_new_tokens)
+    hits = hits | (step + 1 >= _limit(state, rules))
 
     alive = picked + hits.astype(jnp.float32) * EXCLUDED
     running_scores, keep = jax.lax.top_k(alive, num_beams)  # [B, M]

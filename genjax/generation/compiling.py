@@ -39,6 +39,7 @@ from jax.experimental.compilation_cache import compilation_cache
 from genjax.config import GenerationConfig
 from genjax.errors import InputError, UnsupportedError
 from genjax.generation import buckets
+from genjax.generation.encoder_decoder import is_encoder_decoder
 from genjax.generation.entry import lower_program
 from genjax.generation.inputs import effective_config
 from genjax.generation.plan import CallRequest, PreparedCall, prepare
@@ -92,9 +93,11 @@ def warmup(
     (``jax.jit(...).lower(...).compile()``, which fills the cache ``generate`` looks in); it
     runs nothing unless ``run_once``. Prompt lengths in one bucket share a program, and with
     ``max_cache_len`` every prompt length and ``max_new_tokens`` share one per batch size, so
-    the later entries cost nearly nothing. Pass the same config, ``prompt_buckets`` and keyword
-    arguments (``mesh``, ``logits_processor``...) that the real calls will use: anything static
-    that differs compiles a new program at the call.
+    the later entries cost nearly nothing. For an encoder-decoder model the prompt lengths are
+    the source's, and ``max_cache_len`` counts the decoder's prefix and new tokens only. Pass
+    the same config, ``prompt_buckets`` and keyword arguments (``mesh``, ``logits_processor``...)
+    that the real calls will use: anything static that differs compiles a new program at the
+    call.
 
     With ``run_once=True`` the compiled program also runs once, on a batch of zeros, so the
     one-off work of a program's first execution (on CPU, building XLA's matrix-product
@@ -157,8 +160,9 @@ def warmup(
         for length in prompt_lengths:
             kwargs = dict(generate_kwargs, key=key, prompt_buckets=prompt_buckets)
             wanted = kwargs.get("max_new_tokens", config.max_new_tokens)
-            if fixed is not None and (wanted is None or length + wanted > fixed):
-                kwargs["max_new_tokens"] = max(fixed - length, 1)  # traced: any N that fits
+            counted = _counted_length(model, length, kwargs)
+            if fixed is not None and (wanted is None or counted + wanted > fixed):
+                kwargs["max_new_tokens"] = max(fixed - counted, 1)  # traced: any N that fits
             call = _dummy_call(model, params, config, (batch, length), kwargs)
             start = time.perf_counter()
             compiled = lower_program(call).compile()
@@ -166,7 +170,7 @@ def warmup(
             run_seconds = None
             if run_once:
                 if fixed is not None:  # its length is traced: 2 new tokens run the loop body
-                    kwargs["max_new_tokens"] = min(2, fixed - length)
+                    kwargs["max_new_tokens"] = min(2, fixed - counted)
                     call = _dummy_call(model, params, config, (batch, length), kwargs)
                 start = time.perf_counter()
                 jax.block_until_ready(compiled(*call.arguments()).sequences)
@@ -235,6 +239,16 @@ def disable_compile_cache() -> None:
     """Turns the persistent compilation cache off again (the files stay on disk)."""
     jax.config.update("jax_compilation_cache_dir", None)
     compilation_cache.reset_cache()
+
+
+def _counted_length(model, length: int, kwargs) -> int:
+    """The tokens before the new ones that ``max_cache_len`` counts: the prompt's ``length``,
+    or an encoder-decoder model's decoder prefix (the start token and any
+    ``decoder_input_ids``), not its source."""
+    if not is_encoder_decoder(model):
+        return length
+    forced = kwargs.get("decoder_input_ids")
+    return 1 + (0 if forced is None else np.shape(forced)[1])
 
 
 def _dummy_call(model, params, config, shape, kwargs) -> PreparedCall:

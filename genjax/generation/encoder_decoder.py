@@ -59,13 +59,31 @@ and any ``encoder_outputs`` with their rows on ``data``, and the cache's decoder
 ``data`` and heads on ``model``. The prompts of a ``data`` block keep their beams and returned
 sequences on that block, so the per-prompt cross blocks are never gathered.
 
+``max_cache_len = M`` (:func:`decoder_slots`) gives the decoder's self-attention cache and its
+token buffer ``M`` slots, as it gives a decoder-only model's prompt and new tokens (see
+:mod:`genjax.cache.slots`), and makes ``N`` traced: every call with ``Pd + N <= M`` and the same
+source bucket runs one program::
+
+    decoder buffer     slot 0 ...... Pd-1 | Pd ........... Pd+N-1 | Pd+N ...... M-1
+                       the prefix         | the new tokens (N)    | pad, never written
+
+The loops stop at slot ``Pd + N`` (greedy and sampling: ``DecodeRules.end``; beams:
+``BeamRules.num_new_tokens``, so that the length rules and ``early_stopping`` see ``N`` as
+without ``max_cache_len``). ``sequences`` are int32[B*R, M], ``pad_token_id`` after slot
+``Pd + N - 1``; ``scores`` / ``logits`` and ``beam_indices`` hold ``M - Pd`` steps, 0 (-1) after
+step ``N``. Their first ``Pd + N`` columns (``N`` steps) are what the call returns without
+``max_cache_len``. The prefix is not chunked: its length ``Pd`` is static (1 unless
+``decoder_input_ids`` are given). The cross-attention cache keeps the source's bucket length.
+``Pd + N > M`` raises ``InputError``. Beyond a decoder-only model, beam search and beam sampling
+take ``max_cache_len`` too (their prompt, the prefix, has a static length).
+
 Not supported for encoder-decoder models yet, each raising ``UnsupportedError`` by name:
-assisted generation and ``max_cache_len``.
+assisted generation and classifier-free guidance.
 
 Static or traced:
-    Static: the source's bucket length ``Pb``, the prefix length ``Pd``, ``N``. Traced: the
-    source ids and mask, the source length ``P`` within its bucket, the prefix's ids (the
-    start token included).
+    Static: the source's bucket length ``Pb``, the prefix length ``Pd``, ``N`` (with
+    ``max_cache_len``: ``M``). Traced: the source ids and mask, the source length ``P`` within
+    its bucket, the prefix's ids (the start token included), with ``max_cache_len`` ``N``.
 """
 
 from __future__ import annotations
@@ -75,13 +93,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from genjax.cache.quantized import QuantizedKVCache
-from genjax.cache.slots import pad_prompt
+from genjax.cache.slots import check_length, pad_prompt
 from genjax.errors import InputError, UnsupportedError
 from genjax.typing import Array
 
 __all__ = [
     "check_request",
     "decoder_prefix",
+    "decoder_slots",
     "encoder_inputs",
     "encoder_states",
     "given_outputs",
@@ -115,8 +134,6 @@ def check_request(model, request, config, assisted: bool) -> None:
     refused = [text for name, text in _REFUSED.items() if getattr(request, name) is not None]
     if assisted and request.assistant_model is None:
         refused.append("prompt_lookup_num_tokens (assisted generation)")
-    if config.max_cache_len is not None:
-        refused.append("max_cache_len")
     if config.is_active("guidance_scale"):
         refused.append(f"guidance_scale={config.guidance_scale!r} (classifier-free guidance)")
     if refused:
@@ -205,6 +222,24 @@ def decoder_prefix(start, decoder_input_ids, batch: int, vocab_size: int) -> Arr
     if (ids[:, 0] == column[:, 0]).any():  # transformers: unless no row does
         return ids
     return np.concatenate([column, ids], axis=1)
+
+
+def decoder_slots(max_cache_len: int, prefix_length: int, num_new_tokens: int):
+    """The decoder buffer of a ``max_cache_len`` call (module docstring): ``(new_slots,
+    bounds)``, the static slots after the prefix ``M - Pd`` and int32[2] ``[Pd, Pd + N]``, the
+    traced end of the prefix and of the call.
+
+    Raises:
+        InputError: ``Pd + N > max_cache_len``.
+
+    Example:
+        >>> new_slots, bounds = decoder_slots(16, 1, 5)
+        >>> new_slots, bounds.tolist()
+        (15, [1, 6])
+    """
+    check_length(max_cache_len, prefix_length, num_new_tokens, prompt="decoder prefix")
+    bounds = np.array([prefix_length, prefix_length + num_new_tokens], np.int32)
+    return max_cache_len - prefix_length, jax.device_put(bounds)
 
 
 def encoder_states(encoder_outputs, model, batch: int | None) -> Array:

@@ -26,8 +26,10 @@ already fixed and no padding is added.
 One program for many calls: with ``max_cache_len`` (a config field) the cache and token buffer
 are preallocated once, and the prompt length, its bucket and ``max_new_tokens`` become traced:
 every greedy or sampling call with ``P + N <= max_cache_len`` and the same batch size runs one
-program, and outputs have ``max_cache_len`` columns (see :mod:`genjax.cache.slots`).
-:func:`genjax.warmup` compiles programs ahead of time.
+program, and outputs have ``max_cache_len`` columns (see :mod:`genjax.cache.slots`). An
+encoder-decoder model's decoder gets ``max_cache_len`` slots the same way, for every strategy,
+beams included (:mod:`genjax.generation.encoder_decoder`). :func:`genjax.warmup` compiles
+programs ahead of time.
 
 Structure: ``generate`` checks and plans the call once on the host
 (:func:`genjax.generation.plan.prepare`: a hashable :class:`~genjax.generation.plan.CallPlan`
@@ -225,14 +227,19 @@ def generate(
     Returns:
         A :class:`GenerateOutput`; ``sequences`` is int32[B*R, P+N]. With ``max_cache_len = M``
         (static): ``sequences`` is int32[B*R, M], the prompt, its ``N`` new tokens, then
-        ``pad_token_id``; ``scores``/``logits`` hold ``M - 1`` steps, 0 from step ``N`` on.
-        Hidden states and attentions when asked for (an encoder-decoder model's
-        ``encoder_*``, ``decoder_*`` and ``cross_attentions``): :mod:`genjax.generation.outputs`.
+        ``pad_token_id``; ``scores``/``logits`` hold ``M - 1`` steps, 0 from step ``N`` on. An
+        encoder-decoder model's ``sequences`` are its decoder's tokens: int32[B*R, Pd+N], the
+        prefix ``Pd`` (the start token, any ``decoder_input_ids``) first; with ``max_cache_len``
+        int32[B*R, M], its steps ``M - Pd`` (beam search and beam sampling included; see
+        :mod:`genjax.generation.encoder_decoder`). Hidden states and attentions when asked
+        for (an encoder-decoder model's ``encoder_*``, ``decoder_*`` and
+        ``cross_attentions``): :mod:`genjax.generation.outputs`.
 
     Raises:
         InputError: malformed ``input_ids``, ``attention_mask`` or ``key``; ``stop_strings``
             without a ``tokenizer``; ``token_healing`` without a ``tokenizer`` or inside a
-            user's ``jax.jit``; ``P + N > max_cache_len``; a bad ``prompt_buckets``;
+            user's ``jax.jit``; ``P + N > max_cache_len`` (encoder-decoder: ``Pd + N``); a
+            bad ``prompt_buckets``;
             after the run, first-step logits holding NaN or Inf (broken weights: checked when
             the arrays are concrete, see :func:`check_finite` for the cost).
         CacheMemoryError: an InputError: the KV caches would not fit in the devices' free
@@ -241,7 +248,8 @@ def generate(
             that is a transformers ``LogitsProcessor``, not callable, or a plain unhashable one.
         GenerationConfigError: an invalid config.
         UnsupportedError: a generation mode or option genjax does not support yet (also beam
-            search or assisted generation with ``max_cache_len``; see ``check_forward_outputs``).
+            search or assisted generation with ``max_cache_len`` for a decoder-only model; see
+            ``check_forward_outputs``).
         ShardingError: with a mesh, a batch or head count that does not divide over its axis;
             ``mesh=`` inside ``shard_map``.
 
@@ -403,7 +411,7 @@ def _generate_sampling(call: TracedCall) -> GenerateOutput:
     )
     state = recording.with_buffers(plan, call.params, state, prefill_outputs)
     context = call.context(state.tokens, state.length, state.attention_mask, copies)
-    if plan.slots is not None:  # transformers' max_length = P + N, traced
+    if traced.bounds is not None:  # max_cache_len: transformers' max_length = P + N, traced
         context = context.replace(max_length=traced.bounds[1] - traced.offset)
     rules = DecodeRules(
         process=call.processors(),
@@ -413,7 +421,7 @@ def _generate_sampling(call: TracedCall) -> GenerateOutput:
         stopping=call.stopping,
         on_token=token_hook(traced.stream_id) if plan.streaming else None,
         constrain=call.constrain(),
-        end=None if plan.slots is None else traced.bounds[1],
+        end=None if traced.bounds is None else traced.bounds[1],
         automaton=traced.automaton,
     )
     if plan.guidance:
@@ -456,22 +464,30 @@ def _generate_beams(call: TracedCall) -> GenerateOutput:
     if automaton is not None:
         state = state.replace(automaton_state=jnp.repeat(automaton.initial, num_beams, axis=0))
     state = recording.with_buffers(plan, call.params, state, prefill_outputs)
+    context = call.context(state.tokens, state.length, state.attention_mask, num_beams)
+    bounds = call.traced.bounds  # max_cache_len (encoder-decoder): [Pd, Pd + N], N traced
+    if bounds is not None:
+        context = context.replace(max_length=bounds[1] - call.traced.offset)
     rules = beam.BeamRules(
         process=call.processors(),
         do_sample=plan.do_sample,
         early_stopping=config.early_stopping,
-        context=call.context(state.tokens, state.length, state.attention_mask, num_beams),
+        context=context,
         length_penalty=config.length_penalty,
         eos_token_ids=call.eos_token_ids,
         stopping=call.stopping,
         constrain=call.constrain(),
         automaton=automaton,
+        num_new_tokens=None if bounds is None else bounds[1] - bounds[0],
     )
     first_logits = jnp.repeat(logits[:, -1], num_beams, axis=0)
     state = beam.beam_search(recording.step_fn(plan), call.params, state, first_logits, rules)
     sequences, sequences_scores, beam_indices = beam.best_hypotheses(
         state, plan.num_return_sequences
     )
+    if bounds is not None:  # the slots after the call's end hold pad_token_id, as sampling's
+        slots = jnp.arange(sequences.shape[1])[None, :]
+        sequences = jnp.where(slots < bounds[1], sequences, call.pad_token_id)
     return call.finish(
         GenerateOutput(
             sequences=sequences,

@@ -133,7 +133,7 @@ def check_options(config: GenerationConfig, assistant_model, assisted: bool) -> 
 
 
 def check_forward_outputs(
-    config: GenerationConfig, model, *, assisted: bool, sharded: bool, encoder_decoder: bool
+    config: GenerationConfig, model, *, assisted: bool, encoder_decoder: bool
 ) -> None:
     """Raises UnsupportedError for ``output_hidden_states`` / ``output_attentions`` in a call
     genjax does not record them in, naming the option and what it is combined with.
@@ -141,20 +141,20 @@ def check_forward_outputs(
     They are recorded for models whose ``apply`` takes the flags (the built-in ones,
     encoder-decoder models included: transformers' ``encoder_*``, ``decoder_*`` and
     ``cross_attentions`` fields), in greedy decoding, sampling, beam search and beam sampling,
-    on one device, with the prompt prefilled in one pass (an encoder-decoder model's decoder
-    prefix always is). What an encoder-decoder call refuses anyway (assisted generation,
-    ``max_cache_len``: :func:`genjax.generation.encoder_decoder.check_request`) is refused here
-    first, naming the flag.
+    on one device or a mesh (their rows on ``batch``), with the prompt prefilled in one pass (an
+    encoder-decoder model's decoder prefix always is). ``max_cache_len`` is refused with them
+    for every model; what an encoder-decoder call refuses anyway (assisted generation:
+    :func:`genjax.generation.encoder_decoder.check_request`) is refused here first, naming the
+    flag.
 
     Args:
         config: the call's resolved config.
         model: the model.
         assisted: whether the call runs assisted generation.
-        sharded: whether the call runs on a mesh.
         encoder_decoder: whether ``model`` is an encoder-decoder model.
 
     Example:
-        >>> check_forward_outputs(GenerationConfig(), model, assisted=False, sharded=False,
+        >>> check_forward_outputs(GenerationConfig(), model, assisted=False,
         ...                       encoder_decoder=False)  # passes: no flag set
     """
     asked = [name for name in FORWARD_OUTPUTS if getattr(config, name)]
@@ -172,14 +172,12 @@ def check_forward_outputs(
         refused.append("max_cache_len")
     if config.prefill_chunk_size is not None and not encoder_decoder:
         refused.append("prefill_chunk_size")
-    if sharded:
-        refused.append("a mesh (mesh= or jax.set_mesh)")
     if refused:
         flags = " and ".join(f"`{name}=True`" for name in asked)
         raise UnsupportedError(
             f"generation option {flags} is not supported by genjax with "
             f"{'; '.join(refused)}: it records them in greedy decoding, sampling and beam "
-            f"search, on one device, with the prompt prefilled in one pass. "
+            f"search, on one device or a mesh, with the prompt prefilled in one pass. "
             f"Unset {' and '.join(asked)} or drop the combination."
         )
 

@@ -50,7 +50,9 @@ Memory: the program keeps, besides the prefill's ``(L + 1) * rows * P * D`` hidd
 ``(N - 1) * (L + 1) * rows * D`` hidden values and ``(N - 1) * L * rows * N * S`` attention
 weights (``S`` = the bucket length plus ``N``), in the model dtype. Attentions dominate: with
 32 layers, 32 heads, 8 rows and ``S = 2048`` they take 64 MiB of float32 per step, 64 GiB for
-1024 new tokens.
+1024 new tokens. On a mesh (:mod:`genjax.sharding`) these buffers and the prefill's records
+keep their rows on ``batch``, so each device holds and writes its own rows' share; the values
+equal one device's.
 """
 
 from __future__ import annotations
@@ -137,13 +139,13 @@ def per_token(
     attentions = record.prefill.ndim == 5
     if attentions:  # an encoder-decoder prefill reads the prompt's slots of S: keys past W go
         width = record.prefill.shape[3]
-        first = tuple(layer[..., offset:, offset:width] for layer in record.prefill)
+        first = tuple(layer[..., offset:, offset:width] for layer in _layers(record.prefill))
     else:
-        first = tuple(layer[:, offset:] for layer in record.prefill)
+        first = tuple(layer[:, offset:] for layer in _layers(record.prefill))
     prompt_length = record.prefill.shape[2 + attentions] - offset
     later = []
-    for step in range(record.steps.shape[0]):
-        layers = record.steps[step]
+    for step, layers in enumerate(_layers(record.steps)):
+        layers = _layers(layers)
         if attentions:  # k = P + t keys; a sliding-window layer keeps its last W
             keys = prompt_length + step + 1
             layers = [
@@ -166,8 +168,11 @@ def over_source(record: ForwardRecord, source_length: int) -> tuple[tuple[Array,
         >>> len(weights), len(weights[0]), weights[0][0].shape
         (6, 2, (3, 4, 1, 9))
     """
-    first = tuple(layer[..., :source_length] for layer in record.prefill)
-    later = [tuple(layer[..., :source_length] for layer in step) for step in record.steps]
+    first = tuple(layer[..., :source_length] for layer in _layers(record.prefill))
+    later = [
+        tuple(layer[..., :source_length] for layer in _layers(step))
+        for step in _layers(record.steps)
+    ]
     return (first, *later)
 
 
@@ -188,13 +193,28 @@ def lay_out(out: GenerateOutput, offset: int, windows=(), source_length=None) ->
         changes["cross_attentions"] = over_source(out.cross_attentions, source_length)
     if _stacked(out.encoder_hidden_states):  # [Le+1, B, W, D]
         changes["encoder_hidden_states"] = tuple(
-            layer[:, :source_length] for layer in out.encoder_hidden_states
+            layer[:, :source_length] for layer in _layers(out.encoder_hidden_states)
         )
     if _stacked(out.encoder_attentions):  # [Le, B, Ne, W, W]
         changes["encoder_attentions"] = tuple(
-            layer[..., :source_length, :source_length] for layer in out.encoder_attentions
+            layer[..., :source_length, :source_length] for layer in _layers(out.encoder_attentions)
         )
     return out.replace(**changes) if changes else out
+
+
+def _layers(stacked: Array) -> tuple[Array, ...]:
+    """The arrays along the leading axis of a stacked record. A sharded array is split by one
+    jitted program, so the pieces keep its sharding: iterating it copies it through the host
+    onto one device."""
+    sharding = getattr(stacked, "sharding", None)  # a tracer or numpy array has none
+    if sharding is None or len(sharding.device_set) == 1 or stacked.is_fully_replicated:
+        return tuple(stacked)
+    return _split(stacked)
+
+
+@jax.jit
+def _split(stacked: Array) -> tuple[Array, ...]:
+    return tuple(stacked[i] for i in range(stacked.shape[0]))
 
 
 def _stacked(value) -> bool:

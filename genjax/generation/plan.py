@@ -148,7 +148,7 @@ class CallPlan:
     mode: Mode
     do_sample: bool  # sampling (or beam sampling) rather than greedy (or beam search)
     width: int  # the program's prompt slots: the bucket Pb, the slot buffer S, or P when traced
-    steps: int  # N, or M - 1 with max_cache_len: the steps scores/logits hold
+    steps: int  # N, or with max_cache_len M - 1 (encoder-decoder: M - Pd): the steps recorded
     slots: cache_slots.FixedSlots | None  # the max_cache_len layout, or None
     layout: Layout | None  # the sharding layout, or None for one device
     quantized: bool  # int8 KV caches
@@ -192,7 +192,9 @@ class TracedInputs:
     config: GenerationConfig  # resolved; its traced fields are the leaves
     key: Array  # a typed PRNG key
     offset: Array  # int32[]: padding slots before the prompt (o)
-    bounds: Array | None  # int32[2] with max_cache_len: the prompt's end e and e + N; else None
+    # int32[2] with max_cache_len: the prompt's end e and e + N (encoder-decoder: Pd, Pd + N);
+    # else None
+    bounds: Array | None
     stop_strings: StopStringTable | None  # the stop-string tables, or None
     assistant_params: PyTree  # the draft's params, or None
     logits_processor: tuple = ()  # the user's processors: pytrees, values traced, kinds static
@@ -287,13 +289,7 @@ def prepare(model, params: PyTree, input_ids, config, request: CallRequest) -> P
         request.negative_prompt_ids,
         request.negative_prompt_attention_mask,
     )
-    check_forward_outputs(
-        resolved,
-        model,
-        assisted=mode is Mode.ASSISTED,
-        sharded=layout is not None,
-        encoder_decoder=False,
-    )
+    check_forward_outputs(resolved, model, assisted=mode is Mode.ASSISTED, encoder_decoder=False)
     if mode is Mode.ASSISTED:
         assisted.check_call(
             resolved, model, request.assistant_model, request.assistant_params, len(input_ids)
@@ -367,11 +363,11 @@ def _decode_rows(plan: CallPlan, ids) -> int:
 def _prepare_encoder_decoder(model, params, input_ids, config, request) -> PreparedCall:
     """:func:`prepare` for an encoder-decoder model (:mod:`genjax.generation.encoder_decoder`):
     ``input_ids`` is the source, right-padded to its bucket; the decoder starts from its prefix,
-    and ``max_length`` counts decoder tokens only."""
+    and ``max_length`` counts decoder tokens only. With ``max_cache_len`` the decoder's buffer
+    has ``M`` slots and ``N`` is traced (``bounds``), as for a decoder-only model."""
     lengths, resolved, mode = _resolve(model, config, request)
     assisted = mode is Mode.ASSISTED
-    sharded = request.mesh is not None  # and the mesh of jax.set_mesh, below
-    check_forward_outputs(resolved, model, assisted=assisted, sharded=sharded, encoder_decoder=True)
+    check_forward_outputs(resolved, model, assisted=assisted, encoder_decoder=True)
     encoder_decoder.check_request(model, request, resolved, assisted)
     input_ids, states, source_length = encoder_decoder.encoder_inputs(
         model, input_ids, request.encoder_outputs, resolved
@@ -381,10 +377,6 @@ def _prepare_encoder_decoder(model, params, input_ids, config, request) -> Prepa
     )
     batch = input_ids.shape[0]
     layout = call_layout(model, request.mesh, request.rules, batch)
-    if layout is not None:
-        check_forward_outputs(
-            resolved, model, assisted=assisted, sharded=True, encoder_decoder=True
-        )
     start = encoder_decoder.start_token_id(resolved, model)
     prefix = encoder_decoder.decoder_prefix(
         start, request.decoder_input_ids, batch, model.vocab_size
@@ -399,6 +391,12 @@ def _prepare_encoder_decoder(model, params, input_ids, config, request) -> Prepa
         traced = (params, input_ids, attention_mask, key, prefix)
         traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(traced))
         check_streamer(request.streamer, input_ids, resolved, traced)
+    new_slots, bounds = new_tokens, None
+    if resolved.max_cache_len is not None:  # M decoder slots; N traced, in bounds
+        new_slots, bounds = encoder_decoder.decoder_slots(
+            resolved.max_cache_len, prefix.shape[1], new_tokens
+        )
+        resolved = resolved.replace(max_new_tokens=None, max_length=None)
     pad_token_id, _ = special_ids(resolved)
     if attention_mask is None:  # transformers infers none for an encoder-decoder model
         xp = jnp if isinstance(input_ids, jax.core.Tracer) else np
@@ -408,7 +406,7 @@ def _prepare_encoder_decoder(model, params, input_ids, config, request) -> Prepa
     width = source_length if states is None else states.shape[1]  # P, also without input_ids
     if states is not None:
         states = encoder_decoder.place_states(states, ids.shape[1])
-    plan = _plan(model, resolved, mode, ids.shape, new_tokens, None, layout, request)
+    plan = _plan(model, resolved, mode, ids.shape, new_slots, None, layout, request)
     rows = library_dots(params, _decode_rows(plan, ids))
     plan = dataclasses.replace(plan, caches=(), library_dots=rows)  # no memory check: its
     # sizes are a decoder-only model's caches
@@ -419,7 +417,7 @@ def _prepare_encoder_decoder(model, params, input_ids, config, request) -> Prepa
         config=resolved,
         key=key if key is not None else jax.random.key(0),
         offset=jnp.zeros((), jnp.int32),
-        bounds=None,
+        bounds=bounds,
         stop_strings=stop_strings,
         assistant_params=None,
         logits_processor=as_processors(request.logits_processor),

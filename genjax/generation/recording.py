@@ -7,17 +7,20 @@ write each later call's into buffers of their carry (``step_outputs``, leaves ``
 :func:`records` wraps both as :class:`~genjax.generation.outputs.ForwardRecord` s, which
 ``PreparedCall.finish`` lays out per token on the host. An encoder-decoder model's prefill
 also returns its encoder's outputs (:data:`ONCE`), kept as they are. Without the flags nothing
-here adds to the program. Everything runs inside ``generate``'s trace; the plan is static.
+here adds to the program. On a mesh the records keep their rows on ``batch`` (their axis 1,
+after the layer axis; axis 2 in the loops' buffers, after the step axis): :func:`constrain_state`
+and :func:`constrain_output`. Everything runs inside ``generate``'s trace; the plan is static.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax.numpy as jnp
 
 from genjax.decoding.sampling import step_output_buffers
-from genjax.generation.outputs import ForwardRecord
+from genjax.generation.outputs import ForwardRecord, GenerateOutput
 from genjax.typing import PyTree
 
 ONCE = ("encoder_hidden_states", "encoder_attentions")
@@ -41,6 +44,41 @@ def with_buffers(plan, params: PyTree, state, prefill_outputs: list):
         return state
     calls = max(plan.steps - 1, 0)
     return state.replace(step_outputs=step_output_buffers(step_fn(plan), params, state, calls))
+
+
+def constrain_state(layout, state):
+    """A loop's carry (a sampling or beam state) constrained by the sharding ``layout``, with
+    the recorded buffers' rows (``step_outputs`` leaves ``[N - 1, X, rows, ...]``) on axis 2
+    rather than the leading step axis, so each device writes its own rows every step."""
+    buffers = state.step_outputs
+    state = layout.constrain(state.replace(step_outputs=None))
+    if buffers is None:
+        return state
+    return state.replace(step_outputs=layout.constrain(buffers, rows_at=2))
+
+
+def constrain_output(layout, out: GenerateOutput) -> GenerateOutput:
+    """``out`` constrained by the sharding ``layout``: its recorded hidden states and
+    attentions with their rows on ``batch`` (a :class:`ForwardRecord` 's prefill ``[X, rows,
+    ...]`` and steps ``[N - 1, X, rows, ...]``, the :data:`ONCE` outputs ``[X, B, ...]``), the
+    rest as :meth:`genjax.sharding.Layout.constrain` puts it."""
+    fields = {field.name: getattr(out, field.name) for field in dataclasses.fields(out)}
+    recorded = {
+        name: value
+        for name, value in fields.items()
+        if isinstance(value, ForwardRecord) or (name in ONCE and value is not None)
+    }
+    out = layout.constrain(out.replace(**dict.fromkeys(recorded)))
+    placed = {
+        name: layout.constrain(value, rows_at=1)
+        if not isinstance(value, ForwardRecord)
+        else value.replace(
+            prefill=layout.constrain(value.prefill, rows_at=1),
+            steps=layout.constrain(value.steps, rows_at=2),
+        )
+        for name, value in recorded.items()
+    }
+    return out.replace(**placed)
 
 
 def records(prefill_outputs: list, step_outputs: PyTree, copies: int) -> dict:

@@ -10,13 +10,14 @@ Everything here runs under ``generate``'s ``jax.jit``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 
 from genjax.config import GenerationConfig
 from genjax.decoding import guidance
-from genjax.generation import encoder_decoder
+from genjax.generation import encoder_decoder, recording
 from genjax.generation.outputs import GenerateOutput
 from genjax.generation.plan import CallPlan, TracedInputs
 from genjax.generation.prefill import prefill, prompt_context
@@ -123,9 +124,22 @@ class TracedCall:
         return context.replace(encoder_tokens=source)
 
     def constrain(self):
-        """The loops' ``constrain`` hook: the layout's shardings, or None."""
-        return None if self.plan.layout is None else self.plan.layout.constrain
+        """The loops' ``constrain`` hook: the layout's shardings (recorded outputs' buffers
+        with their rows on ``batch``: :func:`~genjax.generation.recording.constrain_state`), or
+        None."""
+        layout = self.plan.layout
+        if layout is None:
+            return None
+        if not self.plan.forward_flags:
+            return layout.constrain
+        return functools.partial(recording.constrain_state, layout)
 
     def finish(self, out: GenerateOutput) -> GenerateOutput:
-        """The output, sharded as the layout says."""
-        return out if self.plan.layout is None else self.plan.layout.constrain(out)
+        """The output, sharded as the layout says (recorded outputs with their rows on
+        ``batch``)."""
+        layout = self.plan.layout
+        if layout is None:
+            return out
+        if not self.plan.forward_flags:
+            return layout.constrain(out)
+        return recording.constrain_output(layout, out)

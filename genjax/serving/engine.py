@@ -76,6 +76,7 @@ from genjax.cache import PagedKVCache
 from genjax.constraints import CompressedTable
 from genjax.models.quantize import LIBRARY_DOT_OPTIONS
 from genjax.serving.choosing import RowSettings, Scored, choose_rows, no_scores
+from genjax.sharding import Layout, layout_for
 from genjax.typing import Array, PyTree
 
 __all__ = [
@@ -86,6 +87,8 @@ __all__ = [
     "StepInput",
     "StepOutput",
     "decode_buckets",
+    "engine_layout",
+    "state_shardings",
 ]
 
 
@@ -193,24 +196,31 @@ class StepOutput:
     first: Scored  # [1]: the first token's, as above
 
 
-def init_state(model, shape: EngineShape, dtype=None) -> EngineState:
-    """An empty engine state: every slot free, a zero pool (numpy then one device put); the
-    pool's float dtype is ``dtype`` or the model's, int8 codes with scales in that dtype when
-    ``shape.quantized``."""
-    cache = PagedKVCache.create(
-        num_layers=model.num_layers,
-        num_blocks=shape.num_blocks,
-        block_size=shape.block_size,
-        max_blocks_per_row=shape.max_blocks_per_row,
-        batch=shape.max_batch_size,
-        num_kv_heads=model.num_kv_heads,
-        head_dim=model.head_dim,
-        dtype=model.dtype if dtype is None else jnp.dtype(dtype),
-        quantized=shape.quantized,
-    )
+def init_state(model, shape: EngineShape, dtype=None, layout: Layout | None = None) -> EngineState:
+    """An empty engine state: every slot free, a zero pool; the pool's float dtype is ``dtype``
+    or the model's, int8 codes with scales in that dtype when ``shape.quantized``.
+
+    Without ``layout`` the state goes to the default device. With one (a mesh), each device
+    receives its part directly (:func:`state_shardings`: the pool split over KV heads), so no
+    device ever holds the whole pool.
+    """
+
+    def empty_cache():
+        return PagedKVCache.create(
+            num_layers=model.num_layers,
+            num_blocks=shape.num_blocks,
+            block_size=shape.block_size,
+            max_blocks_per_row=shape.max_blocks_per_row,
+            batch=shape.max_batch_size,
+            num_kv_heads=model.num_kv_heads,
+            head_dim=model.head_dim,
+            dtype=model.dtype if dtype is None else jnp.dtype(dtype),
+            quantized=shape.quantized,
+        )
+
     rows = shape.max_batch_size
     state = EngineState(
-        cache=cache,
+        cache=None,
         tokens=np.zeros((rows, shape.max_length), np.int32),
         lengths=np.zeros((rows,), np.int32),
         prompt_lengths=np.zeros((rows,), np.int32),
@@ -218,7 +228,68 @@ def init_state(model, shape: EngineShape, dtype=None) -> EngineState:
         constraint_state=np.full((rows,), -1, np.int32),
         settings=RowSettings.empty(rows, shape),
     )
-    return jax.device_put(state)
+    if layout is None:
+        return jax.device_put(state.replace(cache=empty_cache()))
+    shardings = state_shardings(layout, state.replace(cache=jax.eval_shape(empty_cache)))
+    cache = jax.jit(empty_cache, out_shardings=shardings.cache)()
+    return jax.device_put(state, shardings.replace(cache=None)).replace(cache=cache)
+
+
+def state_shardings(layout: Layout, state: EngineState) -> EngineState:
+    """The sharding of every leaf of an engine state on ``layout``'s mesh.
+
+    The pool's keys float[num_blocks, K, H, block_size] and values float[num_blocks, K,
+    block_size, H] (and an int8 pool's scales float[num_blocks, K, block_size]) have ``K`` on
+    the ``kv_heads`` rule's axis (``model``; replicated when :func:`~genjax.sharding.layout_for`
+    fell back because ``K`` does not divide it), as ``genjax.generate`` splits its KV cache;
+    every other leaf (tables, histories, per-row settings) is replicated: the engine's rows are
+    not split over ``data``.
+
+    Example:
+        >>> shardings = state_shardings(layout, state)  # doctest: +SKIP
+        >>> shardings.cache.keys[0].spec  # doctest: +SKIP
+        PartitionSpec(None, 'model', None, None)
+    """
+    replicated = layout.sharding()
+    tree = jax.tree.map(lambda _: replicated, state)
+    pool = layout.sharding(None, "kv_heads", None, None)
+    scales = layout.sharding(None, "kv_heads", None)
+    cache = state.cache
+    return tree.replace(
+        cache=tree.cache.replace(
+            keys=tuple(pool for _ in cache.keys),
+            values=tuple(pool for _ in cache.values),
+            key_scales=tuple(scales for _ in cache.key_scales),
+            value_scales=tuple(scales for _ in cache.value_scales),
+        )
+    )
+
+
+def engine_layout(model, mesh) -> Layout | None:
+    """The :class:`~genjax.sharding.Layout` the engine runs with on ``mesh`` (None: one device),
+    checked as ``genjax.generate(..., mesh=)`` checks it (:func:`~genjax.sharding.layout_for`).
+
+    Raises:
+        TypeError: ``mesh`` is not a ``jax.sharding.Mesh``.
+        ShardingError: the query heads do not divide over ``model`` (naming both sizes). KV
+            heads that do not divide fall back as in ``generate``: the pool is replicated.
+    """
+    if mesh is None:
+        return None
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(
+            f"mesh must be a jax.sharding.Mesh (e.g. genjax.sharding.make_mesh((1, 4))), got "
+            f"{type(mesh).__name__}. Pass None to run the engine on one device."
+        )
+    return layout_for(model, mesh)
+
+
+def _constrain(layout: Layout | None, state: EngineState) -> EngineState:
+    """Inside the step: keeps the state on :func:`state_shardings` (no-op without a mesh)."""
+    if layout is None:
+        return state
+    shardings = state_shardings(layout, state)
+    return jax.tree.map(jax.lax.with_sharding_constraint, state, shardings)
 
 
 def _rows(tree: PyTree, rows: Array) -> PyTree:
@@ -356,6 +427,7 @@ def engine_step(
     *,
     max_steps: int,
     max_top_logprobs: int = 0,
+    layout: Layout | None = None,
 ) -> tuple[EngineState, StepOutput]:
     """One host round trip: releases, one prefill chunk, then up to ``num_steps`` decode steps.
 
@@ -372,6 +444,10 @@ def engine_step(
             donated), or None for an engine without one (static: nothing of it compiles).
         max_steps: ``K`` (static), the size of the output buffer; ``work.num_steps <= K``.
         max_top_logprobs: ``L`` (static), the top log-probabilities returned per token.
+        layout: the mesh's :class:`~genjax.sharding.Layout` (static), or None on one device:
+            the state, the decode loop's carry and the returned state keep
+            :func:`state_shardings` (the pool split over KV heads), so a step returns its state
+            as it took it and the next step's program accepts it.
 
     Returns:
         ``(state, output)``: the new state and a :class:`StepOutput`.
@@ -380,6 +456,7 @@ def engine_step(
         >>> step = compile_step(model, max_steps=4)  # doctest: +SKIP
         >>> state, out = step(params, state, work, pool)  # doctest: +SKIP
     """
+    state = _constrain(layout, state)
     state = state.replace(
         cache=state.cache.replace(block_tables=work.block_tables),
         decoding=state.decoding & ~work.release,
@@ -412,12 +489,13 @@ def engine_step(
     def body(carry):
         i, state, buffer, scores, finished = carry
         state, tokens, done, scored = _decode_once(model, params, state, pool, top)
+        state = _constrain(layout, state)
         scores = jax.tree.map(lambda all_, new: all_.at[i].set(new), scores, scored)
         return i + 1, state, buffer.at[i].set(tokens), scores, finished | done
 
     start = (jnp.zeros((), jnp.int32), _take_rows(state, rows), buffer, scores, finished[rows])
     steps, part, buffer, scores, done = jax.lax.while_loop(cond, body, start)
-    state = _put_rows(state, rows, part)
+    state = _constrain(layout, _put_rows(state, rows, part))
     # Back to one column per slot: the host reads tokens and scores by slot.
     tokens = jnp.full((max_steps, slots), -1, jnp.int32).at[:, rows].set(buffer)
     scores = jax.tree.map(
@@ -436,11 +514,19 @@ def engine_step(
 
 
 @functools.cache
-def compile_step(model, max_steps: int, max_top_logprobs: int = 0, library_dots: bool = False):
-    """The jitted :func:`engine_step` for ``model`` with ``K = max_steps`` and ``L =
-    max_top_logprobs`` (all static), the state donated: ``step(params, state, work, pool=None)
-    -> (state, output)``; compiled with :data:`~genjax.models.quantize.LIBRARY_DOT_OPTIONS` when
-    ``library_dots`` (int8 params: :func:`~genjax.models.quantize.library_dots`)."""
+def compile_step(
+    model,
+    max_steps: int,
+    max_top_logprobs: int = 0,
+    library_dots: bool = False,
+    layout: Layout | None = None,
+):
+    """The jitted :func:`engine_step` for ``model`` with ``K = max_steps``, ``L =
+    max_top_logprobs`` and ``layout`` (all static), the state donated: ``step(params, state,
+    work, pool=None) -> (state, output)``; compiled with
+    :data:`~genjax.models.quantize.LIBRARY_DOT_OPTIONS` when ``library_dots`` (int8 params:
+    :func:`~genjax.models.quantize.library_dots`). With a ``layout`` the program takes the
+    params and the state as they are placed on its mesh (the other arguments replicated)."""
 
     def step(params, state, work, pool=None):
         return engine_step(
@@ -451,6 +537,7 @@ def compile_step(model, max_steps: int, max_top_logprobs: int = 0, library_dots:
             pool,
             max_steps=max_steps,
             max_top_logprobs=max_top_logprobs,
+            layout=layout,
         )
 
     options = LIBRARY_DOT_OPTIONS if library_dots else None

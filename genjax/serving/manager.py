@@ -255,6 +255,11 @@ class ContinuousBatchingManager:
                 :class:`~genjax.serving.options.EngineOptions` the config has no field for:
                 ``presence_penalty``, ``frequency_penalty`` (OpenAI's) and ``logprobs`` (k:
                 each new token's raw log-probability and the top k, in the outputs).
+                ``num_return_sequences=n`` (with ``do_sample``; at most ``max_batch_size``)
+                runs ``n`` sequences of the prompt, sequence ``j`` equal to row ``j`` of
+                ``genjax.generate`` with ``key=jax.random.key(seed)``; they share the prompt's
+                cached blocks, stream and end under the one id, and fill
+                :attr:`GenerationOutput.sequences`.
 
         Raises:
             UnsupportedError, InputError, GenerationConfigError: see
@@ -283,12 +288,14 @@ class ContinuousBatchingManager:
                 tokenizer=self.tokenizer,
                 extras=extras,
             )
+            records = request.fork()  # one per sequence (num_return_sequences)
             self._streams[request_id] = collections.deque()
             if self._stopping.is_set():  # the loop drains the inbox under this lock once
-                request.status, request.finish_reason = RequestStatus.CANCELLED, "cancelled"
-                self._publish(request, final=True)
+                for record in records:
+                    record.status, record.finish_reason = RequestStatus.CANCELLED, "cancelled"
+                self._publish(records[0], final=True)
             else:
-                self._inbox.put(("add", request))
+                self._inbox.put(("add", records))
         return request_id
 
     def add_requests(self, inputs: Sequence[Sequence[int]], **kwargs) -> list[str]:
@@ -408,6 +415,11 @@ class ContinuousBatchingManager:
             self._itl.add(stamps[i] - stamps[i - 1])
 
     def _publish(self, request: RequestState, final: bool) -> None:
+        """Publishes the output of ``request``'s id (all its sequences); final only once every
+        sequence has ended, and nothing after the final one."""
+        if request.request_id in self._finals:
+            return
+        final = final and all(r.done for r in request.members)
         output = output_of(request)
         with self._cond:
             if final:
@@ -424,14 +436,17 @@ class ContinuousBatchingManager:
 
     def _handle(self, scheduler: Scheduler, message) -> None:
         kind, payload = message
-        if kind == "add":
-            scheduler.add(payload)
+        if kind == "add":  # a request's records, one per sequence
+            for request in payload:
+                scheduler.add(request)
         elif kind == "cancel":
-            for request in [*scheduler.waiting, *scheduler.running]:
-                if request.request_id == payload and not request.done:
-                    scheduler.finish(request, RequestStatus.CANCELLED, "cancelled")
-                    self._refresh()
-                    self._publish(request, final=True)
+            requests = [*scheduler.waiting, *scheduler.running]
+            ended = [r for r in requests if r.request_id == payload and not r.done]
+            for request in ended:
+                scheduler.finish(request, RequestStatus.CANCELLED, "cancelled")
+            if ended:
+                self._refresh()
+                self._publish(ended[0], final=True)
 
     def _take_messages(self, scheduler: Scheduler, block: bool) -> None:
         """Handles every queued message; ``block`` first waits (bounded) for one."""
@@ -472,11 +487,12 @@ class ContinuousBatchingManager:
             self._record_latencies(request, count)
         self._counters["busy_seconds"] += time.perf_counter() - begin
         self._refresh()  # blocks of finished requests are already free
+        touched: dict[str, RequestState] = {}  # one publication per request id
         for request, count in updates:
-            if request.done:
-                self._publish(request, final=True)
-            elif count:
-                self._publish(request, final=False)
+            if request.done or count:
+                touched.setdefault(request.request_id, request)
+        for request in touched.values():
+            self._publish(request, final=request.done)
 
     def _run(self) -> None:
         scheduler = self._scheduler

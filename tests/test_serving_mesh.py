@@ -162,12 +162,21 @@ def test_pool_is_split_over_kv_heads_and_params_over_model():
     )
 
 
-def test_meshed_engine_compiles_nothing_after_warmup():
+def test_meshed_engine_compiles_nothing_after_warmup_and_forks_sequences():
     manager = _manager((2, 4))
+    model, params = _model()
+    prompt = _prompt(6, 6)
+    config = GenerationConfig(max_new_tokens=NEW, pad_token_id=0, num_return_sequences=2, **SAMPLED)
+    ids = np.asarray([prompt], np.int32)
+    out = genjax.generate(model, params, ids, config, key=jax.random.key(4))
+    rows = np.asarray(out.sequences)[:, len(prompt) :].tolist()
     with count_compiles() as compiled:
         workload = ((4, None), (9, 11), (14, 5), (2, None))
         _run(manager, workload=workload, repetition_penalty=1.2)
+        rid = manager.add_request(prompt, generation_config=config, seed=4)
+        forked = manager.get_result(rid, timeout=300)
     assert compiled == []
+    assert forked.sequences == rows and rows[0] != rows[1]
 
 
 def test_int8_pool_scales_are_split_and_tokens_equal_generate_with_the_int8_cache():

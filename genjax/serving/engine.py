@@ -59,7 +59,8 @@ Static or traced:
     static: the most biased tokens per request ``L_b`` and the longest biased prefix ``W``, the
     most top log-probabilities ``L``,
     and the constraint pool's sizes (``S_p`` states, ``E_p`` transitions; none when ``S_p`` is
-    0).
+    0), and on a mesh its :class:`~genjax.sharding.Layout` (the pool split over KV heads on
+    ``model``, the rest of the state replicated: :func:`state_shardings`).
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ import pytest
 
 import genjax
 from genjax import GenerationConfig, sharding
-from genjax.errors import ShardingError, UnsupportedError
+from genjax.cache.memory import paged_block_bytes
+from genjax.errors import CacheMemoryError, ShardingError, UnsupportedError
 from genjax.serving import ContinuousBatchingConfig, RequestStatus, init_continuous_batching
 from genjax.testing import count_compiles, write_random_checkpoint
 
@@ -201,3 +202,17 @@ def test_mesh_is_checked_before_anything_compiles():
     model4, params4 = _model("int4")
     with pytest.raises(UnsupportedError, match="4-bit params"):
         init_continuous_batching(model4, params4, None, CB, mesh=sharding.make_mesh((1, 4)))
+
+
+def test_pool_must_fit_each_device_share_on_a_mesh(monkeypatch):
+    model, params = _model()
+    needed = CB.engine_shape(model).num_blocks * paged_block_bytes(model, CB.block_size)
+    free = (needed // 2, "free (test)")
+    monkeypatch.setattr("genjax.cache.memory.free_bytes", lambda devices: free)
+    with pytest.raises(CacheMemoryError, match=f"needs {needed:,} bytes"):
+        init_continuous_batching(model, params, None, CB)
+    split = init_continuous_batching(model, params, None, CB, mesh=sharding.make_mesh((2, 4)))
+    assert split.metrics()["kv_cache_bytes"] == needed  # the whole pool, a quarter per device
+    free = (needed // 8, "free (test)")
+    with pytest.raises(CacheMemoryError, match="per device, split 4 ways"):
+        init_continuous_batching(model, params, None, CB, mesh=sharding.make_mesh((2, 4)))

@@ -173,11 +173,17 @@ def sample_row(key: Array, scores: Array, row: Array) -> Array:
     whole vocabulary) for the whole batch and this function for the row alone, so the tokens
     agree when every row of the batch keeps at most ``PREFIX`` tokens or every row keeps more.
 
+    Other keys (``rbg``), or threefry with ``jax_threefry_partitionable`` off, draw as row 0
+    (``sample(key, scores[None])[0]``) whatever ``row`` is: their rows' numbers depend on the
+    batch size (:func:`rows_drawn_alone` says which case holds).
+
     Args:
-        key: a typed threefry key.
+        key: a typed key.
         scores: float32[V], the row's processed scores.
         row: int32[], the row's index in the batch (traced).
     """
+    if not rows_drawn_alone(key):
+        return sample(key, scores[None])[0]
     vocab = scores.shape[-1]
     tiny = jnp.finfo(jnp.float32).tiny
     if vocab <= PREFIX:  # jax.random.categorical: Gumbel-max, "low" mode
@@ -197,6 +203,14 @@ def sample_row(key: Array, scores: Array, row: Array) -> Array:
     kept = jnp.sum(rows > NEG_INF, axis=-1)
     tokens = jax.lax.cond(jnp.all(kept <= PREFIX), over_prefix, over_vocabulary, rows)
     return tokens[0].astype(jnp.int32)
+
+
+def rows_drawn_alone(key: Array | None = None) -> bool:
+    """Whether :func:`sample_row` draws row ``row``'s own numbers for ``key`` (static): a
+    threefry key (``key``'s, or for None JAX's default implementation) with
+    ``jax_threefry_partitionable`` on (JAX's defaults)."""
+    impl = jax.config.jax_default_prng_impl if key is None else str(jax.random.key_impl(key))
+    return impl == "threefry2x32" and bool(jax.config.jax_threefry_partitionable)
 
 
 def row_uniforms(key: Array, row: Array, width: int, minval: float) -> Array:

@@ -35,6 +35,8 @@ def generate_batch(
 
     Request ids are ``req_0, req_1, ...`` in the order of ``inputs``. ``progress_bar`` logs the
     number of finished requests. ``timeout`` bounds the whole call (None: no bound).
+    ``continuous_batching_config``, ``tokenizer`` and ``mesh`` are
+    :func:`~genjax.serving.init_continuous_batching`'s.
 
     Example:
         >>> sizes = ContinuousBatchingConfig(max_batch_size=2, max_length=64)

@@ -81,7 +81,7 @@ class ContinuousBatchingManager:
         shape = self.shape
         # Raises CacheMemoryError before anything is allocated when the pool cannot fit.
         self._pool_bytes = check_pool_fits(
-            model, shape.num_blocks, shape.block_size, shape.quantized
+            model, shape.num_blocks, shape.block_size, shape.quantized, self._layout
         )
         top = self.shape.max_top_logprobs
         # One jitted step per decoded-row bucket: int8 params want library dots for several rows.

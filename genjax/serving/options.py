@@ -35,12 +35,12 @@ import dataclasses
 import math
 from typing import Any
 
-import jax
 import numpy as np
 
 from genjax.cache.quantized import FLOAT_IMPLEMENTATIONS, check_cache_options
 from genjax.config import GenerationConfig
 from genjax.config.fields import DEFAULT_GENERATION_PARAMS, FIELD_NAMES, METADATA_FIELDS
+from genjax.decoding.sampling import rows_drawn_alone
 from genjax.errors import InputError, UnsupportedError
 from genjax.generation.inputs import effective_config
 from genjax.processors import validate_config
@@ -265,8 +265,7 @@ def _return_sequences(config: GenerationConfig, shape: EngineShape) -> int:
             f"max_batch_size={shape.max_batch_size} slots. Ask for at most "
             f"{shape.max_batch_size} sequences, or raise ContinuousBatchingConfig.max_batch_size."
         )
-    exact = jax.config.jax_threefry_partitionable
-    if n > 1 and not (exact and jax.config.jax_default_prng_impl == "threefry2x32"):
+    if n > 1 and not rows_drawn_alone():
         raise UnsupportedError(
             f"num_return_sequences={n} draws sequence j as row j of genjax.generate's batch, "
             "which needs JAX's default threefry keys with jax_threefry_partitionable=True "

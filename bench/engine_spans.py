@@ -1,7 +1,7 @@
 """The serving engine's decode loop per attention span: what reading fewer blocks saves.
 
 The engine's decode loop gathers each decoding row's blocks of keys and values and attends over
-them (``ContinuousBatchingConfig.attention_spans``; :func:`genjax.serving.engine.attention_spans`).
+them (``ContinuousBatchingConfig.attention_spans``; :func:`genjax.serving.config.attention_spans`).
 This times one decode iteration of the jitted step (``max_decode_steps`` iterations in one
 call, divided) with every row decoding and ``--fill`` tokens in each, the rows' block tables
 cut to each span given, interleaved over repeats in one process; the best of the repeats in

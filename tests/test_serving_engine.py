@@ -38,7 +38,7 @@ from genjax.serving import (
 )
 from genjax.serving.blocks import block_hashes
 from genjax.serving.choosing import ban_repeated_ngrams
-from genjax.serving.engine import attention_spans
+from genjax.serving.config import attention_spans
 from genjax.serving.options import build_request
 from genjax.testing import count_compiles as compiles
 from genjax.testing import write_random_checkpoint

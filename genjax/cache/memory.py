@@ -214,23 +214,30 @@ def _block_bytes(layers, heads, head_dim, dtype, block_size, quantized) -> int:
     return sum(math.prod(x.shape) * x.dtype.itemsize for x in pools)
 
 
-def check_pool_fits(model, num_blocks: int, block_size: int, quantized: bool = False) -> int:
-    """Raises :class:`CacheMemoryError` when the engine's pool would not fit on the default
-    device; returns its bytes (``num_blocks * paged_block_bytes(...)``).
+def check_pool_fits(
+    model, num_blocks: int, block_size: int, quantized: bool = False, layout=None
+) -> int:
+    """Raises :class:`CacheMemoryError` when the engine's pool would not fit on its devices
+    (the default device, or with ``layout`` each device of its mesh, which holds the pool's
+    share of the KV heads split over ``layout.ways("kv_heads")``); returns the whole pool's
+    bytes (``num_blocks * paged_block_bytes(...)``).
 
     Example:
         >>> check_pool_fits(model, num_blocks=65, block_size=16)
         4259840
     """
     needed = num_blocks * paged_block_bytes(model, block_size, quantized)
-    free, source = free_bytes(call_devices())
-    if needed <= free:
+    ways = 1 if layout is None else layout.ways("kv_heads")
+    share = -(-needed // ways)
+    free, source = free_bytes(call_devices(layout))
+    if share <= free:
         return needed
     int8 = "" if quantized else "store it as int8 with kv_cache_dtype='int8'; "
+    split = f" ({share:,} per device, split {ways} ways)" if ways > 1 else ""
     raise CacheMemoryError(
         f"the serving engine's KV pool of {num_blocks} blocks of {block_size} slots "
-        f"({'int8 + scales' if quantized else 'model dtype'}) needs {needed:,} bytes "
-        f"({needed / GiB:.2f} GiB), but only {free:,} bytes ({free / GiB:.2f} GiB) are {source}. "
+        f"({'int8 + scales' if quantized else 'model dtype'}) needs {needed:,} bytes{split} "
+        f"({share / GiB:.2f} GiB), but only {free:,} bytes ({free / GiB:.2f} GiB) are {source}. "
         f"Lower ContinuousBatchingConfig.num_blocks or kv_cache_memory_bytes (or max_batch_size "
         f"and max_length, which size it by default); {int8}or serve a smaller model."
     )

@@ -42,7 +42,9 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
+from jax.extend.random import threefry2x32_p
 
 from genjax.cache import KVCache
 from genjax.decoding.automaton import TokenAutomaton, advance_rows, mask_scores
@@ -154,6 +156,84 @@ def sample(key: Array, scores: Array) -> Array:
 
     tokens = jax.lax.cond(jnp.all(kept <= PREFIX), over_prefix, over_vocabulary, rows)
     return tokens.astype(jnp.int32).reshape(scores.shape[:-1])
+
+
+def sample_row(key: Array, scores: Array, row: Array) -> Array:
+    """int32[]: the token :func:`sample` draws for row ``row`` of a batch whose row ``row``
+    holds ``scores`` float32[V], without drawing the other rows' noise.
+
+    ``sample(key, batch)`` reads its random numbers from one draw over the whole batch
+    (``[B, PREFIX]`` uniforms, or ``[B, V]`` Gumbel noise for a vocabulary of at most
+    ``PREFIX``). With JAX's default threefry keys and ``jax_threefry_partitionable`` (on by
+    default), position ``i`` of a draw hashes the counter ``i`` alone, so row ``row`` of any
+    batch of more than ``row`` rows holds the same numbers: those are computed here directly
+    (:func:`row_uniforms`). This lets the serving engine draw each of a request's
+    ``num_return_sequences`` sequences as ``genjax.generate`` draws that row. One difference
+    remains: over a vocabulary larger than ``PREFIX``, :func:`sample` picks its path (prefix or
+    whole vocabulary) for the whole batch and this function for the row alone, so the tokens
+    agree when every row of the batch keeps at most ``PREFIX`` tokens or every row keeps more.
+
+    Other keys (``rbg``), or threefry with ``jax_threefry_partitionable`` off, draw as row 0
+    (``sample(key, scores[None])[0]``) whatever ``row`` is: their rows' numbers depend on the
+    batch size (:func:`rows_drawn_alone` says which case holds).
+
+    Args:
+        key: a typed key.
+        scores: float32[V], the row's processed scores.
+        row: int32[], the row's index in the batch (traced).
+    """
+    if not rows_drawn_alone(key):
+        return sample(key, scores[None])[0]
+    vocab = scores.shape[-1]
+    tiny = jnp.finfo(jnp.float32).tiny
+    if vocab <= PREFIX:  # jax.random.categorical: Gumbel-max, "low" mode
+        uniforms = row_uniforms(key, row, vocab, tiny)
+        return jnp.argmax(-jnp.log(-jnp.log(uniforms)) + scores).astype(jnp.int32)
+    uniforms = row_uniforms(key, row, PREFIX, tiny)[None]  # [1, PREFIX]
+    rows = scores[None]
+
+    def over_prefix(rows: Array) -> Array:
+        values, indices = jax.lax.top_k(rows, PREFIX)
+        picked = jnp.argmax(values - jnp.log(-jnp.log(uniforms)), axis=-1)
+        return jnp.take_along_axis(indices, picked[:, None], axis=-1)[:, 0]
+
+    def over_vocabulary(rows: Array) -> Array:
+        return _inverse_cdf(rows, uniforms[:, 0])
+
+    kept = jnp.sum(rows > NEG_INF, axis=-1)
+    tokens = jax.lax.cond(jnp.all(kept <= PREFIX), over_prefix, over_vocabulary, rows)
+    return tokens[0].astype(jnp.int32)
+
+
+def rows_drawn_alone(key: Array | None = None) -> bool:
+    """Whether :func:`sample_row` draws row ``row``'s own numbers for ``key`` (static): a
+    threefry key (``key``'s, or for None JAX's default implementation) with
+    ``jax_threefry_partitionable`` on (JAX's defaults)."""
+    impl = jax.config.jax_default_prng_impl if key is None else str(jax.random.key_impl(key))
+    return impl == "threefry2x32" and bool(jax.config.jax_threefry_partitionable)
+
+
+def row_uniforms(key: Array, row: Array, width: int, minval: float) -> Array:
+    """float32[width]: row ``row`` of ``jax.random.uniform(key, (B, width), minval=minval)``
+    for any ``B > row``, computed alone (partitionable threefry: see :func:`sample_row`).
+
+    Example:
+        >>> key = jax.random.key(0)
+        >>> bool(jnp.all(row_uniforms(key, 2, 5, 0.0) == jax.random.uniform(key, (4, 5))[2]))
+        True
+    """
+    high, low = jax.random.key_data(key)  # the threefry key's two words
+    counts = jnp.asarray(row, jnp.uint32) * jnp.uint32(width) + jnp.arange(width, dtype=jnp.uint32)
+    # Every operand of the primitive computed from `counts`, so that under vmap all four are
+    # batched alike (its vmap rule does not broadcast an unbatched key against them).
+    zeros = counts * jnp.uint32(0)
+    bits1, bits2 = threefry2x32_p.bind(zeros + high, zeros + low, zeros, counts)
+    bits = bits1 ^ bits2
+    # jax.random.uniform's float32 conversion: 23 random mantissa bits of a number in [1, 2).
+    one = np.array(1.0, np.float32).view(np.uint32)
+    floats = jax.lax.bitcast_convert_type((bits >> jnp.uint32(9)) | one, jnp.float32) - 1.0
+    minval = jnp.float32(minval)
+    return jnp.maximum(minval, floats * (jnp.float32(1.0) - minval) + minval)
 
 
 def _inverse_cdf(rows: Array, uniform: Array) -> Array:

@@ -6,14 +6,15 @@ per-row token choice inside it; ``constraint_pool`` the structured-output automa
 shares among requests; ``scheduler`` the host side (block allocator, FIFO admission, chunked
 prefill, preemption); ``options`` checks a request's generation options; ``config`` holds the
 engine's static sizes; ``output`` is what a request gives back; ``manager`` runs the loop in a
-background thread behind transformers v5's continuous-batching API
-(``init_continuous_batching``, ``generate_batch``). ``protocol``, ``guided``, ``server`` and
-``runner`` make the OpenAI-compatible server.
+background thread behind transformers v5's continuous-batching API (``init_continuous_batching``;
+``batch`` holds ``generate_batch``). ``protocol``, ``guided``, ``server`` and ``runner`` make the
+OpenAI-compatible server.
 
 Layer:
     Floor 5. May import every floor below, ``generation`` included.
 """
 
+from genjax.serving.batch import generate_batch
 from genjax.serving.choosing import RowSettings, Scored
 from genjax.serving.engine import (
     EngineShape,
@@ -27,7 +28,6 @@ from genjax.serving.engine import (
 from genjax.serving.manager import (
     ContinuousBatchingConfig,
     ContinuousBatchingManager,
-    generate_batch,
     init_continuous_batching,
 )
 from genjax.serving.output import GenerationOutput

@@ -11,7 +11,9 @@ the chain does not matter; :func:`sequence_biases`), repetition penalty, no-repe
 presence and frequency penalties (where ``generate`` runs a user's ``logits_processor``), then
 temperature, top-k, top-p, min-p, typical-p, epsilon and eta cutoffs; greedy rows take the argmax
 (the warpers never move it), sampling rows draw with ``fold_in(key, new_token_index)`` as
-:func:`genjax.generate` does, so a preempted and recomputed request draws the same tokens. A
+:func:`genjax.generate` does, so a preempted and recomputed request draws the same tokens; the
+sequence ``j`` of a request's ``num_return_sequences`` draws the numbers of row ``j`` of
+``generate``'s batch (:func:`genjax.decoding.sampling.sample_row`). A
 constrained row's automaton state then follows its token; a token the automaton refuses (a processor
 removed every allowed one) becomes the constraint's EOS id
 (:func:`genjax.decoding.automaton.advance_rows`).
@@ -41,7 +43,7 @@ from flax import struct
 
 from genjax.constraints import CompressedTable
 from genjax.decoding.automaton import advance_rows, mask_scores
-from genjax.decoding.sampling import sample
+from genjax.decoding.sampling import sample_row
 from genjax.processors import (
     LogitsContext,
     chain,
@@ -97,6 +99,8 @@ class RowSettings:
     min_new_tokens: Array  # int32[R]: EOS is blocked before this many new tokens
     eos_token_ids: Array  # int32[R, E]: -1 fills unused entries
     seed: Array  # int32[R]: the request's key is jax.random.key(seed)
+    sample_row: Array  # int32[R]: the row of genjax.generate's batch whose draws this row
+    #   makes: the sequence's index among its request's num_return_sequences (0: the first)
     constraint_eos: Array  # int32[R]: the EOS id of the request's constraint (-1: none)
     no_repeat_ngram_size: Array  # int32[R]: 0 = off; at most max_ngram
     max_ngram: int = struct.field(pytree_node=False, default=0)  # N (static)
@@ -127,6 +131,7 @@ class RowSettings:
             min_new_tokens=np.zeros((rows,), np.int32),
             eos_token_ids=np.full((rows, shape.max_eos), -1, np.int32),
             seed=np.zeros((rows,), np.int32),
+            sample_row=np.zeros((rows,), np.int32),
             constraint_eos=np.full((rows,), -1, np.int32),
             no_repeat_ngram_size=np.zeros((rows,), np.int32),
             max_ngram=shape.max_ngram,
@@ -235,7 +240,7 @@ def choose_tokens(
     keys = jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.key(seed), i))(
         settings.seed, num_new
     )
-    drawn = jax.vmap(lambda key, row: sample(key, row[None])[0])(keys, warped)
+    drawn = jax.vmap(sample_row)(keys, warped, settings.sample_row)
     greedy = jnp.argmax(scores, axis=-1).astype(jnp.int32)
     return jnp.where(settings.do_sample, drawn, greedy)
 

@@ -13,9 +13,9 @@ import dataclasses
 
 from genjax.cache.memory import paged_block_bytes
 from genjax.errors import InputError
-from genjax.serving.engine import EngineShape, attention_spans
+from genjax.serving.engine import EngineShape
 
-__all__ = ["KV_CACHE_DTYPES", "SHORTEST_SPAN", "ContinuousBatchingConfig"]
+__all__ = ["KV_CACHE_DTYPES", "SHORTEST_SPAN", "ContinuousBatchingConfig", "attention_spans"]
 
 SHORTEST_SPAN = 256
 """The shortest attention span (tokens) of ``ContinuousBatchingConfig.attention_spans=None``;
@@ -54,7 +54,7 @@ class ContinuousBatchingConfig:
         attention_spans: the lengths (tokens, each rounded up to whole blocks) the decode loop
             may attend over; every one is a compiled program per decoded-row bucket, and a step
             attends over the shortest that holds its decoding rows' blocks, so short requests
-            do not pay for ``max_length`` (:func:`~genjax.serving.engine.attention_spans`).
+            do not pay for ``max_length`` (:func:`~genjax.serving.config.attention_spans`).
             ``max_length`` is always one. None: :data:`SHORTEST_SPAN` (256) tokens times the
             powers of 4 below ``max_length`` (256, 1024, then ``max_length``: at most 3 programs
             per bucket to ``max_length`` 4096); ``()``: ``max_length`` alone (fewest programs,
@@ -199,3 +199,33 @@ class ContinuousBatchingConfig:
                 "block size in bytes: call engine_shape(model)."
             )
         return budget // paged_block_bytes(model, self.block_size, self.kv_cache_dtype == "int8")
+
+
+def attention_spans(
+    max_length: int, block_size: int, shortest: int, growth: int = 4
+) -> tuple[int, ...]:
+    """The decode loop's attention spans in blocks: ``shortest`` tokens times the powers of
+    ``growth`` below ``max_length``, then ``max_length``, each rounded up to whole blocks.
+
+    The decode loop reads every slot of the block tables it is given, and on a CPU that read
+    (the gathered keys and values, written and read again) costs as much as the weights at a
+    few rows: a step attends over the smallest span that holds its rows' blocks, so its cost
+    follows the longest request in flight rather than ``max_length``. Measured on SmolLM-135M
+    (``bench/engine_spans.py``), 8 rows of 128 tokens: 768 slots cost 1.4x 256 slots; 32 rows
+    of 100 tokens: 256 slots cost 1.2x 128. Each span is a program per row bucket (about as
+    slow to compile as the others), hence a few spans far apart rather than many.
+
+    Example:
+        >>> attention_spans(4096, 16, 256)  # 256 and 1024 tokens, then 4096
+        (16, 64, 256)
+        >>> attention_spans(768, 16, 128, growth=2)
+        (8, 16, 32, 48)
+        >>> attention_spans(200, 16, 256)
+        (13,)
+    """
+    blocks = -(-max_length // block_size)
+    spans, size = set(), max(1, shortest)
+    while size < max_length:
+        spans.add(-(-size // block_size))
+        size *= max(2, growth)
+    return tuple(sorted({*(s for s in spans if s < blocks), blocks}))

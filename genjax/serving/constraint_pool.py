@@ -138,6 +138,8 @@ class ConstraintPool:
         max_states: ``S_p`` (at least 1).
         max_edges: ``E_p`` (at least 1).
         vocab_size: the model's ``V``.
+        sharding: where :meth:`device` puts the pool (replicated on the engine's mesh, so no
+            step copies it); None: the default device.
 
     Example:
         >>> c = genjax.constraints.choice(["yes", "no"], tok)
@@ -146,8 +148,9 @@ class ConstraintPool:
         0
     """
 
-    def __init__(self, max_states: int, max_edges: int, vocab_size: int):
+    def __init__(self, max_states: int, max_edges: int, vocab_size: int, sharding=None):
         self.max_states, self.max_edges, self.vocab_size = max_states, max_edges, vocab_size
+        self.sharding = sharding
         self.bits = np.zeros((max_states, -(-vocab_size // 32)), np.uint32)
         self.offsets = np.zeros((max_states + 1,), np.int32)
         self.targets = np.full((max_edges,), -1, np.int32)
@@ -189,7 +192,8 @@ class ConstraintPool:
                     initial=np.zeros((0,), np.int32),  # each row's state is in the engine state
                     eos_token_id=np.full((), -1, np.int32),  # each row's is in its settings
                     vocab_size=self.vocab_size,
-                )
+                ),
+                self.sharding,
             )
         return self._device
 

@@ -15,8 +15,8 @@ model ``C`` tokens per step) or decoding (one token per step). One call of :func
    they are gathered before the loop and written back after it, so a step with two requests
    in flight multiplies two rows of activations, not ``R``. ``B_k`` is one of a few bucket
    sizes (:func:`decode_buckets`), and the loop attends over the first ``M_s`` blocks of the
-   rows' tables, the shortest of a few spans (:func:`attention_spans`) that holds every
-   decoding row's blocks: one compiled program per pair.
+   rows' tables, the shortest of a few spans that holds every decoding row's blocks
+   (:func:`~genjax.serving.config.attention_spans`): one compiled program per pair.
 
 So a long prompt never stalls the decoding rows: each step decodes while it prefills a chunk.
 
@@ -55,7 +55,9 @@ Static or traced:
     model's dtype or int8 codes with scales), the chunk ``C``, the most decode steps per call
     ``K``, the most EOS ids per request ``E``, the most biased tokens per request ``L_b`` and
     the longest biased prefix ``W``, the most top log-probabilities ``L``, and the constraint
-    pool's sizes (``S_p`` states, ``E_p`` transitions; none when ``S_p`` is 0). Traced:
+    pool's sizes (``S_p`` states, ``E_p`` transitions; none when ``S_p`` is 0), and on a
+    mesh its :class:`~genjax.sharding.Layout` (the pool split over KV heads on ``model``, the
+    rest of the state replicated: :func:`state_shardings`). Traced:
     everything in :class:`EngineState` and :class:`StepInput`: the requests' tokens, lengths,
     sampling values (``do_sample`` included), seeds, EOS ids, biased ids and biases,
     penalties, how many top log-probabilities a row wants, limits, which slot prefills and
@@ -78,6 +80,7 @@ from genjax.constraints import CompressedTable
 from genjax.generation.prefill import accepts_logits_to_keep
 from genjax.models.quantize import LIBRARY_DOT_OPTIONS
 from genjax.serving.choosing import RowSettings, Scored, choose_rows, no_scores
+from genjax.sharding import Layout, layout_for
 from genjax.typing import Array, PyTree
 
 __all__ = [
@@ -87,8 +90,9 @@ __all__ = [
     "Scored",
     "StepInput",
     "StepOutput",
-    "attention_spans",
     "decode_buckets",
+    "engine_layout",
+    "state_shardings",
 ]
 
 
@@ -117,7 +121,7 @@ class EngineShape:
     def spans(self) -> tuple[int, ...]:
         """The block counts ``M_s`` the decode loop may attend over, one program each,
         ascending, the last ``max_blocks_per_row``: a step whose decoding rows hold at most
-        ``M_s`` blocks reads only those (:func:`attention_spans`)."""
+        ``M_s`` blocks reads only those (:func:`~genjax.serving.config.attention_spans`)."""
         return tuple(sorted({*self.span_blocks, self.max_blocks_per_row}))
 
     @property
@@ -156,36 +160,6 @@ def decode_buckets(max_batch_size: int) -> tuple[int, ...]:
         sizes.append(size)
         size *= 2
     return (*sizes, max_batch_size)
-
-
-def attention_spans(
-    max_length: int, block_size: int, shortest: int, growth: int = 4
-) -> tuple[int, ...]:
-    """The decode loop's attention spans in blocks: ``shortest`` tokens times the powers of
-    ``growth`` below ``max_length``, then ``max_length``, each rounded up to whole blocks.
-
-    The decode loop reads every slot of the block tables it is given, and on a CPU that read
-    (the gathered keys and values, written and read again) costs as much as the weights at a
-    few rows: a step attends over the smallest span that holds its rows' blocks, so its cost
-    follows the longest request in flight rather than ``max_length``. Measured on SmolLM-135M
-    (``bench/engine_spans.py``), 8 rows of 128 tokens: 768 slots cost 1.4x 256 slots; 32 rows
-    of 100 tokens: 256 slots cost 1.2x 128. Each span is a program per row bucket (about as
-    slow to compile as the others), hence a few spans far apart rather than many.
-
-    Example:
-        >>> attention_spans(4096, 16, 256)  # 256 and 1024 tokens, then 4096
-        (16, 64, 256)
-        >>> attention_spans(768, 16, 128, growth=2)
-        (8, 16, 32, 48)
-        >>> attention_spans(200, 16, 256)
-        (13,)
-    """
-    blocks = -(-max_length // block_size)
-    spans, size = set(), max(1, shortest)
-    while size < max_length:
-        spans.add(-(-size // block_size))
-        size *= max(2, growth)
-    return tuple(sorted({*(s for s in spans if s < blocks), blocks}))
 
 
 @struct.dataclass
@@ -242,24 +216,31 @@ class StepOutput:
     first: Scored  # [1]: the first token's, as above
 
 
-def init_state(model, shape: EngineShape, dtype=None) -> EngineState:
-    """An empty engine state: every slot free, a zero pool (numpy then one device put); the
-    pool's float dtype is ``dtype`` or the model's, int8 codes with scales in that dtype when
-    ``shape.quantized``."""
-    cache = PagedKVCache.create(
-        num_layers=model.num_layers,
-        num_blocks=shape.num_blocks,
-        block_size=shape.block_size,
-        max_blocks_per_row=shape.max_blocks_per_row,
-        batch=shape.max_batch_size,
-        num_kv_heads=model.num_kv_heads,
-        head_dim=model.head_dim,
-        dtype=model.dtype if dtype is None else jnp.dtype(dtype),
-        quantized=shape.quantized,
-    )
+def init_state(model, shape: EngineShape, dtype=None, layout: Layout | None = None) -> EngineState:
+    """An empty engine state: every slot free, a zero pool; the pool's float dtype is ``dtype``
+    or the model's, int8 codes with scales in that dtype when ``shape.quantized``.
+
+    Without ``layout`` the state goes to the default device. With one (a mesh), each device
+    receives its part directly (:func:`state_shardings`: the pool split over KV heads), so no
+    device ever holds the whole pool.
+    """
+
+    def empty_cache():
+        return PagedKVCache.create(
+            num_layers=model.num_layers,
+            num_blocks=shape.num_blocks,
+            block_size=shape.block_size,
+            max_blocks_per_row=shape.max_blocks_per_row,
+            batch=shape.max_batch_size,
+            num_kv_heads=model.num_kv_heads,
+            head_dim=model.head_dim,
+            dtype=model.dtype if dtype is None else jnp.dtype(dtype),
+            quantized=shape.quantized,
+        )
+
     rows = shape.max_batch_size
     state = EngineState(
-        cache=cache,
+        cache=None,
         tokens=np.zeros((rows, shape.max_length), np.int32),
         lengths=np.zeros((rows,), np.int32),
         prompt_lengths=np.zeros((rows,), np.int32),
@@ -267,7 +248,68 @@ def init_state(model, shape: EngineShape, dtype=None) -> EngineState:
         constraint_state=np.full((rows,), -1, np.int32),
         settings=RowSettings.empty(rows, shape),
     )
-    return jax.device_put(state)
+    if layout is None:
+        return jax.device_put(state.replace(cache=empty_cache()))
+    shardings = state_shardings(layout, state.replace(cache=jax.eval_shape(empty_cache)))
+    cache = jax.jit(empty_cache, out_shardings=shardings.cache)()
+    return jax.device_put(state, shardings.replace(cache=None)).replace(cache=cache)
+
+
+def state_shardings(layout: Layout, state: EngineState) -> EngineState:
+    """The sharding of every leaf of an engine state on ``layout``'s mesh.
+
+    The pool's keys float[num_blocks, K, H, block_size] and values float[num_blocks, K,
+    block_size, H] (and an int8 pool's scales float[num_blocks, K, block_size]) have ``K`` on
+    the ``kv_heads`` rule's axis (``model``; replicated when :func:`~genjax.sharding.layout_for`
+    fell back because ``K`` does not divide it), as ``genjax.generate`` splits its KV cache;
+    every other leaf (tables, histories, per-row settings) is replicated: the engine's rows are
+    not split over ``data``.
+
+    Example:
+        >>> shardings = state_shardings(layout, state)  # doctest: +SKIP
+        >>> shardings.cache.keys[0].spec  # doctest: +SKIP
+        PartitionSpec(None, 'model', None, None)
+    """
+    replicated = layout.sharding()
+    tree = jax.tree.map(lambda _: replicated, state)
+    pool = layout.sharding(None, "kv_heads", None, None)
+    scales = layout.sharding(None, "kv_heads", None)
+    cache = state.cache
+    return tree.replace(
+        cache=tree.cache.replace(
+            keys=tuple(pool for _ in cache.keys),
+            values=tuple(pool for _ in cache.values),
+            key_scales=tuple(scales for _ in cache.key_scales),
+            value_scales=tuple(scales for _ in cache.value_scales),
+        )
+    )
+
+
+def engine_layout(model, mesh) -> Layout | None:
+    """The :class:`~genjax.sharding.Layout` the engine runs with on ``mesh`` (None: one device),
+    checked as ``genjax.generate(..., mesh=)`` checks it (:func:`~genjax.sharding.layout_for`).
+
+    Raises:
+        TypeError: ``mesh`` is not a ``jax.sharding.Mesh``.
+        ShardingError: the query heads do not divide over ``model`` (naming both sizes). KV
+            heads that do not divide fall back as in ``generate``: the pool is replicated.
+    """
+    if mesh is None:
+        return None
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(
+            f"mesh must be a jax.sharding.Mesh (e.g. genjax.sharding.make_mesh((1, 4))), got "
+            f"{type(mesh).__name__}. Pass None to run the engine on one device."
+        )
+    return layout_for(model, mesh)
+
+
+def _constrain(layout: Layout | None, state: EngineState) -> EngineState:
+    """Inside the step: keeps the state on :func:`state_shardings` (no-op without a mesh)."""
+    if layout is None:
+        return state
+    shardings = state_shardings(layout, state)
+    return jax.tree.map(jax.lax.with_sharding_constraint, state, shardings)
 
 
 def _rows(tree: PyTree, rows: Array) -> PyTree:
@@ -412,6 +454,7 @@ def engine_step(
     *,
     max_steps: int,
     max_top_logprobs: int = 0,
+    layout: Layout | None = None,
 ) -> tuple[EngineState, StepOutput]:
     """One host round trip: releases, one prefill chunk, then up to ``num_steps`` decode steps.
 
@@ -428,6 +471,10 @@ def engine_step(
             donated), or None for an engine without one (static: nothing of it compiles).
         max_steps: ``K`` (static), the size of the output buffer; ``work.num_steps <= K``.
         max_top_logprobs: ``L`` (static), the top log-probabilities returned per token.
+        layout: the mesh's :class:`~genjax.sharding.Layout` (static), or None on one device:
+            the state, the decode loop's carry and the returned state keep
+            :func:`state_shardings` (the pool split over KV heads), so a step returns its state
+            as it took it and the next step's program accepts it.
 
     Returns:
         ``(state, output)``: the new state and a :class:`StepOutput`.
@@ -436,6 +483,7 @@ def engine_step(
         >>> step = compile_step(model, max_steps=4)  # doctest: +SKIP
         >>> state, out = step(params, state, work, pool)  # doctest: +SKIP
     """
+    state = _constrain(layout, state)
     state = state.replace(
         cache=state.cache.replace(block_tables=work.block_tables),
         decoding=state.decoding & ~work.release,
@@ -468,13 +516,14 @@ def engine_step(
     def body(carry):
         i, state, buffer, scores, finished = carry
         state, tokens, done, scored = _decode_once(model, params, state, pool, top)
+        state = _constrain(layout, state)
         scores = jax.tree.map(lambda all_, new: all_.at[i].set(new), scores, scored)
         return i + 1, state, buffer.at[i].set(tokens), scores, finished | done
 
     part = _take_rows(state, rows, work.decode_tables)
     start = (jnp.zeros((), jnp.int32), part, buffer, scores, finished[rows])
     steps, part, buffer, scores, done = jax.lax.while_loop(cond, body, start)
-    state = _put_rows(state, rows, part)
+    state = _constrain(layout, _put_rows(state, rows, part))
     # Back to one column per slot: the host reads tokens and scores by slot.
     tokens = jnp.full((max_steps, slots), -1, jnp.int32).at[:, rows].set(buffer)
     scores = jax.tree.map(
@@ -493,11 +542,19 @@ def engine_step(
 
 
 @functools.cache
-def compile_step(model, max_steps: int, max_top_logprobs: int = 0, library_dots: bool = False):
-    """The jitted :func:`engine_step` for ``model`` with ``K = max_steps`` and ``L =
-    max_top_logprobs`` (all static), the state donated: ``step(params, state, work, pool=None)
-    -> (state, output)``; compiled with :data:`~genjax.models.quantize.LIBRARY_DOT_OPTIONS` when
-    ``library_dots`` (int8 params: :func:`~genjax.models.quantize.library_dots`)."""
+def compile_step(
+    model,
+    max_steps: int,
+    max_top_logprobs: int = 0,
+    library_dots: bool = False,
+    layout: Layout | None = None,
+):
+    """The jitted :func:`engine_step` for ``model`` with ``K = max_steps``, ``L =
+    max_top_logprobs`` and ``layout`` (all static), the state donated: ``step(params, state,
+    work, pool=None) -> (state, output)``; compiled with
+    :data:`~genjax.models.quantize.LIBRARY_DOT_OPTIONS` when ``library_dots`` (int8 params:
+    :func:`~genjax.models.quantize.library_dots`). With a ``layout`` the program takes the
+    params and the state as they are placed on its mesh (the other arguments replicated)."""
 
     def step(params, state, work, pool=None):
         return engine_step(
@@ -508,6 +565,7 @@ def compile_step(model, max_steps: int, max_top_logprobs: int = 0, library_dots:
             pool,
             max_steps=max_steps,
             max_top_logprobs=max_top_logprobs,
+            layout=layout,
         )
 
     options = LIBRARY_DOT_OPTIONS if library_dots else None

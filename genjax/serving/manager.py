@@ -45,7 +45,7 @@ from genjax.generation.inputs import effective_config
 from genjax.models.quantize import library_dots
 from genjax.serving.config import ContinuousBatchingConfig
 from genjax.serving.constraint_pool import ConstraintPool
-from genjax.serving.engine import compile_step, init_state
+from genjax.serving.engine import compile_step, engine_layout, init_state
 from genjax.serving.metrics import ITL_EDGES, TTFT_EDGES, Histogram
 from genjax.serving.options import EngineOptions, build_request, request_config
 from genjax.serving.output import GenerationOutput, output_of
@@ -56,7 +56,6 @@ __all__ = [
     "ContinuousBatchingConfig",
     "ContinuousBatchingManager",
     "GenerationOutput",
-    "generate_batch",
     "init_continuous_batching",
 ]
 
@@ -70,7 +69,10 @@ class ContinuousBatchingManager:
     under :meth:`pause` (same structure and shapes: nothing recompiles).
     """
 
-    def __init__(self, model, params, generation_config=None, cb_config=None, tokenizer=None):
+    def __init__(
+        self, model, params, generation_config=None, cb_config=None, tokenizer=None, mesh=None
+    ):
+        self._layout = engine_layout(model, mesh)  # None: one device
         self.model, self.params, self.tokenizer = model, params, tokenizer
         default = getattr(model, "generation_config", None)  # fills what the manager's leaves unset
         self.generation_config = effective_config(generation_config, {}, default)
@@ -79,12 +81,14 @@ class ContinuousBatchingManager:
         shape = self.shape
         # Raises CacheMemoryError before anything is allocated when the pool cannot fit.
         self._pool_bytes = check_pool_fits(
-            model, shape.num_blocks, shape.block_size, shape.quantized
+            model, shape.num_blocks, shape.block_size, shape.quantized, self._layout
         )
         top = self.shape.max_top_logprobs
         # One jitted step per decoded-row bucket: int8 params want library dots for several rows.
         self._steps = {
-            bucket: compile_step(model, self.shape.max_steps, top, library_dots(params, bucket))
+            bucket: compile_step(
+                model, shape.max_steps, top, library_dots(params, bucket), self._layout
+            )
             for bucket in self.shape.buckets
         }
         self._compiled: dict[int, Any] = {}  # bucket -> its compiled step (by warmup)
@@ -92,7 +96,10 @@ class ContinuousBatchingManager:
         self._constraints = None  # the constraint pool's host copy (none: no constraints)
         if self.shape.constraint_states:
             self._constraints = ConstraintPool(
-                self.shape.constraint_states, self.shape.constraint_edges, model.vocab_size
+                shape.constraint_states,
+                shape.constraint_edges,
+                model.vocab_size,
+                None if self._layout is None else self._layout.sharding(),
             )
         self._scheduler = Scheduler(
             self.shape, tokenizer, self.cb_config.prefix_caching, self._constraints
@@ -118,6 +125,16 @@ class ContinuousBatchingManager:
         self._snapshot: dict[str, Any] = {}
         self._refresh()
 
+    @property
+    def params(self):
+        """The model's parameters; on a mesh, a new value is placed as ``genjax.generate``
+        places them (:meth:`~genjax.sharding.Layout.place_params`)."""
+        return self._params
+
+    @params.setter
+    def params(self, value) -> None:
+        self._params = value if self._layout is None else self._layout.place_params(value)
+
     # ---- lifecycle ----------------------------------------------------------------------
     def warmup(self) -> None:
         """Compiles the engine's programs (a step program per decoded-row bucket and attention
@@ -125,7 +142,7 @@ class ContinuousBatchingManager:
         (:func:`~genjax.serving.programs.compile_buckets`: programs another manager of the same
         model and sizes compiled are reused)."""
         if self._state is None:
-            self._state = init_state(self.model, self.shape)
+            self._state = init_state(self.model, self.shape, layout=self._layout)
         plans = Scheduler(self.shape)
         work = {(b, m): plans._step_input(1, b, m) for b, m in self.shape.programs}
         steps = {(b, m): self._steps[b] for b, m in self.shape.programs}
@@ -240,6 +257,11 @@ class ContinuousBatchingManager:
                 :class:`~genjax.serving.options.EngineOptions` the config has no field for:
                 ``presence_penalty``, ``frequency_penalty`` (OpenAI's) and ``logprobs`` (k:
                 each new token's raw log-probability and the top k, in the outputs).
+                ``num_return_sequences=n`` (with ``do_sample``; at most ``max_batch_size``)
+                runs ``n`` sequences of the prompt, sequence ``j`` equal to row ``j`` of
+                ``genjax.generate`` with ``key=jax.random.key(seed)``; they share the prompt's
+                cached blocks, stream and end under the one id, and fill
+                :attr:`GenerationOutput.sequences`.
 
         Raises:
             UnsupportedError, InputError, GenerationConfigError: see
@@ -268,12 +290,14 @@ class ContinuousBatchingManager:
                 tokenizer=self.tokenizer,
                 extras=extras,
             )
+            records = request.fork()  # one per sequence (num_return_sequences)
             self._streams[request_id] = collections.deque()
             if self._stopping.is_set():  # the loop drains the inbox under this lock once
-                request.status, request.finish_reason = RequestStatus.CANCELLED, "cancelled"
-                self._publish(request, final=True)
+                for record in records:
+                    record.status, record.finish_reason = RequestStatus.CANCELLED, "cancelled"
+                self._publish(records[0], final=True)
             else:
-                self._inbox.put(("add", request))
+                self._inbox.put(("add", records))
         return request_id
 
     def add_requests(self, inputs: Sequence[Sequence[int]], **kwargs) -> list[str]:
@@ -393,6 +417,11 @@ class ContinuousBatchingManager:
             self._itl.add(stamps[i] - stamps[i - 1])
 
     def _publish(self, request: RequestState, final: bool) -> None:
+        """Publishes the output of ``request``'s id (all its sequences); final only once every
+        sequence has ended, and nothing after the final one."""
+        if request.request_id in self._finals:
+            return
+        final = final and all(r.done for r in request.members)
         output = output_of(request)
         with self._cond:
             if final:
@@ -409,14 +438,17 @@ class ContinuousBatchingManager:
 
     def _handle(self, scheduler: Scheduler, message) -> None:
         kind, payload = message
-        if kind == "add":
-            scheduler.add(payload)
+        if kind == "add":  # a request's records, one per sequence
+            for request in payload:
+                scheduler.add(request)
         elif kind == "cancel":
-            for request in [*scheduler.waiting, *scheduler.running]:
-                if request.request_id == payload and not request.done:
-                    scheduler.finish(request, RequestStatus.CANCELLED, "cancelled")
-                    self._refresh()
-                    self._publish(request, final=True)
+            requests = [*scheduler.waiting, *scheduler.running]
+            ended = [r for r in requests if r.request_id == payload and not r.done]
+            for request in ended:
+                scheduler.finish(request, RequestStatus.CANCELLED, "cancelled")
+            if ended:
+                self._refresh()
+                self._publish(ended[0], final=True)
 
     def _take_messages(self, scheduler: Scheduler, block: bool) -> None:
         """Handles every queued message; ``block`` first waits (bounded) for one."""
@@ -457,11 +489,12 @@ class ContinuousBatchingManager:
             self._record_latencies(request, count)
         self._counters["busy_seconds"] += time.perf_counter() - begin
         self._refresh()  # blocks of finished requests are already free
+        touched: dict[str, RequestState] = {}  # one publication per request id
         for request, count in updates:
-            if request.done:
-                self._publish(request, final=True)
-            elif count:
-                self._publish(request, final=False)
+            if request.done or count:
+                touched.setdefault(request.request_id, request)
+        for request in touched.values():
+            self._publish(request, final=request.done)
 
     def _run(self) -> None:
         scheduler = self._scheduler
@@ -508,6 +541,7 @@ def init_continuous_batching(
     generation_config: GenerationConfig | None = None,
     continuous_batching_config: ContinuousBatchingConfig | None = None,
     tokenizer=None,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> ContinuousBatchingManager:
     """Builds a :class:`ContinuousBatchingManager` (not started).
 
@@ -518,6 +552,12 @@ def init_continuous_batching(
             None) come from ``model.generation_config``, as ``genjax.generate`` fills them.
         continuous_batching_config: the engine's static sizes.
         tokenizer: decodes new tokens for ``stop_strings``.
+        mesh: a ``jax.sharding.Mesh`` to run the engine on (static), as ``genjax.generate(...,
+            mesh=)``: params split by :data:`genjax.sharding.DEFAULT_RULES` (heads and MLP
+            columns on ``model``), the paged KV pool (and an int8 pool's scales) split over KV
+            heads on ``model`` (replicated when they do not divide it, as in ``generate``),
+            everything else replicated: the engine's rows are not split over ``data``. Tokens
+            equal one device's. None: the default device.
 
     Raises:
         UnsupportedError: an encoder-decoder model (T5, BART): the engine's paged cache holds
@@ -526,6 +566,8 @@ def init_continuous_batching(
             :meth:`ContinuousBatchingConfig.engine_shape`).
         CacheMemoryError: the KV pool would not fit in the device's free memory
             (:func:`~genjax.cache.memory.check_pool_fits`).
+        ShardingError: query heads that do not divide over the mesh's ``model`` axis.
+        UnsupportedError: 4-bit params on a mesh (:func:`~genjax.sharding.check_no_four_bit`).
 
     Example:
         >>> manager = init_continuous_batching(model, params)
@@ -536,49 +578,5 @@ def init_continuous_batching(
             "an encoder-decoder model. Generate with genjax.generate(model, params, ids, config)."
         )
     return ContinuousBatchingManager(
-        model, params, generation_config, continuous_batching_config, tokenizer
+        model, params, generation_config, continuous_batching_config, tokenizer, mesh
     )
-
-
-def generate_batch(
-    model,
-    params,
-    inputs: Sequence[Sequence[int]],
-    generation_config: GenerationConfig | None = None,
-    progress_bar: bool = False,
-    *,
-    continuous_batching_config: ContinuousBatchingConfig | None = None,
-    tokenizer=None,
-    timeout: float | None = None,
-) -> dict[str, GenerationOutput]:
-    """Runs every prompt of ``inputs`` through a fresh engine; returns ``{request_id: output}``.
-
-    Request ids are ``req_0, req_1, ...`` in the order of ``inputs``. ``progress_bar`` logs the
-    number of finished requests. ``timeout`` bounds the whole call (None: no bound).
-
-    Example:
-        >>> sizes = ContinuousBatchingConfig(max_batch_size=2, max_length=64)
-        >>> prompts = [[483, 288, 860], [794, 664]]
-        >>> batched = dict(continuous_batching_config=sizes)
-        >>> results = generate_batch(model, params, prompts, config, **batched)
-        >>> results["req_0"].generated_tokens
-        [267, 342, 783, 328]
-    """
-    manager = init_continuous_batching(
-        model, params, generation_config, continuous_batching_config, tokenizer
-    )
-    manager.start()
-    try:
-        ids = manager.add_requests(inputs)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        results = {}
-        for i, request_id in enumerate(ids):
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            output = manager.get_result(request_id, timeout=left)
-            if output is not None:
-                results[request_id] = output
-            if progress_bar:
-                _log.info("generate_batch: %d / %d requests finished", i + 1, len(ids))
-        return results
-    finally:
-        manager.stop(block=True, timeout=30)

@@ -9,7 +9,9 @@ engine runs, per row: greedy or sampling with ``temperature``, ``top_k``, ``top_
 and ``begin_suppress_tokens`` (one bias table per request, the bans as -inf biases; sequences
 up to ``ContinuousBatchingConfig.max_bias_sequence_length`` tokens);
 ``max_new_tokens`` (or ``max_length``), ``min_new_tokens``, EOS ids (a list), ``stop_strings``
-(matched on the host with the tokenizer) and a ``seed``. Any other field set to a non-default
+(matched on the host with the tokenizer), a ``seed`` and ``num_return_sequences`` (sampled
+sequences of one prompt, at most ``max_batch_size``; sequence ``j`` draws as row ``j`` of
+``genjax.generate``'s batch). Any other field set to a non-default
 value raises :class:`~genjax.errors.UnsupportedError` naming it.
 
 The KV cache is the engine's, not the request's (vLLM's ``kv_cache_dtype``):
@@ -38,6 +40,7 @@ import numpy as np
 from genjax.cache.quantized import FLOAT_IMPLEMENTATIONS, check_cache_options
 from genjax.config import GenerationConfig
 from genjax.config.fields import DEFAULT_GENERATION_PARAMS, FIELD_NAMES, METADATA_FIELDS
+from genjax.decoding.sampling import rows_drawn_alone
 from genjax.errors import InputError, UnsupportedError
 from genjax.generation.inputs import effective_config
 from genjax.processors import validate_config
@@ -71,6 +74,7 @@ SUPPORTED = frozenset(
         "bos_token_id",
         "stop_strings",
         "num_beams",
+        "num_return_sequences",
         "use_cache",
         "return_dict_in_generate",
         "continuous_batching_config",
@@ -87,7 +91,6 @@ SUPPORTED = frozenset(
 # out (transformers v5 writes output_attentions/output_hidden_states false from config.json).
 _HARMLESS_DEFAULTS = {
     "min_length": 0,
-    "num_return_sequences": 1,
     "output_scores": False,
     "output_logits": False,
     "output_attentions": False,
@@ -250,6 +253,27 @@ def check_cache_choice(config: GenerationConfig, shape: EngineShape) -> None:
     check_cache_options(None if name == "paged" else name, options)  # a stray cache_config
 
 
+def _return_sequences(config: GenerationConfig, shape: EngineShape) -> int:
+    """The request's ``num_return_sequences``, checked against the engine (see
+    :meth:`~genjax.serving.scheduler.RequestState.fork`)."""
+    n = 1 if config.num_return_sequences is None else config.num_return_sequences
+    if isinstance(n, bool) or not isinstance(n, int | np.integer) or n < 1:
+        raise InputError(f"num_return_sequences must be an int >= 1, got {n!r}.")
+    if n > shape.max_batch_size:
+        raise InputError(
+            f"num_return_sequences={n} decodes {n} rows together, but the engine has "
+            f"max_batch_size={shape.max_batch_size} slots. Ask for at most "
+            f"{shape.max_batch_size} sequences, or raise ContinuousBatchingConfig.max_batch_size."
+        )
+    if n > 1 and not rows_drawn_alone():
+        raise UnsupportedError(
+            f"num_return_sequences={n} draws sequence j as row j of genjax.generate's batch, "
+            "which needs JAX's default threefry keys with jax_threefry_partitionable=True "
+            "(its default). Restore both settings, or send n requests with their own seeds."
+        )
+    return int(n)
+
+
 def _eos_ids(config: GenerationConfig, max_eos: int) -> tuple[int, ...]:
     eos = config.eos_token_id
     if eos is None:
@@ -301,6 +325,7 @@ def _row(
         min_new_tokens=np.asarray([config.min_new_tokens or 0], np.int32),
         eos_token_ids=ids,
         seed=np.asarray([seed], np.int32),
+        sample_row=np.zeros((1,), np.int32),
         constraint_eos=np.asarray([-1 if c is None else c.eos_token_id], np.int32),
         no_repeat_ngram_size=np.asarray([_ngram_size(config, shape)], np.int32),
         max_ngram=shape.max_ngram,
@@ -348,6 +373,7 @@ def build_request(
     """
     check_supported(config)
     check_cache_choice(config, shape)
+    copies = _return_sequences(config, shape)
     extras = extras or EngineOptions()
     extras.check(shape)
     resolved = config.with_defaults()
@@ -409,4 +435,5 @@ def build_request(
         num_logprobs=extras.logprobs,
         constraint=constraint,
         constraint_key=key,
+        copies=copies,
     )

@@ -20,6 +20,15 @@ class GenerationOutput:
     raw distribution (``log_softmax`` of its logits, before any processor, as vLLM reports by
     default), and the ``k`` most likely tokens as ``(token_id, logprob)`` pairs, most likely
     first.
+
+    A request of ``num_return_sequences = n`` has ``n`` sequences (vLLM's ``outputs``):
+    ``sequences[j]`` (row ``j`` of ``genjax.generate``'s output with the same key, its new
+    tokens), ``finish_reasons[j]``, and with ``logprobs=k`` ``sequence_logprobs[j]`` and
+    ``sequence_top_logprobs[j]``; ``generated_tokens``, ``finish_reason``, ``timestamps``,
+    ``logprobs`` and ``top_logprobs`` are sequence 0's. Its final output comes once every
+    sequence has ended: ``status`` FAILED if one failed, else CANCELLED if one was cancelled,
+    else FINISHED; before that, the status of the first sequence still running. A request of
+    one sequence has ``sequences == [generated_tokens]``.
     """
 
     request_id: str
@@ -32,6 +41,10 @@ class GenerationOutput:
     timestamps: list[float] = dataclasses.field(default_factory=list)
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    sequences: list[list[int]] = dataclasses.field(default_factory=list)
+    finish_reasons: list[str | None] = dataclasses.field(default_factory=list)
+    sequence_logprobs: list[list[float]] | None = None
+    sequence_top_logprobs: list[list[list[tuple[int, float]]]] | None = None
 
     def is_finished(self) -> bool:
         """True for a final output."""
@@ -43,17 +56,37 @@ class GenerationOutput:
 
 
 def output_of(request: RequestState) -> GenerationOutput:
-    """The output to publish for ``request`` now (lists copied)."""
-    scored = request.num_logprobs is not None
+    """The output to publish for ``request``'s id now, over all its sequences (lists copied)."""
+    members = request.members
+    first = members[0]
+    scored = first.num_logprobs is not None
+    logprobs = [list(r.logprobs) for r in members] if scored else None
+    top_logprobs = [list(r.top_logprobs) for r in members] if scored else None
     return GenerationOutput(
-        request_id=request.request_id,
-        prompt_ids=list(request.prompt),
-        generated_tokens=list(request.generated),
-        status=request.status,
-        finish_reason=request.finish_reason,
-        error=request.error,
-        created_time=request.created_time,
-        timestamps=list(request.timestamps),
-        logprobs=list(request.logprobs) if scored else None,
-        top_logprobs=list(request.top_logprobs) if scored else None,
+        request_id=first.request_id,
+        prompt_ids=list(first.prompt),
+        generated_tokens=list(first.generated),
+        status=_status(members),
+        finish_reason=first.finish_reason,
+        error=next((r.error for r in members if r.error is not None), None),
+        created_time=first.created_time,
+        timestamps=list(first.timestamps),
+        logprobs=logprobs[0] if scored else None,
+        top_logprobs=top_logprobs[0] if scored else None,
+        sequences=[list(r.generated) for r in members],
+        finish_reasons=[r.finish_reason for r in members],
+        sequence_logprobs=logprobs,
+        sequence_top_logprobs=top_logprobs,
     )
+
+
+def _status(members: list[RequestState]) -> RequestStatus:
+    """One status for a request's sequences (see :class:`GenerationOutput`)."""
+    running = [r.status for r in members if not r.done]
+    if running:
+        return running[0]
+    statuses = {r.status for r in members}
+    for status in (RequestStatus.FAILED, RequestStatus.CANCELLED):
+        if status in statuses:
+            return status
+    return RequestStatus.FINISHED

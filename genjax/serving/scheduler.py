@@ -25,6 +25,9 @@ Policy:
   of ``C``, as in ``genjax.generate(..., prefill_chunk_size=C)``, for a block to hold the same
   values whichever request wrote it.
   Preemption and cancellation drop the request's references like finishing.
+* ``num_return_sequences = n``: a request runs as ``n`` records of the same id
+  (:meth:`RequestState.fork`), queued together; with prefix caching the first prefills the
+  prompt and the others share its full blocks. Cancelling the id ends every one.
 * Structured output: a request with a constraint takes a reference to its automaton in the
   constraint pool (:mod:`genjax.serving.constraint_pool`) when admitted, and drops it with its
   slot. When the automaton cannot be placed (the pool is full of automata in use), the request
@@ -97,6 +100,47 @@ class RequestState:
     constraint_key: bytes = b""  # its content digest (the pool's key)
     constraint_state: int = -1  # while it holds a slot: its row's starting pool state
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+    copies: int = 1  # the request's num_return_sequences
+    sequence: int = 0  # this record's sequence among them (RowSettings.sample_row)
+    family: list[RequestState] = dataclasses.field(default_factory=list)  # the request's
+    #   records, one per sequence, when copies > 1 (shared by all of them); else empty
+
+    @property
+    def members(self) -> list[RequestState]:
+        """The records of this record's request: its family, or itself alone."""
+        return self.family or [self]
+
+    def fork(self) -> list[RequestState]:
+        """The records the scheduler runs for this request, one per sequence.
+
+        Itself when ``copies`` is 1; else ``copies`` records of the same id, sequence ``j``
+        drawing as row ``j`` of ``genjax.generate``'s batch (``RowSettings.sample_row``). They
+        are queued together and run as independent requests sharing the prompt's blocks: with
+        prefix caching the first prefills the prompt and names its full blocks, and each
+        other takes them and prefills only the tokens after the last full block (at least
+        one, whose logits choose its first token); without it, each prefills the prompt.
+        """
+        if self.copies == 1:
+            return [self]
+        family: list[RequestState] = []
+        for j in range(self.copies):
+            family.append(
+                dataclasses.replace(
+                    self,
+                    row=self.row.replace(sample_row=np.asarray([j], np.int32)),
+                    sequence=j,
+                    family=family,
+                    generated=[],
+                    timestamps=[],
+                    logprobs=[],
+                    top_logprobs=[],
+                    blocks=[],
+                    pending=[],
+                    hashes=[],
+                    extra={},
+                )
+            )
+        return family
 
     @property
     def num_tokens(self) -> int:

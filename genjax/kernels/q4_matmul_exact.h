@@ -1,0 +1,128 @@
+// Exact products (float32 activations; prompts): each output is ExactOutput's arithmetic
+// (q4_matmul_common.h): kExactLanes partial sums over the inputs (input k feeds partial
+// k mod kExactLanes, one fused multiply-add per input, in input order), then summed by halves.
+// One vector accumulator per output holds those partial sums, so every tiling below gives the
+// same bits.
+//
+// A tile of kExactTile weight rows is dequantized once into a small float buffer in the file's
+// own order (no transposition), and register tiles of up to 4 activation rows x kExactTile
+// weight rows run down the inputs, one vector FMA per (activation row, weight row) per
+// kExactLanes inputs. The tile is reused for a block of activation rows small enough to stay in
+// cache, so a weight is decoded once per kRowBlock activation rows while the packed matrix is
+// read from memory once per product: a GEMM's packing step, with the 4-bit decoding folded in.
+
+#pragma once
+
+#include <vector>
+
+#include "q4_matmul_common.h"
+
+namespace genjax_q4 {
+
+#ifdef GENJAX_Q4_AVX2
+#if defined(__AVX512F__)
+using Vec = __m512;
+inline Vec Zero() { return _mm512_setzero_ps(); }
+inline Vec Load(const float* a) { return _mm512_loadu_ps(a); }
+inline Vec Fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline __m256 Halve(Vec v) {
+  return _mm256_add_ps(_mm512_castps512_ps256(v),
+                       _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+constexpr int kExactTile = 4;  // weight rows per tile: 16 accumulators of 32 registers
+#else
+using Vec = __m256;
+inline Vec Zero() { return _mm256_setzero_ps(); }
+inline Vec Load(const float* a) { return _mm256_loadu_ps(a); }
+inline Vec Fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline __m256 Halve(Vec v) { return v; }
+constexpr int kExactTile = 2;  // 8 accumulators of 16 registers
+#endif
+static_assert(sizeof(Vec) == kExactLanes * sizeof(float), "one partial sum per lane");
+constexpr int64_t kRowBlock = 64;  // activation rows per pass over a tile (x block in L2)
+
+// The partial sums' total, by halves (ExactOutput's order).
+inline float SumByHalves(Vec v) {
+  const __m256 eight = Halve(v);
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(eight), _mm256_extractf128_ps(eight, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// tile[t * I + k] = weight k of row o0 + t, fma(q, scale, minimum), for `count` rows.
+void DequantizeRows(const Problem& p, int64_t o0, int64_t count, float* tile) {
+  const __m128i mask = _mm_set1_epi8(0x0f);
+  for (int64_t t = 0; t < count; ++t) {
+    const uint8_t* w = p.packed + (o0 + t) * (p.inputs / 2);
+    float* out = tile + t * p.inputs;
+    for (int64_t g = 0; g < p.blocks; ++g) {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + g * 16));
+      const __m128i low = _mm_and_si128(bytes, mask);
+      const __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+      const __m256 s = _mm256_set1_ps(HalfToFloat(p.scale[(o0 + t) * p.blocks + g]));
+      const __m256 m = _mm256_set1_ps(HalfToFloat(p.minimum[(o0 + t) * p.blocks + g]));
+      const __m128i parts[4] = {low, _mm_srli_si128(low, 8), high, _mm_srli_si128(high, 8)};
+      for (int h = 0; h < 4; ++h) {
+        const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[h]));
+        _mm256_storeu_ps(out + g * kBlock + h * 8, _mm256_fmadd_ps(q, s, m));
+      }
+    }
+  }
+}
+
+// y[r0:r0+NR, o0:o0+NO] from dequantized weight rows.
+template <int NR, int NO>
+void ExactTile(const Problem& p, const float* tile, int64_t o0, int64_t r0) {
+  Vec acc[NR][NO];
+  for (int r = 0; r < NR; ++r) {
+    for (int t = 0; t < NO; ++t) acc[r][t] = Zero();
+  }
+  const float* x = p.x + r0 * p.inputs;
+  for (int64_t k = 0; k < p.inputs; k += kExactLanes) {
+    Vec w[NO];
+    for (int t = 0; t < NO; ++t) w[t] = Load(tile + t * p.inputs + k);
+    for (int r = 0; r < NR; ++r) {
+      const Vec a = Load(x + r * p.inputs + k);
+      for (int t = 0; t < NO; ++t) acc[r][t] = Fma(a, w[t], acc[r][t]);
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    for (int t = 0; t < NO; ++t) p.y[(r0 + r) * p.outputs + o0 + t] = SumByHalves(acc[r][t]);
+  }
+}
+
+template <int NO>
+void ExactRowsOf(const Problem& p, const float* tile, int64_t o0, int64_t begin, int64_t end) {
+  int64_t r = begin;
+  for (; r + 4 <= end; r += 4) ExactTile<4, NO>(p, tile, o0, r);
+  switch (end - r) {
+    case 1: ExactTile<1, NO>(p, tile, o0, r); break;
+    case 2: ExactTile<2, NO>(p, tile, o0, r); break;
+    case 3: ExactTile<3, NO>(p, tile, o0, r); break;
+    default: break;
+  }
+}
+
+// Weight rows [begin, end) against every activation row.
+void Exact(const Problem& p, int64_t begin, int64_t end) {
+  std::vector<float> tile(kExactTile * p.inputs);
+  for (int64_t block = 0; block < p.rows; block += kRowBlock) {
+    const int64_t block_end = std::min(p.rows, block + kRowBlock);
+    for (int64_t o = begin; o < end; o += kExactTile) {
+      const int64_t count = std::min<int64_t>(kExactTile, end - o);
+      DequantizeRows(p, o, count, tile.data());
+      switch (count) {
+        case 1: ExactRowsOf<1>(p, tile.data(), o, block, block_end); break;
+#if defined(__AVX512F__)
+        case 2: ExactRowsOf<2>(p, tile.data(), o, block, block_end); break;
+        case 3: ExactRowsOf<3>(p, tile.data(), o, block, block_end); break;
+#endif
+        default: ExactRowsOf<kExactTile>(p, tile.data(), o, block, block_end); break;
+      }
+    }
+  }
+}
+#endif
+
+}  // namespace genjax_q4

@@ -5,7 +5,7 @@
 // same bits.
 //
 // A tile of kExactTile weight rows is dequantized once into a small float buffer in the file's
-// own order (no transposition), and register tiles of up to 4 activation rows x kExactTile
+// own order (no transposition), and register tiles of kExactRows activation rows x kExactTile
 // weight rows run down the inputs, one vector FMA per (activation row, weight row) per
 // kExactLanes inputs. The tile is reused for a block of activation rows small enough to stay in
 // cache, so a weight is decoded once per kRowBlock activation rows while the packed matrix is
@@ -29,17 +29,21 @@ inline __m256 Halve(Vec v) {
   return _mm256_add_ps(_mm512_castps512_ps256(v),
                        _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
 }
-constexpr int kExactTile = 4;  // weight rows per tile: 16 accumulators of 32 registers
+// Weight rows per tile, and activation rows per register tile: 6 x 4 accumulators, 4 weight
+// vectors and one activation vector of the 32 registers; 10 loads per 24 FMAs.
+constexpr int kExactTile = 4;
+constexpr int kExactRows = 6;
 #else
 using Vec = __m256;
 inline Vec Zero() { return _mm256_setzero_ps(); }
 inline Vec Load(const float* a) { return _mm256_loadu_ps(a); }
 inline Vec Fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline __m256 Halve(Vec v) { return v; }
-constexpr int kExactTile = 2;  // 8 accumulators of 16 registers
+constexpr int kExactTile = 2;  // 4 x 2 accumulators of 16 registers
+constexpr int kExactRows = 4;
 #endif
 static_assert(sizeof(Vec) == kExactLanes * sizeof(float), "one partial sum per lane");
-constexpr int64_t kRowBlock = 64;  // activation rows per pass over a tile (x block in L2)
+constexpr int64_t kRowBlock = 120;  // activation rows per pass over a tile (x block in L2)
 
 // The partial sums' total, by halves (ExactOutput's order).
 inline float SumByHalves(Vec v) {
@@ -49,6 +53,22 @@ inline float SumByHalves(Vec v) {
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
+
+#if defined(__AVX512F__)
+// y[0:4] = SumByHalves of a, b, c and d, the four reduced together: each step adds the same
+// pairs of partial sums as SumByHalves, for four outputs per instruction.
+inline void StoreSums4(float* y, Vec a, Vec b, Vec c, Vec d) {
+  // lanes 0-7 of a + lanes 8-15 of a, then b's: [a 8 | b 8], and [c 8 | d 8]
+  const Vec ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xee));
+  const Vec cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xee));
+  // lanes 0-3 + lanes 4-7 of each: [a 4 | b 4 | c 4 | d 4]
+  Vec v = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xdd));
+  v = _mm512_add_ps(v, _mm512_permute_ps(v, 0xee));  // lane 0 + lane 2, lane 1 + lane 3
+  v = _mm512_add_ps(v, _mm512_permute_ps(v, 0x55));  // then + lane 1, in each group of 4
+  const __m512i firsts = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0);
+  _mm_storeu_ps(y, _mm512_castps512_ps128(_mm512_permutexvar_ps(firsts, v)));
+}
+#endif
 
 // tile[t * I + k] = weight k of row o0 + t, fma(q, scale, minimum), for `count` rows.
 void DequantizeRows(const Problem& p, int64_t o0, int64_t count, float* tile) {
@@ -88,18 +108,29 @@ void ExactTile(const Problem& p, const float* tile, int64_t o0, int64_t r0) {
     }
   }
   for (int r = 0; r < NR; ++r) {
-    for (int t = 0; t < NO; ++t) p.y[(r0 + r) * p.outputs + o0 + t] = SumByHalves(acc[r][t]);
+    float* y = p.y + (r0 + r) * p.outputs + o0;
+#if defined(__AVX512F__)
+    if constexpr (NO == 4) {
+      StoreSums4(y, acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
+      continue;
+    }
+#endif
+    for (int t = 0; t < NO; ++t) y[t] = SumByHalves(acc[r][t]);
   }
 }
 
 template <int NO>
 void ExactRowsOf(const Problem& p, const float* tile, int64_t o0, int64_t begin, int64_t end) {
   int64_t r = begin;
-  for (; r + 4 <= end; r += 4) ExactTile<4, NO>(p, tile, o0, r);
+  for (; r + kExactRows <= end; r += kExactRows) ExactTile<kExactRows, NO>(p, tile, o0, r);
   switch (end - r) {
     case 1: ExactTile<1, NO>(p, tile, o0, r); break;
     case 2: ExactTile<2, NO>(p, tile, o0, r); break;
     case 3: ExactTile<3, NO>(p, tile, o0, r); break;
+#if defined(__AVX512F__)
+    case 4: ExactTile<4, NO>(p, tile, o0, r); break;
+    case 5: ExactTile<5, NO>(p, tile, o0, r); break;
+#endif
     default: break;
   }
 }

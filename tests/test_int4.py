@@ -22,7 +22,7 @@ from genjax.kernels import native, q4
 from genjax.testing import write_random_checkpoint
 
 FIXTURES = Path(__file__).parent / "fixtures"
-SHAPE = (5, 32)  # [B, T] of every full forward: more rows than the kernel takes (exact path)
+SHAPE = (5, 32)  # [B, T] of every full forward: 160 rows per product (the exact kernel)
 NEW = 24
 
 

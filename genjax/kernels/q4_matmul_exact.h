@@ -4,12 +4,12 @@
 // One vector accumulator per output holds those partial sums, so every tiling below gives the
 // same bits.
 //
-// A tile of kExactTile weight rows is dequantized once into a small float buffer in the file's
-// own order (no transposition), and register tiles of kExactRows activation rows x kExactTile
-// weight rows run down the inputs, one vector FMA per (activation row, weight row) per
-// kExactLanes inputs. The tile is reused for a block of activation rows small enough to stay in
-// cache, so a weight is decoded once per kRowBlock activation rows while the packed matrix is
-// read from memory once per product: a GEMM's packing step, with the 4-bit decoding folded in.
+// A panel of weight rows is dequantized once per product into a float buffer in the file's own
+// order (no transposition) that stays in L2. Then for each register tile of kExactRows
+// activation rows (loaded into L1 once) every kExactTile weight rows of the panel run down the
+// inputs: one vector FMA per (activation row, weight row) per kExactLanes inputs, the weights
+// streaming from L2. So the packed matrix is read from memory, and each weight decoded, once per
+// product: a GEMM's packing step with the 4-bit decoding folded in.
 
 #pragma once
 
@@ -43,7 +43,10 @@ constexpr int kExactTile = 2;  // 4 x 2 accumulators of 16 registers
 constexpr int kExactRows = 4;
 #endif
 static_assert(sizeof(Vec) == kExactLanes * sizeof(float), "one partial sum per lane");
-constexpr int64_t kRowBlock = 120;  // activation rows per pass over a tile (x block in L2)
+// Dequantized weights decoded at a time (a panel): small enough to stay in L2 while every
+// activation row runs against it.
+constexpr int64_t kPanelBytes = 256 * 1024;
+constexpr int64_t kSmallBytes = 32 * 1024;  // activations that leave L1 room for a weight tile
 
 // The partial sums' total, by halves (ExactOutput's order).
 inline float SumByHalves(Vec v) {
@@ -119,38 +122,44 @@ void ExactTile(const Problem& p, const float* tile, int64_t o0, int64_t r0) {
   }
 }
 
-template <int NO>
-void ExactRowsOf(const Problem& p, const float* tile, int64_t o0, int64_t begin, int64_t end) {
-  int64_t r = begin;
-  for (; r + kExactRows <= end; r += kExactRows) ExactTile<kExactRows, NO>(p, tile, o0, r);
-  switch (end - r) {
-    case 1: ExactTile<1, NO>(p, tile, o0, r); break;
-    case 2: ExactTile<2, NO>(p, tile, o0, r); break;
-    case 3: ExactTile<3, NO>(p, tile, o0, r); break;
-#if defined(__AVX512F__)
-    case 4: ExactTile<4, NO>(p, tile, o0, r); break;
-    case 5: ExactTile<5, NO>(p, tile, o0, r); break;
-#endif
+// y[r0:r0+NR, o0:o1] from a panel of dequantized weight rows starting at row o0.
+template <int NR>
+void PanelRows(const Problem& p, const float* panel, int64_t o0, int64_t o1, int64_t r0) {
+  int64_t o = o0;
+  for (; o + kExactTile <= o1; o += kExactTile) {
+    ExactTile<NR, kExactTile>(p, panel + (o - o0) * p.inputs, o, r0);
+  }
+  const float* rest = panel + (o - o0) * p.inputs;
+  switch (o1 - o) {
+    case 1: ExactTile<NR, 1>(p, rest, o, r0); break;
+    case 2: ExactTile<NR, 2>(p, rest, o, r0); break;
+    case 3: ExactTile<NR, 3>(p, rest, o, r0); break;
     default: break;
   }
 }
 
-// Weight rows [begin, end) against every activation row.
+// Weight rows [begin, end) against every activation row, one panel of weight rows at a time.
 void Exact(const Problem& p, int64_t begin, int64_t end) {
-  std::vector<float> tile(kExactTile * p.inputs);
-  for (int64_t block = 0; block < p.rows; block += kRowBlock) {
-    const int64_t block_end = std::min(p.rows, block + kRowBlock);
-    for (int64_t o = begin; o < end; o += kExactTile) {
-      const int64_t count = std::min<int64_t>(kExactTile, end - o);
-      DequantizeRows(p, o, count, tile.data());
-      switch (count) {
-        case 1: ExactRowsOf<1>(p, tile.data(), o, block, block_end); break;
+  // When all the activations fit in L1 a panel of one tile suffices, and its weights stay in L1
+  // too; otherwise the panel is as large as kPanelBytes allows, so the weights are decoded once.
+  const int64_t row_bytes = p.inputs * static_cast<int64_t>(sizeof(float));
+  const int64_t fit = p.rows * row_bytes <= kSmallBytes ? kExactTile : kPanelBytes / row_bytes;
+  const int64_t panel_rows = std::max<int64_t>(kExactTile, fit / kExactTile * kExactTile);
+  std::vector<float> panel(panel_rows * p.inputs);
+  for (int64_t o0 = begin; o0 < end; o0 += panel_rows) {
+    const int64_t o1 = std::min(end, o0 + panel_rows);
+    DequantizeRows(p, o0, o1 - o0, panel.data());
+    int64_t r = 0;
+    for (; r + kExactRows <= p.rows; r += kExactRows) PanelRows<kExactRows>(p, panel.data(), o0, o1, r);
+    switch (p.rows - r) {
+      case 1: PanelRows<1>(p, panel.data(), o0, o1, r); break;
+      case 2: PanelRows<2>(p, panel.data(), o0, o1, r); break;
+      case 3: PanelRows<3>(p, panel.data(), o0, o1, r); break;
 #if defined(__AVX512F__)
-        case 2: ExactRowsOf<2>(p, tile.data(), o, block, block_end); break;
-        case 3: ExactRowsOf<3>(p, tile.data(), o, block, block_end); break;
+      case 4: PanelRows<4>(p, panel.data(), o0, o1, r); break;
+      case 5: PanelRows<5>(p, panel.data(), o0, o1, r); break;
 #endif
-        default: ExactRowsOf<kExactTile>(p, tile.data(), o, block, block_end); break;
-      }
+      default: break;
     }
   }
 }

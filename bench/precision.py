@@ -17,7 +17,8 @@ Q4_1 blocks kept). For each format:
   batch 1, interleaved with the other formats, medians.
 
 Run:  python bench/precision.py [--runs 3] [--new-tokens 64] [--batches 1 8 32]
-                                [--prompt-lengths 42 128 500]
+                                [--prompt-lengths 42 128 500] [--speed-only]
+                                [--formats float32 int4]
 """
 
 from __future__ import annotations
@@ -47,6 +48,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=64, help="default 64")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--prompt-lengths", type=int, nargs="*", default=[], help="prefill")
+    parser.add_argument("--speed-only", action="store_true", help="skip the accuracy part")
+    parser.add_argument(
+        "--formats", nargs="+", choices=list(FORMATS), default=list(FORMATS), help="default all"
+    )
     args = parser.parse_args(argv)
     if args.runs < 1 or args.new_tokens < 2 or min(args.batches + args.prompt_lengths) < 1:
         parser.error(
@@ -171,13 +176,16 @@ def main(argv: list[str] | None = None) -> None:
     import genjax
 
     loaded = {}
-    for name, keywords in FORMATS.items():
-        model, params = genjax.models.from_pretrained(path, **keywords)
+    for name in dict.fromkeys(["float32", *args.formats]):
+        model, params = genjax.models.from_pretrained(path, **FORMATS[name])
         loaded[name] = (model.with_generation_config(None), params)
     print(f"# {_machine.cpu_model()} ({', '.join(_machine.cpu_extensions())}), "
           f"{_machine.cpu_count()} threads; SmolLM2-135M-Instruct (Q4_1 GGUF)")  # fmt: skip
-    accuracy = _accuracy(loaded, prompts, args.new_tokens)
-    print(f"against float32, {len(prompts)} chat prompts, {args.new_tokens} greedy tokens each:")
+    accuracy = {} if args.speed_only else _accuracy(loaded, prompts, args.new_tokens)
+    if accuracy:
+        print(
+            f"against float32, {len(prompts)} chat prompts, {args.new_tokens} greedy tokens each:"
+        )
     for name, row in accuracy.items():
         print(f"  {name:9s} first-step logits: largest change {row['max_change']:.2%} of the "
               f"largest logit, mean {row['mean_change']:.2%} of the mean |logit|; tokens = "

@@ -94,6 +94,21 @@ void DequantizeRows(const Problem& p, int64_t o0, int64_t count, float* tile) {
   }
 }
 
+// y[r0 + r, o0 + t] = the total of acc[r][t]'s partial sums.
+template <int NR, int NO>
+void StoreTile(const Problem& p, Vec (&acc)[NR][NO], int64_t o0, int64_t r0) {
+  for (int r = 0; r < NR; ++r) {
+    float* y = p.y + (r0 + r) * p.outputs + o0;
+#if defined(__AVX512F__)
+    if constexpr (NO == 4) {
+      StoreSums4(y, acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
+      continue;
+    }
+#endif
+    for (int t = 0; t < NO; ++t) y[t] = SumByHalves(acc[r][t]);
+  }
+}
+
 // y[r0:r0+NR, o0:o0+NO] from dequantized weight rows.
 template <int NR, int NO>
 void ExactTile(const Problem& p, const float* tile, int64_t o0, int64_t r0) {
@@ -110,15 +125,68 @@ void ExactTile(const Problem& p, const float* tile, int64_t o0, int64_t r0) {
       for (int t = 0; t < NO; ++t) acc[r][t] = Fma(a, w[t], acc[r][t]);
     }
   }
-  for (int r = 0; r < NR; ++r) {
-    float* y = p.y + (r0 + r) * p.outputs + o0;
+  StoreTile<NR, NO>(p, acc, o0, r0);
+}
+
+// The weights of block g of a row as kBlock / kExactLanes vectors of consecutive inputs,
+// fma(q, scale, minimum) as DequantizeRows computes them: inputs 0-15 are the low nibbles of the
+// block's 16 bytes, inputs 16-31 the high ones.
+inline void DecodeBlock(const uint8_t* bytes16, float scale, float minimum,
+                        Vec (&out)[kBlock / kExactLanes]) {
+  const __m128i mask = _mm_set1_epi8(0x0f);
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes16));
+  const __m128i low = _mm_and_si128(bytes, mask);
+  const __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
 #if defined(__AVX512F__)
-    if constexpr (NO == 4) {
-      StoreSums4(y, acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
-      continue;
-    }
+  const Vec s = _mm512_set1_ps(scale), m = _mm512_set1_ps(minimum);
+  out[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(low)), s, m);
+  out[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(high)), s, m);
+#else
+  const Vec s = _mm256_set1_ps(scale), m = _mm256_set1_ps(minimum);
+  const __m128i parts[4] = {low, _mm_srli_si128(low, 8), high, _mm_srli_si128(high, 8)};
+  for (int h = 0; h < 4; ++h) {
+    out[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[h])), s, m);
+  }
 #endif
-    for (int t = 0; t < NO; ++t) y[t] = SumByHalves(acc[r][t]);
+}
+
+// ExactTile's arithmetic with the weights decoded into registers as they are used, for calls of
+// a few activation rows, where writing and reading back a decoded panel would cost more than
+// the product itself.
+template <int NR, int NO>
+void ExactFused(const Problem& p, int64_t o0, int64_t r0) {
+  constexpr int kParts = kBlock / kExactLanes;
+  Vec acc[NR][NO];
+  for (int r = 0; r < NR; ++r) {
+    for (int t = 0; t < NO; ++t) acc[r][t] = Zero();
+  }
+  const float* x = p.x + r0 * p.inputs;
+  for (int64_t g = 0; g < p.blocks; ++g) {
+    Vec w[NO][kParts];
+    for (int t = 0; t < NO; ++t) {
+      const int64_t at = (o0 + t) * p.blocks + g;
+      DecodeBlock(p.packed + (o0 + t) * (p.inputs / 2) + g * 16, HalfToFloat(p.scale[at]),
+                  HalfToFloat(p.minimum[at]), w[t]);
+    }
+    for (int h = 0; h < kParts; ++h) {
+      for (int r = 0; r < NR; ++r) {
+        const Vec a = Load(x + r * p.inputs + g * kBlock + h * kExactLanes);
+        for (int t = 0; t < NO; ++t) acc[r][t] = Fma(a, w[t][h], acc[r][t]);
+      }
+    }
+  }
+  StoreTile<NR, NO>(p, acc, o0, r0);
+}
+
+template <int NR>
+void FusedRows(const Problem& p, int64_t begin, int64_t end) {
+  int64_t o = begin;
+  for (; o + kExactTile <= end; o += kExactTile) ExactFused<NR, kExactTile>(p, o, 0);
+  switch (end - o) {
+    case 1: ExactFused<NR, 1>(p, o, 0); break;
+    case 2: ExactFused<NR, 2>(p, o, 0); break;
+    case 3: ExactFused<NR, 3>(p, o, 0); break;
+    default: break;
   }
 }
 
@@ -140,6 +208,13 @@ void PanelRows(const Problem& p, const float* panel, int64_t o0, int64_t o1, int
 
 // Weight rows [begin, end) against every activation row, one panel of weight rows at a time.
 void Exact(const Problem& p, int64_t begin, int64_t end) {
+  switch (p.rows) {  // a few rows: no panel
+    case 1: return FusedRows<1>(p, begin, end);
+    case 2: return FusedRows<2>(p, begin, end);
+    case 3: return FusedRows<3>(p, begin, end);
+    case 4: return FusedRows<4>(p, begin, end);
+    default: break;
+  }
   // When all the activations fit in L1 a panel of one tile suffices, and its weights stay in L1
   // too; otherwise the panel is as large as kPanelBytes allows, so the weights are decoded once.
   const int64_t row_bytes = p.inputs * static_cast<int64_t>(sizeof(float));

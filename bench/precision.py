@@ -155,7 +155,7 @@ def _prefill_ms(loaded, length, runs):
             mask = jnp.ones(ids.shape, jnp.int32)
             positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
             cache = model.init_cache(*ids.shape)
-            return model.apply(params, ids, positions, cache, mask)[0][:, -1]
+            return model.apply(params, ids, positions, cache, mask, logits_to_keep=1)[0][:, -1]
 
         calls[name] = lambda forward=forward, params=params: forward(params, ids)
         calls[name]().block_until_ready()

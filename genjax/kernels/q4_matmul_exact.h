@@ -9,7 +9,10 @@
 // activation rows (loaded into L1 once) every kExactTile weight rows of the panel run down the
 // inputs: one vector FMA per (activation row, weight row) per kExactLanes inputs, the weights
 // streaming from L2. So the packed matrix is read from memory, and each weight decoded, once per
-// product: a GEMM's packing step with the 4-bit decoding folded in.
+// product: a GEMM's packing step with the 4-bit decoding folded in. When the activations fit
+// in L1 the panel shrinks to one register tile's weight rows (they stay in L1 too), and calls
+// of up to 4 rows skip the buffer: weights are decoded into registers as they are used
+// (ExactFused), which costs less than writing and reading them back.
 
 #pragma once
 

@@ -12,9 +12,13 @@ Q4_1 blocks kept). For each format:
   predicts the next token at every position of that continuation (teacher forced): the share
   of positions where both pick the same token;
 * speed: one decode step at batch 1, 8 and 32 (random 32-token prompts; the difference of two
-  call lengths divided by the extra tokens), interleaved with the other formats, medians.
+  call lengths divided by the extra tokens), interleaved with the other formats, medians;
+* prefill (``--prompt-lengths``): one forward pass over a random prompt of each length at
+  batch 1, interleaved with the other formats, medians.
 
 Run:  python bench/precision.py [--runs 3] [--new-tokens 64] [--batches 1 8 32]
+                                [--prompt-lengths 42 128 500] [--speed-only]
+                                [--formats float32 int4]
 """
 
 from __future__ import annotations
@@ -43,9 +47,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--runs", type=int, default=3, help="timed runs of each (default 3)")
     parser.add_argument("--new-tokens", type=int, default=64, help="default 64")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--prompt-lengths", type=int, nargs="*", default=[], help="prefill")
+    parser.add_argument("--speed-only", action="store_true", help="skip the accuracy part")
+    parser.add_argument(
+        "--formats", nargs="+", choices=list(FORMATS), default=list(FORMATS), help="default all"
+    )
     args = parser.parse_args(argv)
-    if args.runs < 1 or args.new_tokens < 2 or min(args.batches) < 1:
-        parser.error("--runs and --batches must be at least 1, --new-tokens at least 2")
+    if args.runs < 1 or args.new_tokens < 2 or min(args.batches + args.prompt_lengths) < 1:
+        parser.error(
+            "--runs, --batches and --prompt-lengths must be at least 1, --new-tokens at least 2"
+        )
     return args
 
 
@@ -128,6 +139,35 @@ def _step_ms(model, params, batch, runs):
     return statistics.median(steps)
 
 
+def _prefill_ms(loaded, length, runs):
+    """Median milliseconds of one forward pass over a ``length``-token prompt, per format,
+    timed interleaved."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    ids = jnp.asarray(np.random.default_rng(0).integers(100, 40000, (1, length)), jnp.int32)
+    calls = {}
+    for name, (model, params) in loaded.items():
+
+        @jax.jit
+        def forward(params, ids, model=model):
+            mask = jnp.ones(ids.shape, jnp.int32)
+            positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
+            cache = model.init_cache(*ids.shape)
+            return model.apply(params, ids, positions, cache, mask, logits_to_keep=1)[0][:, -1]
+
+        calls[name] = lambda forward=forward, params=params: forward(params, ids)
+        calls[name]().block_until_ready()
+    times = {name: [] for name in calls}
+    for _ in range(runs):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call().block_until_ready()
+            times[name].append((time.perf_counter() - start) * 1e3)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     path, tokenizer = real_checkpoint()
@@ -136,13 +176,16 @@ def main(argv: list[str] | None = None) -> None:
     import genjax
 
     loaded = {}
-    for name, keywords in FORMATS.items():
-        model, params = genjax.models.from_pretrained(path, **keywords)
+    for name in dict.fromkeys(["float32", *args.formats]):
+        model, params = genjax.models.from_pretrained(path, **FORMATS[name])
         loaded[name] = (model.with_generation_config(None), params)
     print(f"# {_machine.cpu_model()} ({', '.join(_machine.cpu_extensions())}), "
           f"{_machine.cpu_count()} threads; SmolLM2-135M-Instruct (Q4_1 GGUF)")  # fmt: skip
-    accuracy = _accuracy(loaded, prompts, args.new_tokens)
-    print(f"against float32, {len(prompts)} chat prompts, {args.new_tokens} greedy tokens each:")
+    accuracy = {} if args.speed_only else _accuracy(loaded, prompts, args.new_tokens)
+    if accuracy:
+        print(
+            f"against float32, {len(prompts)} chat prompts, {args.new_tokens} greedy tokens each:"
+        )
     for name, row in accuracy.items():
         print(f"  {name:9s} first-step logits: largest change {row['max_change']:.2%} of the "
               f"largest logit, mean {row['mean_change']:.2%} of the mean |logit|; tokens = "
@@ -155,6 +198,14 @@ def main(argv: list[str] | None = None) -> None:
             f"{name} {ms:.1f} ({steps['float32'] / ms:.2f}x)" for name, ms in steps.items()
         )
         print(f"  batch {batch:3d}: {cells}; auto picks {genjax.models.auto_precision(batch)}")
+    if args.prompt_lengths:
+        print(f"prefill at batch 1, ms (median of {args.runs}), and speed against float32:")
+    for length in args.prompt_lengths:
+        times = _prefill_ms(loaded, length, args.runs)
+        cells = ", ".join(
+            f"{name} {ms:.1f} ({times['float32'] / ms:.2f}x)" for name, ms in times.items()
+        )
+        print(f"  {length:4d} tokens: {cells}")
 
 
 if __name__ == "__main__":

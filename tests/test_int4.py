@@ -22,7 +22,7 @@ from genjax.kernels import native, q4
 from genjax.testing import write_random_checkpoint
 
 FIXTURES = Path(__file__).parent / "fixtures"
-SHAPE = (5, 32)  # [B, T] of every full forward: more rows than the kernel takes (exact path)
+SHAPE = (5, 32)  # [B, T] of every full forward: 160 rows per product (the exact kernel)
 NEW = 24
 
 
@@ -136,16 +136,23 @@ def test_kernel_computes_its_stated_arithmetic(rows, shape):
     assert np.abs(got - exact).max() <= 0.03 * np.abs(exact).max()
 
 
-def test_each_row_is_computed_alone():
-    """Rows do not interact: a product of 7 rows equals each row's product alone, bit for bit
-    (so a request's tokens do not depend on its batch neighbours)."""
-    packed, scale, minimum = q4.quantize(_weights(96, 160))
-    x = jnp.asarray(np.random.default_rng(1).standard_normal((7, 160)), jnp.float32)
-    together = np.asarray(jax.jit(q4.matmul)(x, packed, scale, minimum))
+@pytest.mark.parametrize("exact", [False, True])
+def test_each_row_is_computed_alone(exact):
+    """Rows do not interact: a product of 19 rows (the many-row tilings) equals each row's
+    product alone (the one-row tilings) and a product of its first 7, bit for bit, in both
+    modes (so a request's tokens do not depend on its batch neighbours). 86 weight rows leave
+    partial tiles of weight rows too."""
+    packed, scale, minimum = q4.quantize(_weights(86, 160))
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((19, 160)), jnp.float32)
+    product = jax.jit(q4.matmul, static_argnums=4)
+    together = np.asarray(product(x, packed, scale, minimum, exact))
     alone = np.concatenate(
-        [np.asarray(jax.jit(q4.matmul)(x[i : i + 1], packed, scale, minimum)) for i in range(7)]
+        [np.asarray(product(x[i : i + 1], packed, scale, minimum, exact)) for i in range(19)]
     )
     np.testing.assert_array_equal(together, alone)
+    np.testing.assert_array_equal(
+        together[:7], np.asarray(product(x[:7], packed, scale, minimum, exact))
+    )
 
 
 @pytest.mark.parametrize("rows", [1, 4, q4.EXACT_KERNEL_MAX_ROWS + 1, q4.KERNEL_MAX_ROWS + 1])
@@ -177,7 +184,9 @@ def test_prompts_are_exact_and_steps_rounded():
 
 def test_portable_build_equals_the_vector_build(tmp_path):
     """The source's plain C++ path (what a CPU without AVX2 compiles) gives the vector path's
-    sums: both take exact integer block dots, so only float rounding differs."""
+    results: rounded products bit for bit (exact integer block dots, then the same float
+    operations in the same order), exact ones to float rounding (the vector path keeps as many
+    partial sums as its widest vector has lanes)."""
     compiler = native.compiler()
     assert compiler is not None, "these tests need a C++ compiler (g++ or clang++)"
     library = tmp_path / "portable.so"
@@ -194,13 +203,21 @@ def test_portable_build_equals_the_vector_build(tmp_path):
         "genjax_q4_matmul_portable", jax.ffi.pycapsule(symbol), platform="cpu"
     )
     packed, scale, minimum = q4.quantize(_weights(72, 288))
-    x = jnp.asarray(np.random.default_rng(3).standard_normal((5, 288)), jnp.float32)
-    out = jax.ShapeDtypeStruct((5, 72), jnp.float32)
-    call = jax.ffi.ffi_call("genjax_q4_matmul_portable", out)
-    for exact in (False, True):
-        portable = np.asarray(call(x, packed, scale, minimum, exact=exact))
-        vector = np.asarray(jax.jit(q4.matmul, static_argnums=4)(x, packed, scale, minimum, exact))
-        np.testing.assert_allclose(portable, vector, rtol=0, atol=2e-6 * np.abs(vector).max())
+    for rows in (5, 13):  # the few-row and the many-row tilings
+        x = jnp.asarray(np.random.default_rng(rows).standard_normal((rows, 288)), jnp.float32)
+        call = jax.ffi.ffi_call(
+            "genjax_q4_matmul_portable", jax.ShapeDtypeStruct((rows, 72), jnp.float32)
+        )
+        product = jax.jit(q4.matmul, static_argnums=4)
+        for exact in (False, True):
+            portable = np.asarray(call(x, packed, scale, minimum, exact=exact))
+            vector = np.asarray(product(x, packed, scale, minimum, exact))
+            if exact:
+                np.testing.assert_allclose(
+                    portable, vector, rtol=0, atol=2e-6 * np.abs(vector).max()
+                )
+            else:
+                np.testing.assert_array_equal(portable, vector)
 
 
 def test_which_leaves_are_four_bit(tiny):

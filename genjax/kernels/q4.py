@@ -22,12 +22,19 @@ matrix once, in one of two ways:
   activation row is rounded to int8 per block of 32 as llama.cpp does (one float scale per
   block, absmax / 127), the block sums of nibble times int8 activation are taken exactly in
   int32 with the CPU's dot instructions (AVX-VNNI, or AVX2) and scaled in float32. The rounding
-  moves a product by about 1% of its largest output (``tests/test_int4.py``);
+  moves a product by about 1% of its largest output (``tests/test_int4.py``). From 8 rows the
+  kernel works like a GEMM: a tile of weight rows is unpacked once and each unpacked block is
+  dotted with 8 activation rows per instruction;
 * exact (prompts: several positions per sequence, up to :data:`EXACT_KERNEL_MAX_ROWS` rows):
-  float32 activations times the nibbles widened to float. A prompt's rounding errors would
-  stay in the cache for every later token: on SmolLM2-135M-Instruct's Q4_1 file, greedy tokens
-  equal transformers' float32 argmax on the dequantized weights at 96.4% of positions with
-  exact prompts and 93.2% with rounded ones (teacher forced, six chat prompts).
+  float32 activations times the weights dequantized to float32, a panel of weight rows at a
+  time, in a register-tiled FMA product (each weight decoded once per product). A prompt's
+  rounding errors would stay in the cache for every later token: on SmolLM2-135M-Instruct's
+  Q4_1 file, greedy tokens equal transformers' float32 argmax on the dequantized weights at
+  96.4% of positions with exact prompts and 93.2% with rounded ones (teacher forced, six chat
+  prompts).
+
+In both modes each output's float operations run in one fixed order whatever the number of
+rows, so a row's result does not depend on the other rows of the product.
 
 Longer products, other backends, and CPUs where the kernel cannot be built (see
 :mod:`genjax.kernels.native`) take the XLA path: the matrix dequantized to float32 at its use
@@ -57,17 +64,17 @@ from genjax.typing import Array
 BLOCK = 32
 """Inputs per block: one scale and one minimum per 32 weights of a row."""
 
-KERNEL_MAX_ROWS = 128
+KERNEL_MAX_ROWS = 512
 """Rounded products (decode steps) of up to this many activation rows run the CPU kernel; more
-take the XLA path (dequantized matrix, float32 product). Timed on SmolLM2-135M's whole forward
-pass over 42 / 128 / 500 rows on the 2-core EPYC: kernel 107 / 223 / 1023 ms, XLA 195 / 240 /
-698 ms (XLA's fixed cost is unpacking every matrix; the kernel's grows with the rows), so the
-two meet near 128 rows."""
+take the XLA path (the matrix dequantized to float32 at its use, a float32 product). The
+kernel's rounded mode costs less per row than its exact mode, which beat the XLA path at every
+product size measured, up to 500 rows (``bench/README.md``); the bound marks that range."""
 
-EXACT_KERNEL_MAX_ROWS = 32
-"""The same bound for exact products (float activations; prompts): the kernel's float path
-costs 2-3x its rounded one per row, so XLA's product wins from fewer rows (SmolLM2-135M's prefill:
-42 tokens 182 ms by the kernel, 197 by XLA; 128 tokens 356 against 243)."""
+EXACT_KERNEL_MAX_ROWS = 256
+"""The same bound for exact products (float activations; prompts): the kernel reads and decodes
+the packed matrix once per product and beat the XLA path (which writes a float32 copy of the
+matrix first) on SmolLM2-135M's whole prefill at 42 and 128 tokens; at 500 rows the two were
+level within the measurements' noise (``bench/README.md``)."""
 
 TARGET = "genjax_q4_matmul"
 _LEVELS = 15

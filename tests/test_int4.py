@@ -342,8 +342,9 @@ def test_a_request_in_the_engine_equals_generate_alone_but_at_near_ties():
     activations turns the engine's and generate's tiny float differences in attention (paged
     against contiguous sums) into occasional one-step differences of an int8 activation, which
     can flip a near tie: a request may part from generate only where the two best logits lie
-    within 1% of the largest one (measured: one of these 4 requests, at a gap of 0.35%; float
-    params: none)."""
+    within 1% of the largest one (measured: one of these 4 requests on the AMD EPYC, at a gap
+    of 0.35%, two on the Intel Xeon; float params: none). At least half must equal generate,
+    so that the near-tie rule is not the whole test."""
     from genjax.serving import ContinuousBatchingConfig, init_continuous_batching
 
     path = genjax.io.bundled.path()
@@ -378,4 +379,4 @@ def test_a_request_in_the_engine_equals_generate_alone_but_at_near_ties():
         logits = _forward(model, params, np.asarray([alone[: len(prompt) + parted]]))[0, -1]
         best = np.sort(logits)[::-1]
         assert best[0] - best[1] < 0.01 * np.abs(logits).max(), (prompt, parted, best[:2])
-    assert equal >= 3
+    assert equal >= 2

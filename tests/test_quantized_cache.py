@@ -18,7 +18,7 @@ import genjax
 from genjax.cache import KVCache
 from genjax.cache.quantized import QuantizedKVCache, check_cache_options, dequantize, quantize
 from genjax.errors import GenerationConfigError, UnsupportedError
-from genjax.testing import left_padded_batch, write_random_checkpoint
+from genjax.testing import MESH_LLAMA, left_padded_batch, write_random_checkpoint
 
 BATCH, PROMPT, NEW = 8, 5, 24
 QUANTIZED = {"cache_implementation": "quantized", "cache_config": {"nbits": 8}}
@@ -39,12 +39,7 @@ def llama(tmp_path_factory):
     write_random_checkpoint(
         path,
         "llama",
-        num_hidden_layers=1,
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=8,
+        **MESH_LLAMA,
     )
     return genjax.models.from_pretrained(path)
 

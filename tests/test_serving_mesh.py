@@ -20,7 +20,7 @@ from genjax import GenerationConfig, sharding
 from genjax.cache.memory import paged_block_bytes
 from genjax.errors import CacheMemoryError, ShardingError, UnsupportedError
 from genjax.serving import ContinuousBatchingConfig, RequestStatus, init_continuous_batching
-from genjax.testing import count_compiles, write_random_checkpoint
+from genjax.testing import MESH_LLAMA, count_compiles, write_random_checkpoint
 
 pytestmark = pytest.mark.usefixtures("fast_compiles")
 
@@ -49,12 +49,7 @@ def _model(quantize=None):
     write_random_checkpoint(
         path,
         "llama",
-        num_hidden_layers=1,
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=8,
+        **MESH_LLAMA,
         eos_token_id=None,  # NEW tokens each
     )
     return genjax.models.from_pretrained(path, quantize=quantize)

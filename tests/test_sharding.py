@@ -26,7 +26,12 @@ from genjax.cache import KVCache
 from genjax.decoding.sampling import DecodeRules, DecodeState, decode, greedy_chooser
 from genjax.errors import InputError, ShardingError
 from genjax.stopping import stopping_rules
-from genjax.testing import assert_same_generation, left_padded_batch, write_random_checkpoint
+from genjax.testing import (
+    MESH_LLAMA,
+    assert_same_generation,
+    left_padded_batch,
+    write_random_checkpoint,
+)
 
 BATCH, PROMPT, NEW = 8, 5, 4
 GREEDY = genjax.GenerationConfig(max_new_tokens=NEW, pad_token_id=0, output_scores=True)
@@ -47,12 +52,7 @@ def models(tmp_path_factory):
     write_random_checkpoint(
         root / "llama",
         "llama",
-        num_hidden_layers=1,
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=8,
+        **MESH_LLAMA,
     )
     write_random_checkpoint(root / "gpt2", "gpt2", n_layer=1, n_head=8, n_embd=512)
     return {arch: genjax.models.from_pretrained(root / arch) for arch in ("llama", "gpt2")}

@@ -17,6 +17,7 @@ from genjax.testing.checkpoints import tiny_config, write_random_checkpoint
 from genjax.testing.gguf import write_gguf
 
 __all__ = [
+    "MESH_LLAMA",
     "TINY_CORPUS",
     "assert_same_generation",
     "chi_square_p_value",
@@ -38,6 +39,17 @@ def assert_same_generation(out, expected, atol: float) -> None:
         np.testing.assert_allclose(out.sequences_scores, expected.sequences_scores, atol=atol)
         np.testing.assert_array_equal(out.beam_indices, expected.beam_indices)
 
+
+MESH_LLAMA = dict(
+    num_hidden_layers=1,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=8,
+)
+"""``write_random_checkpoint(path, "llama", **MESH_LLAMA)``: one layer whose 8 query and 4 KV
+heads split over ``model`` axes of 2 and 4 (queries also 8), for the sharding tests."""
 
 TINY_CORPUS = ("def fibonacci(n):\n    return n", "hello world, hello tokens") * 20
 """The text :func:`tiny_bpe_tokenizer` learns from by default."""

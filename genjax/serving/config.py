@@ -211,9 +211,10 @@ def attention_spans(
     (the gathered keys and values, written and read again) costs as much as the weights at a
     few rows: a step attends over the smallest span that holds its rows' blocks, so its cost
     follows the longest request in flight rather than ``max_length``. Measured on SmolLM-135M
-    (``bench/engine_spans.py``), 8 rows of 128 tokens: 768 slots cost 1.4x 256 slots; 32 rows
-    of 100 tokens: 256 slots cost 1.2x 128. Each span is a program per row bucket (about as
-    slow to compile as the others), hence a few spans far apart rather than many.
+    (``bench/engine_spans.py``, Intel Xeon, CPU time), 8 rows of 128 tokens: 768 slots cost
+    1.43x 256 slots; 32 rows of 100 tokens: 256 slots cost 1.16x 128. Each span is a program
+    per row bucket (about as slow to compile as the others), hence a few spans far apart
+    rather than many.
 
     Example:
         >>> attention_spans(4096, 16, 256)  # 256 and 1024 tokens, then 4096

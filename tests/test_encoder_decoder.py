@@ -26,6 +26,10 @@ FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "encdec")
 FIXTURE_CASES = ["t5_v1_0", "t5_v1_1", "bart", "mbart", "marian"]
 PRESETS = ["t5", "t5_v1_1", "bart", "mbart", "marian"]
 TOL = dict(atol=2e-5, rtol=2e-5)
+# transformers run live on this machine: torch's own CPU kernels differ by kind (on the Intel
+# Xeon with AMX, T5 v1.1 logits up to ~2.5 moved by 3.2e-5 against the recorded AMD values that
+# genjax matches to 2e-5), so the live comparison allows float32 noise of a few times that.
+LIVE_TOL = dict(atol=1e-4, rtol=1e-4)
 
 
 def _forward(model, params, src, src_mask, tgt):
@@ -39,14 +43,14 @@ def _forward(model, params, src, src_mask, tgt):
     return np.asarray(states), np.asarray(logits), cache
 
 
-def _compare(model, params, arrays):
+def _compare(model, params, arrays, tol=TOL):
     states, logits, _ = _forward(
         model, params, arrays["src_ids"], arrays["src_mask"], arrays["decoder_ids"]
     )
     real = arrays["src_mask"].astype(bool)
     assert np.abs(arrays["logits"]).max() > 1.0  # not trivially small
-    np.testing.assert_allclose(states[real], arrays["encoder_states"][real], **TOL)
-    np.testing.assert_allclose(logits, arrays["logits"], **TOL)
+    np.testing.assert_allclose(states[real], arrays["encoder_states"][real], **tol)
+    np.testing.assert_allclose(logits, arrays["logits"], **tol)
     return np.abs(states[real] - arrays["encoder_states"][real]).max(), np.abs(
         logits - arrays["logits"]
     ).max()
@@ -76,7 +80,7 @@ def test_live_parity_with_transformers(tmp_path, case):
         sys.path.pop(0)
     record = build_case(case, tmp_path)
     model, params = from_pretrained(tmp_path)
-    _compare(model, params, record["arrays"])
+    _compare(model, params, record["arrays"], LIVE_TOL)
 
 
 @pytest.mark.parametrize("preset", PRESETS)

@@ -5,7 +5,8 @@ The workload (seeded): ``--requests`` requests (default 64; ``--quick`` 16), pro
 log-uniform in 8..512, output lengths uniform in 16..256 (EOS disabled, so each request makes
 exactly its length), all arriving at once. Four ways to serve it, each in a process of its own:
 
-* ``engine``: ``genjax.serving`` (8 slots, paged cache, chunked prefill), one request each;
+* ``engine``: ``genjax.serving`` (8 slots unless ``--engine-slots`` says otherwise, paged
+  cache, chunked prefill), one request each;
 * ``generate``: ``genjax.generate`` on static batches of 8 in arrival order, each batch running
   to its longest request (the tokens past a request's own length are wasted, not counted);
 * ``hf_cb``: transformers' continuous batching (``model.init_continuous_batching``, the manager
@@ -46,7 +47,7 @@ import numpy as np  # noqa: E402
 from _peers import PAD_TOKEN_ID  # noqa: E402
 
 LIBS = ("engine", "generate", "hf_cb", "hf_generate")
-BATCH = 8  # static batches, and the engine's slots
+BATCH = 8  # static batches, and the engine's slots unless --engine-slots says otherwise
 SMALL_LLAMA = _cases.Shape(
     name="llama-small",
     title="small Llama (4 layers, 256 wide, vocab 8192)",
@@ -91,7 +92,7 @@ class _Compiles:
             self.count += 1
 
 
-def _engine(folder, prompts, outputs):
+def _engine(folder, prompts, outputs, slots=None):
     import jax
 
     import genjax
@@ -101,7 +102,7 @@ def _engine(folder, prompts, outputs):
     config = genjax.GenerationConfig(pad_token_id=PAD_TOKEN_ID, eos_token_id=None)
     longest = max(len(p) + n for p, n in zip(prompts, outputs, strict=True))
     cb = ContinuousBatchingConfig(
-        max_batch_size=BATCH, block_size=16, max_length=longest, prefill_chunk_size=64
+        max_batch_size=slots or BATCH, block_size=16, max_length=longest, prefill_chunk_size=64
     )
     manager = init_continuous_batching(model, params, config, cb)
     compiles = _Compiles(jax)
@@ -300,20 +301,22 @@ def _summary(measured, compiles) -> dict:
 _WORKERS = {"engine": _engine, "generate": _generate, "hf_cb": _hf_cb, "hf_generate": _hf_generate}
 
 
-def _worker(conn, lib, folder, prompts, outputs):
+def _worker(conn, lib, folder, prompts, outputs, slots):
     if lib in ("engine", "generate"):
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     try:
-        conn.send(("ok", _WORKERS[lib](folder, prompts, outputs)))
+        extra = (slots,) if lib == "engine" else ()
+        conn.send(("ok", _WORKERS[lib](folder, prompts, outputs, *extra)))
     except Exception as error:  # reported, never a crash of the suite
         conn.send(("error", f"{type(error).__name__}: {error}"))
 
 
-def run_lib(lib, folder, prompts, outputs) -> dict:
-    """Runs one way of serving in a fresh process; ``{"error": ...}`` if it failed."""
+def run_lib(lib, folder, prompts, outputs, slots=BATCH) -> dict:
+    """Runs one way of serving in a fresh process (the engine with ``slots`` slots);
+    ``{"error": ...}`` if it failed."""
     context = multiprocessing.get_context("spawn")
     parent, child = context.Pipe()
-    process = context.Process(target=_worker, args=(child, lib, folder, prompts, outputs))
+    process = context.Process(target=_worker, args=(child, lib, folder, prompts, outputs, slots))
     process.start()
     child.close()
     try:
@@ -382,6 +385,9 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=None, help="default: the shape's depth")
     parser.add_argument("--libs", nargs="+", choices=LIBS, default=list(LIBS))
     parser.add_argument("--json", metavar="PATH", help="also write every number here")
+    parser.add_argument(
+        "--engine-slots", type=int, default=BATCH, help=f"the engine's requests at once ({BATCH})"
+    )
     args = parser.parse_args(argv)
     count = args.requests or (16 if args.quick else 64)
     shape = SHAPES[args.shape or ("llama-small" if args.quick else "smollm")]
@@ -392,7 +398,7 @@ def main(argv=None) -> int:
         results = {}
         for lib in args.libs:
             print(f"[{time.strftime('%H:%M:%S')}] {lib}", file=sys.stderr, flush=True)
-            results[lib] = run_lib(lib, folder, prompts, outputs)
+            results[lib] = run_lib(lib, folder, prompts, outputs, args.engine_slots)
     env = _machine.environment()
     lengths = [len(p) for p in prompts]
     header = [
@@ -400,7 +406,7 @@ def main(argv=None) -> int:
         f"{checkpoint['params'] / 1e6:.1f}M params, float32",
         f"prompts {min(lengths)}..{max(lengths)} (mean {np.mean(lengths):.0f}), outputs "
         f"{min(outputs)}..{max(outputs)} (sum {sum(outputs)}); static batches of {BATCH}; "
-        f"engine slots {BATCH}",
+        f"engine slots {args.engine_slots}",
         f"CPU: {lscpu_model()} ({env['usable_cpus']} usable cores); "
         + ", ".join(f"{k} {v}" for k, v in env["versions"].items() if v),
         "",

@@ -19,10 +19,10 @@ import os
 import jax
 import numpy as np
 import pytest
+from encdec_models import recorded_model as _model
 
 import genjax
 from genjax.errors import GenerationConfigError, InputError, UnsupportedError
-from genjax.models import from_pretrained
 from genjax.testing import count_compiles
 
 pytestmark = pytest.mark.usefixtures("fast_compiles")
@@ -31,15 +31,6 @@ HERE = os.path.dirname(__file__)
 SIZE = 16  # M: the decoder's start token and up to 15 new tokens
 SCORES = dict(rtol=1e-5, atol=5e-5)
 QUANTIZED = {"cache_implementation": "quantized", "cache_config": {"nbits": 8}}
-
-
-@functools.cache
-def _model(name: str):
-    """The genjax model, params and source batch of ``tests/fixtures/encdec/<name>``."""
-    folder = os.path.join(HERE, "fixtures", "encdec", name)
-    model, params = from_pretrained(folder)
-    with np.load(os.path.join(folder, "records.npz")) as records:
-        return model, params, records["src_ids"], records["src_mask"]
 
 
 @functools.cache

@@ -20,6 +20,7 @@ import types
 import jax
 import numpy as np
 import pytest
+from encdec_models import recorded_model as _model
 
 import genjax
 from genjax.cache.quantized import QuantizedKVCache
@@ -48,15 +49,6 @@ CASES = [
     ("marian", "greedy"),
     ("marian", "beam"),
 ]
-
-
-@functools.cache
-def _model(name: str):
-    """The genjax model, params and source batch of ``tests/fixtures/encdec/<name>``."""
-    folder = os.path.join(HERE, "fixtures", "encdec", name)
-    model, params = from_pretrained(folder)
-    with np.load(os.path.join(folder, "records.npz")) as records:
-        return model, params, records["src_ids"], records["src_mask"]
 
 
 @functools.cache

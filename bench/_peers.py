@@ -322,7 +322,7 @@ class GenjaxRunner(Runner):
         def call() -> None:
             out = self._genjax.generate(self.model, self.params, prompts, config, key=key)
             out.sequences.block_until_ready()
-            seq2seq = self.model.is_encoder_decoder
+            seq2seq = getattr(self.model, "is_encoder_decoder", False)
             _check_shape(out.sequences.shape, prompts, new_tokens, "genjax", seq2seq)
 
         return call

@@ -23,7 +23,7 @@ import pytest
 import genjax
 from genjax import GenerationConfig
 from genjax import processors as P
-from genjax.cache import KVCache, PagedKVCache, attention_bias
+from genjax.cache import GatheredKVCache, KVCache, PagedKVCache, attention_bias
 from genjax.errors import GenerationConfigError, InputError, UnsupportedError
 from genjax.processors import LogitsContext
 from genjax.serving import (
@@ -146,6 +146,30 @@ def test_paged_cache_runs_the_model_like_the_contiguous_cache():
     np.testing.assert_allclose(got, want, atol=1e-5)
     np.testing.assert_array_equal(paged.index, [7, 7])
     assert isinstance(dense, KVCache)
+
+
+def test_gathered_blocks_decode_like_the_pool_and_scatter_back_only_the_slots_written():
+    model, params = _model()
+    ids = jnp.asarray([_prompt(1, 6), _prompt(2, 6)], jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(6, dtype=jnp.int32), (2, 6))
+    paged = PagedKVCache.create(2, 8, 4, 3, 2, model.num_kv_heads, model.head_dim)
+    paged = paged.replace(block_tables=jnp.asarray([[5, 2, 7], [1, 6, 0]], jnp.int32))
+    mask = jnp.ones((2, 12), jnp.int32)
+    _, paged = model.apply(params, ids, positions, paged, mask)
+    paged = paged.replace(index=jnp.asarray([6, 4], jnp.int32))  # row 1 overwrites slots 4, 5
+    start, gathered = paged, paged.gather()
+    assert isinstance(gathered, GatheredKVCache) and gathered.length == 12
+    tokens = jnp.asarray([[7], [9]], jnp.int32)
+    for _ in range(2):
+        fed = paged.index[:, None]
+        want, paged = model.apply(params, tokens, fed, paged, mask)
+        got, gathered = model.apply(params, tokens, fed, gathered, mask)
+        np.testing.assert_array_equal(got, want)
+        tokens = jnp.argmax(want[:, -1], -1)[:, None].astype(jnp.int32)
+    back = start.scatter(gathered, start.index, count=3)  # up to 3 slots; rows wrote 2
+    np.testing.assert_array_equal(back.index, [8, 6])
+    for got, want in zip(back.keys + back.values, paged.keys + paged.values, strict=True):
+        np.testing.assert_array_equal(got[1:], want[1:])  # block 0 is scratch
 
 
 # ---- the block allocator --------------------------------------------------------------------

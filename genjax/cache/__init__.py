@@ -6,7 +6,8 @@ compiled program serve many prompt and output lengths (``max_cache_len``); ``mem
 cache before it is allocated; ``encoder_decoder`` the decoder-plus-cross-attention cache of
 T5/BART-style models; ``paged`` the block pool of the serving engine (rows of
 different lengths in fixed-size blocks, per-row write indices; in the model's dtype or as int8
-codes with scales, the ``quantized`` code); ``ring`` the sliding-window layers
+codes with scales, the ``quantized`` code) and ``gathered`` a few of its rows copied into
+logical order for a run of decode steps; ``ring`` the sliding-window layers
 of a float cache, kept as rings of ``W`` slots (written modulo ``W``) instead of ``S``. The int8
 and paged caches keep every layer in the full layout (windows are applied by the mask there).
 
@@ -19,6 +20,7 @@ Static or traced:
 """
 
 from genjax.cache.encoder_decoder import EncoderDecoderCache, fold_rows, unfold_rows
+from genjax.cache.gathered import GatheredKVCache
 from genjax.cache.kv import (
     KVCache,
     attention_bias,
@@ -50,6 +52,7 @@ from genjax.cache.ring import ring_bias, ring_size, ring_to_slots
 __all__ = [
     "CacheRequest",
     "EncoderDecoderCache",
+    "GatheredKVCache",
     "KVCache",
     "PagedKVCache",
     "QuantizedKVCache",

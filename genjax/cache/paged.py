@@ -54,6 +54,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import struct
 
+from genjax.cache.gathered import GatheredKVCache
 from genjax.cache.kv import replace_layer
 from genjax.cache.quantized import dequantize, quantize
 from genjax.typing import Array
@@ -164,8 +165,17 @@ class PagedKVCache:
             block.
         """
         slots = self.index[:, None] + jnp.arange(count)[None, :]  # [B, T]
+        return self._pool_slots(slots, jnp.ones(slots.shape, bool))
+
+    def _pool_slots(self, slots: Array, write: Array) -> tuple[Array, Array]:
+        """Pool block and offset of logical ``slots`` int32[B, T]; slots past the table, and
+        those where ``write`` bool[B, T] is False, go to the scratch block.
+
+        Returns:
+            ``(block, offset)``, int32[B * T] each.
+        """
         logical = slots // self.block_size
-        inside = logical < self.max_blocks_per_row
+        inside = (logical < self.max_blocks_per_row) & write
         clipped = jnp.minimum(logical, self.max_blocks_per_row - 1)
         block = jnp.take_along_axis(self.block_tables, clipped, axis=1)
         block = jnp.where(inside, block, SCRATCH_BLOCK)
@@ -236,6 +246,42 @@ class PagedKVCache:
         keys = keys.transpose(0, 2, 3, 1, 4).reshape(batch, heads, dim, self.length)
         values = values.transpose(0, 2, 1, 3, 4).reshape(batch, heads, self.length, dim)
         return keys, values
+
+    def gather(self) -> GatheredKVCache:
+        """Every row's blocks copied into logical order, with the rows' indices: the cache a
+        run of decode steps writes and reads in place (:mod:`genjax.cache.gathered`), float
+        pools only. :meth:`scatter` writes its new slots back."""
+        if self.quantized:
+            raise ValueError(
+                "gather() copies float pools; an int8 pool's blocks are dequantized where they "
+                "are read (update_layer), so that each call's own slots stay exact."
+            )
+        blocks = [self._gather(k, v) for k, v in zip(self.keys, self.values, strict=True)]
+        return GatheredKVCache(
+            keys=tuple(k for k, _ in blocks), values=tuple(v for _, v in blocks), index=self.index
+        )
+
+    def scatter(self, view: GatheredKVCache, start: Array, count: int) -> PagedKVCache:
+        """Writes the slots each row of ``view`` (made by :meth:`gather`) wrote since ``start``
+        back into the pools, and takes the view's indices.
+
+        Args:
+            view: the gathered cache, its ``index`` int32[B] advanced past the slots written.
+            start: int32[B], each row's index when the view was gathered.
+            count: the most slots a row wrote (static), ``K`` decode steps.
+        """
+        slots = start[:, None] + jnp.arange(count)[None, :]  # [B, count]
+        block, offset = self._pool_slots(slots, slots < view.index[:, None])
+        rows = jnp.arange(self.batch)[:, None]
+        keys, values = [], []
+        for layer in range(len(self.keys)):
+            # [B, count, K, H] at (row, slot); slots past S read the last one and go to scratch.
+            new_k = view.keys[layer].at[rows, :, :, slots].get(mode="clip")
+            new_v = view.values[layer].at[rows, :, slots, :].get(mode="clip")
+            flat_k, flat_v = (x.reshape(-1, *x.shape[2:]) for x in (new_k, new_v))  # [B*count,..]
+            keys.append(self.keys[layer].at[block, :, :, offset].set(flat_k))
+            values.append(self.values[layer].at[block, :, offset, :].set(flat_v))
+        return self.replace(keys=tuple(keys), values=tuple(values), index=view.index)
 
     def advance(self, num_slots: int | Array) -> PagedKVCache:
         """Returns the cache with every row's ``index`` moved forward by ``num_slots``."""

@@ -13,7 +13,9 @@ model ``C`` tokens per step) or decoding (one token per step). One call of :func
    ``lax.while_loop`` that ends early when a row finishes (a scheduling event). Only the slots
    the host names in ``StepInput.decode_rows`` go through the model (``B = B_k``, ``T = 1``):
    they are gathered before the loop and written back after it, so a step with two requests
-   in flight multiplies two rows of activations, not ``R``. ``B_k`` is one of a few bucket
+   in flight multiplies two rows of activations, not ``R``. Their blocks of a float pool are
+   copied into logical order once for the loop (:class:`~genjax.cache.GatheredKVCache`),
+   and only the slots decoded go back into the pool after it. ``B_k`` is one of a few bucket
    sizes (:func:`decode_buckets`), and the loop attends over the first ``M_s`` blocks of the
    rows' tables, the shortest of a few spans that holds every decoding row's blocks
    (:func:`~genjax.serving.config.attention_spans`): one compiled program per pair.
@@ -261,9 +263,10 @@ def state_shardings(layout: Layout, state: EngineState) -> EngineState:
     The pool's keys float[num_blocks, K, H, block_size] and values float[num_blocks, K,
     block_size, H] (and an int8 pool's scales float[num_blocks, K, block_size]) have ``K`` on
     the ``kv_heads`` rule's axis (``model``; replicated when :func:`~genjax.sharding.layout_for`
-    fell back because ``K`` does not divide it), as ``genjax.generate`` splits its KV cache;
-    every other leaf (tables, histories, per-row settings) is replicated: the engine's rows are
-    not split over ``data``.
+    fell back because ``K`` does not divide it), as ``genjax.generate`` splits its KV cache
+    (so do the decode loop's gathered blocks, :class:`~genjax.cache.GatheredKVCache`, whose
+    ``K`` is axis 1 too); every other leaf (tables, histories, per-row settings) is replicated:
+    the engine's rows are not split over ``data``.
 
     Example:
         >>> shardings = state_shardings(layout, state)  # doctest: +SKIP
@@ -275,14 +278,11 @@ def state_shardings(layout: Layout, state: EngineState) -> EngineState:
     pool = layout.sharding(None, "kv_heads", None, None)
     scales = layout.sharding(None, "kv_heads", None)
     cache = state.cache
-    return tree.replace(
-        cache=tree.cache.replace(
-            keys=tuple(pool for _ in cache.keys),
-            values=tuple(pool for _ in cache.values),
-            key_scales=tuple(scales for _ in cache.key_scales),
-            value_scales=tuple(scales for _ in cache.value_scales),
-        )
-    )
+    split = {"keys": tuple(pool for _ in cache.keys), "values": tuple(pool for _ in cache.values)}
+    if isinstance(cache, PagedKVCache):
+        split["key_scales"] = tuple(scales for _ in cache.key_scales)
+        split["value_scales"] = tuple(scales for _ in cache.value_scales)
+    return tree.replace(cache=tree.cache.replace(**split))
 
 
 def engine_layout(model, mesh) -> Layout | None:
@@ -416,9 +416,14 @@ def _decode_once(model, params, state: EngineState, pool, top: int):
     live = state.decoding
     rows = jnp.arange(state.lengths.shape[0])
     fed = jnp.maximum(state.lengths - 1, 0)  # position of the token fed
-    # Rows not decoding write to the scratch block and read nothing that matters.
-    tables = jnp.where(live[:, None], state.cache.block_tables, 0)
-    view = state.cache.replace(block_tables=tables, index=fed)
+    if isinstance(state.cache, PagedKVCache):
+        # Rows not decoding write to the scratch block and read nothing that matters.
+        tables = jnp.where(live[:, None], state.cache.block_tables, 0)
+        view = state.cache.replace(block_tables=tables, index=fed)
+    else:
+        # Gathered: every row writes its own copy; only live rows' slots go back to the pool
+        # (PagedKVCache.scatter writes the slots below each row's index).
+        view = state.cache.replace(index=fed)
     mask = jnp.ones((live.shape[0], view.length), jnp.int32)
     logits, view = model.apply(params, state.tokens[rows, fed][:, None], fed[:, None], view, mask)
     cache = state.cache.with_pools(view).replace(index=jnp.where(live, fed + 1, state.cache.index))
@@ -521,8 +526,15 @@ def engine_step(
         return i + 1, state, buffer.at[i].set(tokens), scores, finished | done
 
     part = _take_rows(state, rows, work.decode_tables)
+    paged = part.cache
+    if not paged.quantized:
+        # The rows' blocks copied once for the whole loop, not once per iteration and layer
+        # (genjax.cache.gathered); an int8 pool keeps reading its blocks dequantized.
+        part = part.replace(cache=paged.gather())
     start = (jnp.zeros((), jnp.int32), part, buffer, scores, finished[rows])
     steps, part, buffer, scores, done = jax.lax.while_loop(cond, body, start)
+    if not paged.quantized:
+        part = part.replace(cache=paged.scatter(part.cache, paged.index, max_steps))
     state = _constrain(layout, _put_rows(state, rows, part))
     # Back to one column per slot: the host reads tokens and scores by slot.
     tokens = jnp.full((max_steps, slots), -1, jnp.int32).at[:, rows].set(buffer)

@@ -12,6 +12,8 @@ final output is published. Timeouts only bound a broken run.
 
 import dataclasses
 import functools
+import io
+import sys
 import tempfile
 import threading
 
@@ -707,13 +709,21 @@ def test_multi_token_bias_bad_words_and_begin_suppress_equal_generate_alone(mana
     assert want[0] != plain[0] and plain[0] in _reference(tuple(prompt))  # begin only
 
 
-def test_generate_batch_returns_every_request_by_id():
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_generate_batch_returns_every_request_by_id_with_a_progress_bar(monkeypatch):
     model, params = _model()
     prompts = [_prompt(80, 4), _prompt(81, 11)]
     config = GenerationConfig(max_new_tokens=5, pad_token_id=0)
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
     results = genjax.serving.generate_batch(
-        model, params, prompts, config, continuous_batching_config=CB, timeout=300
+        model, params, prompts, config, True, continuous_batching_config=CB, timeout=300
     )
-    assert sorted(results) == ["req_0", "req_1"]
+    assert list(results) == ["req_0", "req_1"]
+    assert "generate_batch" in terminal.getvalue() and "2/2" in terminal.getvalue()
     for i, prompt in enumerate(prompts):
         assert results[f"req_{i}"].generated_tokens == _reference(tuple(prompt))[:5]

@@ -3,11 +3,11 @@ transformers v5's ``generate_batch``."""
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Sequence
 
 import jax
+from tqdm.auto import tqdm
 
 from genjax.config import GenerationConfig
 from genjax.serving.config import ContinuousBatchingConfig
@@ -15,8 +15,6 @@ from genjax.serving.manager import init_continuous_batching
 from genjax.serving.output import GenerationOutput
 
 __all__ = ["generate_batch"]
-
-_log = logging.getLogger(__name__)
 
 
 def generate_batch(
@@ -33,8 +31,10 @@ def generate_batch(
 ) -> dict[str, GenerationOutput]:
     """Runs every prompt of ``inputs`` through a fresh engine; returns ``{request_id: output}``.
 
-    Request ids are ``req_0, req_1, ...`` in the order of ``inputs``. ``progress_bar`` logs the
-    number of finished requests. ``timeout`` bounds the whole call (None: no bound).
+    Request ids are ``req_0, req_1, ...`` in the order of ``inputs``, and the results come in
+    that order. ``progress_bar`` draws a tqdm bar of the finished requests on a terminal (on
+    ``sys.stderr``, as transformers does; nothing when it is not a terminal). ``timeout``
+    bounds the whole call (None: no bound).
     ``continuous_batching_config``, ``tokenizer`` and ``mesh`` are
     :func:`~genjax.serving.init_continuous_batching`'s.
 
@@ -53,14 +53,17 @@ def generate_batch(
     try:
         ids = manager.add_requests(inputs)
         deadline = None if timeout is None else time.monotonic() + timeout
-        results = {}
-        for i, request_id in enumerate(ids):
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            output = manager.get_result(request_id, timeout=left)
-            if output is not None:
-                results[request_id] = output
-            if progress_bar:
-                _log.info("generate_batch: %d / %d requests finished", i + 1, len(ids))
-        return results
+        finished = {}
+        # disable=None: tqdm draws only when its stream is a terminal.
+        with tqdm(total=len(ids), desc="generate_batch", unit="request",
+                  disable=None if progress_bar else True) as bar:  # fmt: skip
+            for _ in ids:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                output = manager.get_result(timeout=left)  # the next to finish
+                if output is None:
+                    break
+                finished[output.request_id] = output
+                bar.update(1)
+        return {i: finished[i] for i in ids if i in finished}
     finally:
         manager.stop(block=True, timeout=30)

@@ -19,10 +19,10 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from typing import Any
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from genjax.cli import options
 from genjax.errors import InputError
@@ -67,7 +67,8 @@ def run(args) -> int:
         runner(prompts, 0, streamer=_EchoStreamer(tokenizer, prompts[0] if echo else ""))
         return 0
     style = "json" if args.json else "headed" if len(prompts) * copies > 1 else "plain"
-    progress = Progress(len(prompts), sys.stderr, enabled=len(prompts) > 1)
+    # A tqdm bar on stderr when it is a terminal (disable=None) and there are several prompts.
+    progress = tqdm(total=len(prompts), unit="prompt", disable=None if len(prompts) > 1 else True)
     done = 0
     for start in range(0, len(prompts), args.batch_size):
         batch = prompts[start : start + args.batch_size]
@@ -75,12 +76,12 @@ def run(args) -> int:
         if len(prompts) > args.batch_size:  # same shape as the other batches: no new program
             filled = batch + [batch[-1]] * (args.batch_size - len(batch))
         results = runner(filled, start)[: len(batch) * copies]
-        progress.clear()
-        for row, (ids, text) in enumerate(results):
-            prompt = batch[row // copies]
-            _print_result(prompt, ids, text, style, first=done + row == 0, echo=echo)
+        with progress.external_write_mode():  # the bar steps aside while results print
+            for row, (ids, text) in enumerate(results):
+                prompt = batch[row // copies]
+                _print_result(prompt, ids, text, style, first=done + row == 0, echo=echo)
         done += len(batch) * copies
-        progress.update(start + len(batch))
+        progress.update(len(batch))
     progress.close()
     return 0
 
@@ -304,35 +305,3 @@ def _print_result(prompt: str, ids: list[int], text: str, style: str, first: boo
     if style == "headed":
         print(("" if first else "\n") + f"==> {prompt} <==")
     print((prompt if echo else "") + text, flush=True)
-
-
-class Progress:
-    """A one-line progress bar on a terminal stream; silent when the stream is not a TTY."""
-
-    WIDTH = 30
-
-    def __init__(self, total: int, stream: Any, enabled: bool = True):
-        self.total, self.stream = total, stream
-        self.enabled = enabled and bool(getattr(stream, "isatty", lambda: False)())
-        self.start = time.monotonic()
-        self.update(0)
-
-    def update(self, done: int) -> None:
-        if not self.enabled:
-            return
-        filled = self.WIDTH * done // max(self.total, 1)
-        bar = "#" * filled + "." * (self.WIDTH - filled)
-        elapsed = time.monotonic() - self.start
-        self.stream.write(f"\r[{bar}] {done}/{self.total} prompts {elapsed:.1f}s")
-        self.stream.flush()
-
-    def clear(self) -> None:
-        """Erases the bar, so that text printed next starts on a clean line."""
-        if self.enabled:
-            self.stream.write("\r\033[K")
-            self.stream.flush()
-
-    def close(self) -> None:
-        if self.enabled:
-            self.stream.write("\n")
-            self.stream.flush()

@@ -33,7 +33,7 @@ def _programs(model, params, rows: int, fill: int, spans: list[int]):
     import jax
     import jax.numpy as jnp
 
-    from genjax.serving import ContinuousBatchingConfig
+    from genjax.serving import ContinuousBatchingConfig, compile_step
     from genjax.serving import engine as engine_module
     from genjax.serving.scheduler import Scheduler
 
@@ -67,7 +67,7 @@ def _programs(model, params, rows: int, fill: int, spans: list[int]):
             settings=settings,
         )
 
-    step = engine_module.compile_step(model, STEPS)
+    step = compile_step(model, STEPS)
     programs = {}
     for span in spans:
         blocks_in_span = -(-span // shape.block_size)

@@ -1,7 +1,8 @@
 """Serving many users at once: the continuous-batching engine.
 
-``engine`` is the device side, one pure jitted step over a donated state (paged KV cache
-:class:`genjax.cache.PagedKVCache`, token history, per-row sampling values); ``choosing`` the
+``engine`` is the device side's state (paged KV cache :class:`genjax.cache.PagedKVCache`, token
+history, per-row sampling values) and sizes, ``step`` its two pure jitted programs per step (a
+prompt chunk, then the decode loop) over that donated state; ``choosing`` the
 per-row token choice inside it; ``constraint_pool`` the structured-output automata the engine
 shares among requests; ``scheduler`` the host side (block allocator, FIFO admission, chunked
 prefill, preemption); ``options`` checks a request's generation options; ``config`` holds the
@@ -16,15 +17,7 @@ Layer:
 
 from genjax.serving.batch import generate_batch
 from genjax.serving.choosing import RowSettings, Scored
-from genjax.serving.engine import (
-    EngineShape,
-    EngineState,
-    StepInput,
-    StepOutput,
-    compile_step,
-    engine_step,
-    init_state,
-)
+from genjax.serving.engine import EngineShape, EngineState, StepInput, StepOutput, init_state
 from genjax.serving.manager import (
     ContinuousBatchingConfig,
     ContinuousBatchingManager,
@@ -32,6 +25,7 @@ from genjax.serving.manager import (
 )
 from genjax.serving.output import GenerationOutput
 from genjax.serving.scheduler import BlockAllocator, RequestStatus, Scheduler
+from genjax.serving.step import compile_step, engine_step
 
 __all__ = [
     "BlockAllocator",

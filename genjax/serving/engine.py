@@ -1,7 +1,9 @@
-"""The device side of continuous batching: one pure jitted step over a donated engine state.
+"""The device side of continuous batching: the engine's state, its sizes and a step's inputs.
 
 The engine holds ``R`` slots (rows). A slot is free, prefilling (its prompt goes through the
-model ``C`` tokens per step) or decoding (one token per step). One call of :func:`engine_step`:
+model ``C`` tokens per step) or decoding (one token per step). One step
+(:func:`genjax.serving.step.engine_step`, run as a prefill program and a decode program over
+the donated state):
 
 1. applies the host's block tables and releases the rows the host stopped (cancelled, a stop
    string, preempted);
@@ -18,7 +20,7 @@ model ``C`` tokens per step) or decoding (one token per step). One call of :func
    and only the slots decoded go back into the pool after it. ``B_k`` is one of a few bucket
    sizes (:func:`decode_buckets`), and the loop attends over the first ``M_s`` blocks of the
    rows' tables, the shortest of a few spans that holds every decoding row's blocks
-   (:func:`~genjax.serving.config.attention_spans`): one compiled program per pair.
+   (:func:`~genjax.serving.config.attention_spans`): one compiled decode program per pair.
 
 So a long prompt never stalls the decoding rows: each step decodes while it prefills a chunk.
 
@@ -70,7 +72,6 @@ Static or traced:
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -78,12 +79,9 @@ import numpy as np
 from flax import struct
 
 from genjax.cache import PagedKVCache
-from genjax.constraints import CompressedTable
-from genjax.generation.prefill import accepts_logits_to_keep
-from genjax.models.quantize import LIBRARY_DOT_OPTIONS
-from genjax.serving.choosing import RowSettings, Scored, choose_rows, no_scores
+from genjax.serving.choosing import RowSettings, Scored
 from genjax.sharding import Layout, layout_for
-from genjax.typing import Array, PyTree
+from genjax.typing import Array
 
 __all__ = [
     "EngineShape",
@@ -302,283 +300,3 @@ def engine_layout(model, mesh) -> Layout | None:
             f"{type(mesh).__name__}. Pass None to run the engine on one device."
         )
     return layout_for(model, mesh)
-
-
-def _constrain(layout: Layout | None, state: EngineState) -> EngineState:
-    """Inside the step: keeps the state on :func:`state_shardings` (no-op without a mesh)."""
-    if layout is None:
-        return state
-    shardings = state_shardings(layout, state)
-    return jax.tree.map(jax.lax.with_sharding_constraint, state, shardings)
-
-
-def _rows(tree: PyTree, rows: Array) -> PyTree:
-    return jax.tree.map(lambda x: x[rows], tree)
-
-
-def _take_rows(state: EngineState, rows: Array, tables: Array) -> EngineState:
-    """The state of slots ``rows`` alone: the pools whole, the per-row arrays gathered, the
-    block tables ``tables`` (int32[B_k, M_s], the rows' own cut to the span)."""
-    cache = state.cache.select_rows(rows).replace(block_tables=tables)
-    per_row = state.replace(cache=None)
-    return _rows(per_row, rows).replace(cache=cache)
-
-
-def _put_rows(state: EngineState, rows: Array, part: EngineState) -> EngineState:
-    """Writes ``part`` (made by :func:`_take_rows`) back into slots ``rows``."""
-    cache = state.cache.merge_rows(rows, part.cache)
-    per_row = _set_rows(state.replace(cache=None), rows, part.replace(cache=None))
-    return per_row.replace(cache=cache)
-
-
-def _set_rows(tree: PyTree, rows: Array, values: PyTree) -> PyTree:
-    return jax.tree.map(lambda x, v: x.at[rows].set(v), tree, values)
-
-
-def _admit(state: EngineState, work: StepInput) -> EngineState:
-    """Writes a new request's settings, and the tokens of its cached prefix, into its slot (on
-    its first chunk)."""
-    slot = jnp.maximum(work.prefill_slot, 0)[None]
-    take = work.admit & (work.prefill_slot >= 0)
-    settings = _set_rows(
-        state.settings,
-        slot,
-        jax.tree.map(
-            lambda new, old: jnp.where(take, new, old), work.row, _rows(state.settings, slot)
-        ),
-    )
-    prompt = jnp.where(take, work.prompt_length, state.prompt_lengths[slot])
-    before = jnp.arange(work.history.shape[0]) < work.prefill_start
-    history = jnp.where(take & before, work.history, state.tokens[slot[0]])
-    automaton = jnp.where(take, work.constraint_state, state.constraint_state[slot])
-    return state.replace(
-        settings=settings,
-        prompt_lengths=state.prompt_lengths.at[slot].set(prompt),
-        tokens=state.tokens.at[slot[0]].set(history),
-        constraint_state=state.constraint_state.at[slot].set(automaton),
-    )
-
-
-def _prefill(model, params, state: EngineState, work: StepInput, pool, top: int):
-    """Runs the chunk of ``work.prefill_slot``; returns the state, the first new token after a
-    prompt's last chunk (-1 otherwise), whether that token already ends the request, and its
-    :class:`Scored` log-probabilities ([1])."""
-    chunk = work.prefill_tokens.shape[0]
-    slot = work.prefill_slot[None]  # [1]
-    start, count = work.prefill_start, work.prefill_count
-    part = state.cache.select_rows(slot).replace(index=start[None])
-    positions = (start + jnp.arange(chunk, dtype=jnp.int32))[None]  # [1, C]
-    mask = jnp.ones((1, part.length), jnp.int32)
-    # Only the last real token's logits are used (after the prompt's last chunk): computing
-    # the vocabulary projection of the whole chunk would cost a sixth of SmolLM's prefill.
-    keep = {"logits_to_keep": (count - 1)[None]} if accepts_logits_to_keep(model) else {}
-    logits, part = model.apply(params, work.prefill_tokens[None], positions, part, mask, **keep)
-    cache = state.cache.merge_rows(slot, part.replace(index=(start + count)[None]))
-    columns = jnp.where(jnp.arange(chunk) < count, positions[0], state.tokens.shape[1])
-    tokens = state.tokens.at[slot[0], columns].set(work.prefill_tokens, mode="drop")
-    length = start + count
-    state = state.replace(cache=cache, tokens=tokens, lengths=state.lengths.at[slot].set(length))
-
-    def first_token(state):
-        if keep:
-            last = logits[0]  # [1, V]
-        else:
-            last = jax.lax.dynamic_index_in_dim(logits[0], count - 1, keepdims=True)
-        chosen = choose_rows(
-            last,
-            state.tokens[slot],
-            length[None],
-            state.prompt_lengths[slot],
-            _rows(state.settings, slot),
-            state.constraint_state[slot],
-            pool,
-            jnp.ones((1,), bool),
-            top,
-        )
-        token, done = chosen.token, chosen.done
-        state = state.replace(
-            tokens=state.tokens.at[slot, length].set(token, mode="drop"),
-            lengths=state.lengths.at[slot].add(1),
-            decoding=state.decoding.at[slot].set(~done),
-            constraint_state=state.constraint_state.at[slot].set(chosen.constraint_state),
-        )
-        return state, token[0], done[0], chosen.scored
-
-    def not_last(state):
-        return state, jnp.full((), -1, jnp.int32), jnp.zeros((), bool), no_scores(1, top)
-
-    return jax.lax.cond(work.prefill_last, first_token, not_last, state)
-
-
-def _decode_once(model, params, state: EngineState, pool, top: int):
-    """One token for every decoding row; returns the state, int32[R] tokens (-1 for rows not
-    decoding), bool[R] rows that finished and the tokens' :class:`Scored` ([R])."""
-    live = state.decoding
-    rows = jnp.arange(state.lengths.shape[0])
-    fed = jnp.maximum(state.lengths - 1, 0)  # position of the token fed
-    if isinstance(state.cache, PagedKVCache):
-        # Rows not decoding write to the scratch block and read nothing that matters.
-        tables = jnp.where(live[:, None], state.cache.block_tables, 0)
-        view = state.cache.replace(block_tables=tables, index=fed)
-    else:
-        # Gathered: every row writes its own copy; only live rows' slots go back to the pool
-        # (PagedKVCache.scatter writes the slots below each row's index).
-        view = state.cache.replace(index=fed)
-    mask = jnp.ones((live.shape[0], view.length), jnp.int32)
-    logits, view = model.apply(params, state.tokens[rows, fed][:, None], fed[:, None], view, mask)
-    cache = state.cache.with_pools(view).replace(index=jnp.where(live, fed + 1, state.cache.index))
-    chosen = choose_rows(
-        logits[:, 0],
-        state.tokens,
-        state.lengths,
-        state.prompt_lengths,
-        state.settings,
-        state.constraint_state,
-        pool,
-        live,
-        top,
-    )
-    token, done = chosen.token, chosen.done
-    columns = jnp.where(live, state.lengths, state.tokens.shape[1])
-    state = state.replace(
-        cache=cache,
-        tokens=state.tokens.at[rows, columns].set(token, mode="drop"),
-        lengths=state.lengths + live,
-        decoding=live & ~done,
-        constraint_state=chosen.constraint_state,
-    )
-    return state, jnp.where(live, token, -1), done, chosen.scored
-
-
-def engine_step(
-    model,
-    params: PyTree,
-    state: EngineState,
-    work: StepInput,
-    pool: CompressedTable | None = None,
-    *,
-    max_steps: int,
-    max_top_logprobs: int = 0,
-    layout: Layout | None = None,
-) -> tuple[EngineState, StepOutput]:
-    """One host round trip: releases, one prefill chunk, then up to ``num_steps`` decode steps.
-
-    Pure; :func:`compile_step` jits it with ``model`` and ``max_steps`` static and ``state``
-    donated. The decode loop stops after ``work.num_steps`` iterations, when no row decodes, or
-    after an iteration in which a row finished (the host can then reuse its slot and blocks).
-
-    Args:
-        model: the model (static).
-        params: its parameters (traced).
-        state: the :class:`EngineState` (traced, donated).
-        work: the :class:`StepInput` (traced).
-        pool: the constraint pool (:mod:`genjax.serving.constraint_pool`; traced, not
-            donated), or None for an engine without one (static: nothing of it compiles).
-        max_steps: ``K`` (static), the size of the output buffer; ``work.num_steps <= K``.
-        max_top_logprobs: ``L`` (static), the top log-probabilities returned per token.
-        layout: the mesh's :class:`~genjax.sharding.Layout` (static), or None on one device:
-            the state, the decode loop's carry and the returned state keep
-            :func:`state_shardings` (the pool split over KV heads), so a step returns its state
-            as it took it and the next step's program accepts it.
-
-    Returns:
-        ``(state, output)``: the new state and a :class:`StepOutput`.
-
-    Example:
-        >>> step = compile_step(model, max_steps=4)  # doctest: +SKIP
-        >>> state, out = step(params, state, work, pool)  # doctest: +SKIP
-    """
-    state = _constrain(layout, state)
-    state = state.replace(
-        cache=state.cache.replace(block_tables=work.block_tables),
-        decoding=state.decoding & ~work.release,
-    )
-    state = _admit(state, work)
-
-    top = max_top_logprobs
-
-    def with_prefill(state):
-        return _prefill(model, params, state, work, pool, top)
-
-    def without(state):
-        return state, jnp.full((), -1, jnp.int32), jnp.zeros((), bool), no_scores(1, top)
-
-    state, first, first_done, first_scored = jax.lax.cond(
-        work.prefill_slot >= 0, with_prefill, without, state
-    )
-    slots, rows = state.lengths.shape[0], work.decode_rows
-    buffer = jnp.full((max_steps, rows.shape[0]), -1, jnp.int32)
-    scores = jax.tree.map(
-        lambda x: jnp.zeros((max_steps, *x.shape), x.dtype), no_scores(rows.shape[0], top)
-    )
-    finished = jnp.zeros((slots,), bool).at[jnp.maximum(work.prefill_slot, 0)].set(first_done)
-    limit = jnp.minimum(work.num_steps, max_steps)
-
-    def cond(carry):
-        i, state, _, _, finished = carry
-        return (i < limit) & jnp.any(state.decoding) & ~(jnp.any(finished) & (i > 0))
-
-    def body(carry):
-        i, state, buffer, scores, finished = carry
-        state, tokens, done, scored = _decode_once(model, params, state, pool, top)
-        state = _constrain(layout, state)
-        scores = jax.tree.map(lambda all_, new: all_.at[i].set(new), scores, scored)
-        return i + 1, state, buffer.at[i].set(tokens), scores, finished | done
-
-    part = _take_rows(state, rows, work.decode_tables)
-    paged = part.cache
-    if not paged.quantized:
-        # The rows' blocks copied once for the whole loop, not once per iteration and layer
-        # (genjax.cache.gathered); an int8 pool keeps reading its blocks dequantized.
-        part = part.replace(cache=paged.gather())
-    start = (jnp.zeros((), jnp.int32), part, buffer, scores, finished[rows])
-    steps, part, buffer, scores, done = jax.lax.while_loop(cond, body, start)
-    if not paged.quantized:
-        part = part.replace(cache=paged.scatter(part.cache, paged.index, max_steps))
-    state = _constrain(layout, _put_rows(state, rows, part))
-    # Back to one column per slot: the host reads tokens and scores by slot.
-    tokens = jnp.full((max_steps, slots), -1, jnp.int32).at[:, rows].set(buffer)
-    scores = jax.tree.map(
-        lambda x: jnp.zeros((max_steps, slots, *x.shape[2:]), x.dtype).at[:, rows].set(x), scores
-    )
-    return state, StepOutput(
-        tokens=tokens,
-        first_token=first,
-        finished=finished.at[rows].set(done),
-        steps=steps,
-        logprobs=scores.logprobs,
-        top_ids=scores.top_ids,
-        top_logprobs=scores.top_logprobs,
-        first=first_scored,
-    )
-
-
-@functools.cache
-def compile_step(
-    model,
-    max_steps: int,
-    max_top_logprobs: int = 0,
-    library_dots: bool = False,
-    layout: Layout | None = None,
-):
-    """The jitted :func:`engine_step` for ``model`` with ``K = max_steps``, ``L =
-    max_top_logprobs`` and ``layout`` (all static), the state donated: ``step(params, state,
-    work, pool=None) -> (state, output)``; compiled with
-    :data:`~genjax.models.quantize.LIBRARY_DOT_OPTIONS` when ``library_dots`` (int8 params:
-    :func:`~genjax.models.quantize.library_dots`). With a ``layout`` the program takes the
-    params and the state as they are placed on its mesh (the other arguments replicated)."""
-
-    def step(params, state, work, pool=None):
-        return engine_step(
-            model,
-            params,
-            state,
-            work,
-            pool,
-            max_steps=max_steps,
-            max_top_logprobs=max_top_logprobs,
-            layout=layout,
-        )
-
-    options = LIBRARY_DOT_OPTIONS if library_dots else None
-    return jax.jit(step, donate_argnums=1, compiler_options=options)

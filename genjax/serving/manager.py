@@ -1,9 +1,8 @@
 """The continuous-batching manager: transformers v5's ``ContinuousBatchingManager`` API over the
-pure engine step (:mod:`genjax.serving.engine`) and the host scheduler
-(:mod:`genjax.serving.scheduler`).
+engine's programs (:mod:`genjax.serving.step`) and the host scheduler (:mod:`.scheduler`).
 
 One background thread runs the loop: take new requests and cancellations, plan a step, run the
-jitted step, hand the tokens to their requests (a finished request's blocks are freed here),
+step's programs, hand the tokens to their requests (a finished request's blocks are freed here),
 take the metrics snapshot, publish outputs (result handlers run here, in the loop thread). So a
 cancellation a handler asks for is handled before the next step, and when ``get_result``
 returns, the request holds no block. Callers talk to the loop through one thread-safe queue and
@@ -45,12 +44,13 @@ from genjax.generation.inputs import effective_config
 from genjax.models.quantize import library_dots
 from genjax.serving.config import ContinuousBatchingConfig
 from genjax.serving.constraint_pool import ConstraintPool
-from genjax.serving.engine import compile_step, engine_layout, init_state
+from genjax.serving.engine import engine_layout, init_state
 from genjax.serving.metrics import ITL_EDGES, TTFT_EDGES, Histogram
 from genjax.serving.options import EngineOptions, build_request, request_config
 from genjax.serving.output import GenerationOutput, output_of
 from genjax.serving.programs import compile_buckets
 from genjax.serving.scheduler import RequestState, RequestStatus, Scheduler
+from genjax.serving.step import PrefillOutput, compile_decode, compile_prefill, prefill_input
 
 __all__ = [
     "ContinuousBatchingConfig",
@@ -60,6 +60,9 @@ __all__ = [
 ]
 
 _log = logging.getLogger(__name__)
+
+PREFILL = "prefill"
+"""The key of the prefill program among the compiled ones (the others: ``(B_k, M_s)``)."""
 
 
 class ContinuousBatchingManager:
@@ -84,14 +87,18 @@ class ContinuousBatchingManager:
             model, shape.num_blocks, shape.block_size, shape.quantized, self._layout
         )
         top = self.shape.max_top_logprobs
-        # One jitted step per decoded-row bucket: int8 params want library dots for several rows.
+        # One prefill program, one decode program per decoded-row bucket (genjax.serving.step);
+        # int8 params want library dots where products have several rows.
         self._steps = {
-            bucket: compile_step(
+            bucket: compile_decode(
                 model, shape.max_steps, top, library_dots(params, bucket), self._layout
             )
             for bucket in self.shape.buckets
         }
-        self._compiled: dict[int, Any] = {}  # bucket -> its compiled step (by warmup)
+        self._steps[PREFILL] = compile_prefill(
+            model, top, library_dots(params, shape.chunk), self._layout
+        )
+        self._compiled: dict[Any, Any] = {}  # (B_k, M_s) or PREFILL -> its program (warmup)
         self._state = None
         self._constraints = None  # the constraint pool's host copy (none: no constraints)
         if self.shape.constraint_states:
@@ -146,15 +153,26 @@ class ContinuousBatchingManager:
         plans = Scheduler(self.shape)
         work = {(b, m): plans._step_input(1, b, m) for b, m in self.shape.programs}
         steps = {(b, m): self._steps[b] for b, m in self.shape.programs}
-        self._compiled = compile_buckets(
-            steps, lambda program: (self.params, self._state, work[program], self._pool())
-        )
+        steps[PREFILL] = self._steps[PREFILL]
+        prefilled = PrefillOutput.empty(self.shape.max_top_logprobs, self._layout)
+
+        def arguments(program):
+            if program == PREFILL:
+                first = work[self.shape.programs[0]]
+                return self.params, self._state, prefill_input(first), self._pool()
+            return self.params, self._state, work[program], prefilled, self._pool()
+
+        self._compiled = compile_buckets(steps, arguments)
 
     def _step(self, work):
-        """Runs the compiled step of ``work``'s bucket and span on the current state (donated),
-        with the constraint pool (uploaded again when an automaton was installed)."""
-        step = self._compiled[work.decode_tables.shape]
-        return step(self.params, self._state, work, self._pool())
+        """Runs the prefill program, then the decode program of ``work``'s bucket and span, on
+        the current state (donated), with the constraint pool (uploaded again when an
+        automaton was installed)."""
+        pool = self._pool()
+        prefill = self._compiled[PREFILL]
+        state, prefilled = prefill(self.params, self._state, prefill_input(work), pool)
+        decode = self._compiled[work.decode_tables.shape]
+        return decode(self.params, state, work, prefilled, pool)
 
     def _pool(self):
         """The constraint pool on the device, or None when the engine has none."""

@@ -1,0 +1,430 @@
+"""The engine's device programs: per step, a prefill program, then a decode program.
+
+One host round trip (:mod:`genjax.serving.engine` describes the state and the inputs) runs two
+jitted, pure programs over the donated :class:`~genjax.serving.engine.EngineState`:
+
+* :func:`engine_prefill` applies the host's block tables, releases the rows it stopped, admits
+  a new request's settings and runs one prompt chunk of ``C`` tokens for one slot (skipped with
+  ``lax.cond`` when there is none), choosing the slot's first new token after the prompt's last
+  chunk. Its shapes depend only on the engine's sizes: the engine compiles it once.
+* :func:`engine_decode` decodes the ``B_k`` rows the host names, over the first ``M_s`` blocks
+  of their tables, up to ``num_steps`` times: one program per ``(B_k, M_s)`` pair.
+
+Two programs rather than one: the prompt chunk (a model pass over ``C`` positions and a token
+choice) is as large to compile as the decode loop, and in one program it was compiled again
+for every row bucket and attention span. Split, it compiles once, and each decode program about
+half as long. The cost is a second dispatch per step.
+
+:func:`engine_step` is the two in sequence, one pure function (:func:`compile_step` jits it as
+one program, for tests and benchmarks that drive a single step).
+
+Static or traced: as :mod:`genjax.serving.engine` lists; the prefill program takes the step
+input without ``decode_rows`` and ``decode_tables`` (:func:`prefill_input`), so that its shape
+does not depend on the bucket or span.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from genjax.cache import PagedKVCache
+from genjax.constraints import CompressedTable
+from genjax.generation.prefill import accepts_logits_to_keep
+from genjax.models.quantize import LIBRARY_DOT_OPTIONS
+from genjax.serving.choosing import Scored, choose_rows, no_scores
+from genjax.serving.engine import EngineState, StepInput, StepOutput, state_shardings
+from genjax.sharding import Layout
+from genjax.typing import Array, PyTree
+
+__all__ = [
+    "PrefillOutput",
+    "compile_decode",
+    "compile_prefill",
+    "compile_step",
+    "engine_decode",
+    "engine_prefill",
+    "engine_step",
+    "prefill_input",
+]
+
+
+@struct.dataclass
+class PrefillOutput:
+    """What the prefill program hands the decode program and the host."""
+
+    first_token: Array  # int32[]: the prefilled slot's first new token; -1: none
+    first_done: Array  # bool[]: that token already ends the request
+    first: Scored  # [1]: its log-probabilities (see StepOutput)
+
+    @classmethod
+    def empty(cls, top: int, layout: Layout | None = None) -> PrefillOutput:
+        """No first token (a step without a prompt's last chunk); replicated on ``layout``'s
+        mesh when given, as :func:`engine_prefill` returns it there."""
+        empty = cls(jnp.full((), -1, jnp.int32), jnp.zeros((), bool), no_scores(1, top))
+        return empty if layout is None else jax.device_put(empty, layout.sharding())
+
+
+def prefill_input(work: StepInput) -> StepInput:
+    """``work`` without the decode rows and their tables: the prefill program's input, whose
+    shapes are the same for every bucket and span."""
+    return work.replace(decode_rows=(), decode_tables=())
+
+
+def _constrain(layout: Layout | None, state: EngineState) -> EngineState:
+    """Inside the step: keeps the state on :func:`state_shardings` (no-op without a mesh)."""
+    if layout is None:
+        return state
+    shardings = state_shardings(layout, state)
+    return jax.tree.map(jax.lax.with_sharding_constraint, state, shardings)
+
+
+def _rows(tree: PyTree, rows: Array) -> PyTree:
+    return jax.tree.map(lambda x: x[rows], tree)
+
+
+def _take_rows(state: EngineState, rows: Array, tables: Array) -> EngineState:
+    """The state of slots ``rows`` alone: the pools whole, the per-row arrays gathered, the
+    block tables ``tables`` (int32[B_k, M_s], the rows' own cut to the span)."""
+    cache = state.cache.select_rows(rows).replace(block_tables=tables)
+    per_row = state.replace(cache=None)
+    return _rows(per_row, rows).replace(cache=cache)
+
+
+def _put_rows(state: EngineState, rows: Array, part: EngineState) -> EngineState:
+    """Writes ``part`` (made by :func:`_take_rows`) back into slots ``rows``."""
+    cache = state.cache.merge_rows(rows, part.cache)
+    per_row = _set_rows(state.replace(cache=None), rows, part.replace(cache=None))
+    return per_row.replace(cache=cache)
+
+
+def _set_rows(tree: PyTree, rows: Array, values: PyTree) -> PyTree:
+    return jax.tree.map(lambda x, v: x.at[rows].set(v), tree, values)
+
+
+def _admit(state: EngineState, work: StepInput) -> EngineState:
+    """Writes a new request's settings, and the tokens of its cached prefix, into its slot (on
+    its first chunk)."""
+    slot = jnp.maximum(work.prefill_slot, 0)[None]
+    take = work.admit & (work.prefill_slot >= 0)
+    settings = _set_rows(
+        state.settings,
+        slot,
+        jax.tree.map(
+            lambda new, old: jnp.where(take, new, old), work.row, _rows(state.settings, slot)
+        ),
+    )
+    prompt = jnp.where(take, work.prompt_length, state.prompt_lengths[slot])
+    before = jnp.arange(work.history.shape[0]) < work.prefill_start
+    history = jnp.where(take & before, work.history, state.tokens[slot[0]])
+    automaton = jnp.where(take, work.constraint_state, state.constraint_state[slot])
+    return state.replace(
+        settings=settings,
+        prompt_lengths=state.prompt_lengths.at[slot].set(prompt),
+        tokens=state.tokens.at[slot[0]].set(history),
+        constraint_state=state.constraint_state.at[slot].set(automaton),
+    )
+
+
+def _prefill(model, params, state: EngineState, work: StepInput, pool, top: int):
+    """Runs the chunk of ``work.prefill_slot``; returns the state, the first new token after a
+    prompt's last chunk (-1 otherwise), whether that token already ends the request, and its
+    :class:`Scored` log-probabilities ([1])."""
+    chunk = work.prefill_tokens.shape[0]
+    slot = work.prefill_slot[None]  # [1]
+    start, count = work.prefill_start, work.prefill_count
+    part = state.cache.select_rows(slot).replace(index=start[None])
+    positions = (start + jnp.arange(chunk, dtype=jnp.int32))[None]  # [1, C]
+    mask = jnp.ones((1, part.length), jnp.int32)
+    # Only the last real token's logits are used (after the prompt's last chunk): computing
+    # the vocabulary projection of the whole chunk would cost a sixth of SmolLM's prefill.
+    keep = {"logits_to_keep": (count - 1)[None]} if accepts_logits_to_keep(model) else {}
+    logits, part = model.apply(params, work.prefill_tokens[None], positions, part, mask, **keep)
+    cache = state.cache.merge_rows(slot, part.replace(index=(start + count)[None]))
+    columns = jnp.where(jnp.arange(chunk) < count, positions[0], state.tokens.shape[1])
+    tokens = state.tokens.at[slot[0], columns].set(work.prefill_tokens, mode="drop")
+    length = start + count
+    state = state.replace(cache=cache, tokens=tokens, lengths=state.lengths.at[slot].set(length))
+
+    def first_token(state):
+        if keep:
+            last = logits[0]  # [1, V]
+        else:
+            last = jax.lax.dynamic_index_in_dim(logits[0], count - 1, keepdims=True)
+        chosen = choose_rows(
+            last,
+            state.tokens[slot],
+            length[None],
+            state.prompt_lengths[slot],
+            _rows(state.settings, slot),
+            state.constraint_state[slot],
+            pool,
+            jnp.ones((1,), bool),
+            top,
+        )
+        token, done = chosen.token, chosen.done
+        state = state.replace(
+            tokens=state.tokens.at[slot, length].set(token, mode="drop"),
+            lengths=state.lengths.at[slot].add(1),
+            decoding=state.decoding.at[slot].set(~done),
+            constraint_state=state.constraint_state.at[slot].set(chosen.constraint_state),
+        )
+        return state, token[0], done[0], chosen.scored
+
+    def not_last(state):
+        return state, jnp.full((), -1, jnp.int32), jnp.zeros((), bool), no_scores(1, top)
+
+    return jax.lax.cond(work.prefill_last, first_token, not_last, state)
+
+
+def _decode_once(model, params, state: EngineState, pool, top: int):
+    """One token for every decoding row; returns the state, int32[R] tokens (-1 for rows not
+    decoding), bool[R] rows that finished and the tokens' :class:`Scored` ([R])."""
+    live = state.decoding
+    rows = jnp.arange(state.lengths.shape[0])
+    fed = jnp.maximum(state.lengths - 1, 0)  # position of the token fed
+    if isinstance(state.cache, PagedKVCache):
+        # Rows not decoding write to the scratch block and read nothing that matters.
+        tables = jnp.where(live[:, None], state.cache.block_tables, 0)
+        view = state.cache.replace(block_tables=tables, index=fed)
+    else:
+        # Gathered: every row writes its own copy; only live rows' slots go back to the pool
+        # (PagedKVCache.scatter writes the slots below each row's index).
+        view = state.cache.replace(index=fed)
+    mask = jnp.ones((live.shape[0], view.length), jnp.int32)
+    logits, view = model.apply(params, state.tokens[rows, fed][:, None], fed[:, None], view, mask)
+    cache = state.cache.with_pools(view).replace(index=jnp.where(live, fed + 1, state.cache.index))
+    chosen = choose_rows(
+        logits[:, 0],
+        state.tokens,
+        state.lengths,
+        state.prompt_lengths,
+        state.settings,
+        state.constraint_state,
+        pool,
+        live,
+        top,
+    )
+    token, done = chosen.token, chosen.done
+    columns = jnp.where(live, state.lengths, state.tokens.shape[1])
+    state = state.replace(
+        cache=cache,
+        tokens=state.tokens.at[rows, columns].set(token, mode="drop"),
+        lengths=state.lengths + live,
+        decoding=live & ~done,
+        constraint_state=chosen.constraint_state,
+    )
+    return state, jnp.where(live, token, -1), done, chosen.scored
+
+
+def engine_prefill(
+    model,
+    params: PyTree,
+    state: EngineState,
+    work: StepInput,
+    pool: CompressedTable | None = None,
+    *,
+    max_top_logprobs: int = 0,
+    layout: Layout | None = None,
+) -> tuple[EngineState, PrefillOutput]:
+    """Applies the host's tables and releases, admits, and runs one prompt chunk.
+
+    Args:
+        model: the model (static).
+        params: its parameters (traced).
+        state: the :class:`~genjax.serving.engine.EngineState` (traced, donated).
+        work: the step's :class:`~genjax.serving.engine.StepInput`; its ``decode_rows`` and
+            ``decode_tables`` are not read (:func:`prefill_input` drops them).
+        pool: the constraint pool (:mod:`genjax.serving.constraint_pool`; traced, not
+            donated), or None for an engine without one (static: nothing of it compiles).
+        max_top_logprobs: ``L`` (static), the top log-probabilities returned per token.
+        layout: the mesh's :class:`~genjax.sharding.Layout` (static), or None on one device:
+            the state keeps :func:`~genjax.serving.engine.state_shardings`, the output is
+            replicated.
+
+    Returns:
+        ``(state, prefilled)``: the new state and a :class:`PrefillOutput`.
+    """
+    state = _constrain(layout, state)
+    state = state.replace(
+        cache=state.cache.replace(block_tables=work.block_tables),
+        decoding=state.decoding & ~work.release,
+    )
+    state = _admit(state, work)
+    top = max_top_logprobs
+
+    def with_prefill(state):
+        state, first, done, scored = _prefill(model, params, state, work, pool, top)
+        return state, PrefillOutput(first, done, scored)
+
+    def without(state):
+        return state, PrefillOutput.empty(top)
+
+    state, prefilled = jax.lax.cond(work.prefill_slot >= 0, with_prefill, without, state)
+    if layout is not None:
+        prefilled = jax.lax.with_sharding_constraint(prefilled, layout.sharding())
+    return _constrain(layout, state), prefilled
+
+
+def engine_decode(
+    model,
+    params: PyTree,
+    state: EngineState,
+    work: StepInput,
+    prefilled: PrefillOutput,
+    pool: CompressedTable | None = None,
+    *,
+    max_steps: int,
+    max_top_logprobs: int = 0,
+    layout: Layout | None = None,
+) -> tuple[EngineState, StepOutput]:
+    """Up to ``work.num_steps`` decode iterations for the rows ``work.decode_rows``.
+
+    The loop stops after ``work.num_steps`` iterations, when no row decodes, or after an
+    iteration in which a row finished (the host can then reuse its slot and blocks); a first
+    token that ended its request (``prefilled.first_done``) counts as such a row.
+
+    Args:
+        model, params, pool, max_top_logprobs, layout: as :func:`engine_prefill`'s (the decode
+            loop's carry keeps the state's shardings too).
+        state: the state :func:`engine_prefill` returned (traced, donated).
+        work: the step's :class:`~genjax.serving.engine.StepInput`.
+        prefilled: what :func:`engine_prefill` returned; passed through to the output.
+        max_steps: ``K`` (static), the size of the output buffer; ``work.num_steps <= K``.
+
+    Returns:
+        ``(state, output)``: the new state and a :class:`~genjax.serving.engine.StepOutput`.
+    """
+    top = max_top_logprobs
+    slots, rows = state.lengths.shape[0], work.decode_rows
+    buffer = jnp.full((max_steps, rows.shape[0]), -1, jnp.int32)
+    scores = jax.tree.map(
+        lambda x: jnp.zeros((max_steps, *x.shape), x.dtype), no_scores(rows.shape[0], top)
+    )
+    finished = jnp.zeros((slots,), bool)
+    finished = finished.at[jnp.maximum(work.prefill_slot, 0)].set(prefilled.first_done)
+    limit = jnp.minimum(work.num_steps, max_steps)
+
+    def cond(carry):
+        i, state, _, _, finished = carry
+        return (i < limit) & jnp.any(state.decoding) & ~(jnp.any(finished) & (i > 0))
+
+    def body(carry):
+        i, state, buffer, scores, finished = carry
+        state, tokens, done, scored = _decode_once(model, params, state, pool, top)
+        state = _constrain(layout, state)
+        scores = jax.tree.map(lambda all_, new: all_.at[i].set(new), scores, scored)
+        return i + 1, state, buffer.at[i].set(tokens), scores, finished | done
+
+    state = _constrain(layout, state)
+    part = _take_rows(state, rows, work.decode_tables)
+    paged = part.cache
+    if not paged.quantized:
+        # The rows' blocks copied once for the whole loop, not once per iteration and layer
+        # (genjax.cache.gathered); an int8 pool keeps reading its blocks dequantized.
+        part = part.replace(cache=paged.gather())
+    start = (jnp.zeros((), jnp.int32), part, buffer, scores, finished[rows])
+    steps, part, buffer, scores, done = jax.lax.while_loop(cond, body, start)
+    if not paged.quantized:
+        part = part.replace(cache=paged.scatter(part.cache, paged.index, max_steps))
+    state = _constrain(layout, _put_rows(state, rows, part))
+    # Back to one column per slot: the host reads tokens and scores by slot.
+    tokens = jnp.full((max_steps, slots), -1, jnp.int32).at[:, rows].set(buffer)
+    scores = jax.tree.map(
+        lambda x: jnp.zeros((max_steps, slots, *x.shape[2:]), x.dtype).at[:, rows].set(x), scores
+    )
+    return state, StepOutput(
+        tokens=tokens,
+        first_token=prefilled.first_token,
+        finished=finished.at[rows].set(done),
+        steps=steps,
+        logprobs=scores.logprobs,
+        top_ids=scores.top_ids,
+        top_logprobs=scores.top_logprobs,
+        first=prefilled.first,
+    )
+
+
+def engine_step(
+    model,
+    params: PyTree,
+    state: EngineState,
+    work: StepInput,
+    pool: CompressedTable | None = None,
+    *,
+    max_steps: int,
+    max_top_logprobs: int = 0,
+    layout: Layout | None = None,
+) -> tuple[EngineState, StepOutput]:
+    """One host round trip as one pure function: :func:`engine_prefill`, then
+    :func:`engine_decode` (arguments as theirs).
+
+    Example:
+        >>> step = compile_step(model, max_steps=4)  # doctest: +SKIP
+        >>> state, out = step(params, state, work, pool)  # doctest: +SKIP
+    """
+    sizes = dict(max_top_logprobs=max_top_logprobs, layout=layout)
+    state, prefilled = engine_prefill(model, params, state, work, pool, **sizes)
+    return engine_decode(model, params, state, work, prefilled, pool, max_steps=max_steps, **sizes)
+
+
+def _jit(function, library_dots: bool):
+    """``function`` jitted with its state (argument 1) donated, compiled with
+    :data:`~genjax.models.quantize.LIBRARY_DOT_OPTIONS` when ``library_dots`` (int8 params
+    multiplying several rows: :func:`~genjax.models.quantize.library_dots`)."""
+    options = LIBRARY_DOT_OPTIONS if library_dots else None
+    return jax.jit(function, donate_argnums=1, compiler_options=options)
+
+
+@functools.cache
+def compile_prefill(
+    model, max_top_logprobs: int = 0, library_dots: bool = False, layout: Layout | None = None
+):
+    """The jitted :func:`engine_prefill` (sizes static, the state donated):
+    ``prefill(params, state, prefill_input(work), pool=None) -> (state, prefilled)``. With a
+    ``layout`` the program takes the params and the state as they are placed on its mesh."""
+
+    def prefill(params, state, work, pool=None):
+        sizes = dict(max_top_logprobs=max_top_logprobs, layout=layout)
+        return engine_prefill(model, params, state, work, pool, **sizes)
+
+    return _jit(prefill, library_dots)
+
+
+@functools.cache
+def compile_decode(
+    model,
+    max_steps: int,
+    max_top_logprobs: int = 0,
+    library_dots: bool = False,
+    layout: Layout | None = None,
+):
+    """The jitted :func:`engine_decode` (sizes static, the state donated):
+    ``decode(params, state, work, prefilled, pool=None) -> (state, output)``."""
+
+    def decode(params, state, work, prefilled, pool=None):
+        sizes = dict(max_steps=max_steps, max_top_logprobs=max_top_logprobs, layout=layout)
+        return engine_decode(model, params, state, work, prefilled, pool, **sizes)
+
+    return _jit(decode, library_dots)
+
+
+@functools.cache
+def compile_step(
+    model,
+    max_steps: int,
+    max_top_logprobs: int = 0,
+    library_dots: bool = False,
+    layout: Layout | None = None,
+):
+    """The jitted :func:`engine_step` as one program (sizes static, the state donated):
+    ``step(params, state, work, pool=None) -> (state, output)``."""
+
+    def step(params, state, work, pool=None):
+        sizes = dict(max_steps=max_steps, max_top_logprobs=max_top_logprobs, layout=layout)
+        return engine_step(model, params, state, work, pool, **sizes)
+
+    return _jit(step, library_dots)

@@ -133,17 +133,16 @@ def plan(config, policy, prompt_length: int, num_new_tokens: int, assisted: bool
 
     Raises:
         InputError: ``P + N > max_cache_len``.
-        UnsupportedError: beam search or assisted generation with ``max_cache_len``.
+        UnsupportedError: assisted generation with ``max_cache_len``.
     """
     size = config.max_cache_len
     if size is None:
         return None
-    if config.num_beams > 1 or assisted:
-        mode = "beam search (num_beams > 1)" if config.num_beams > 1 else "assisted generation"
+    if assisted:
         raise UnsupportedError(
-            f"max_cache_len={size} is not supported with {mode} yet: only greedy and sampling "
-            f"reuse one program across prompt lengths and max_new_tokens. Unset max_cache_len "
-            f"(buckets still share programs), or use num_beams=1 without an assistant."
+            f"max_cache_len={size} is not supported with assisted generation yet: greedy, "
+            f"sampling and beams reuse one program across prompt lengths and max_new_tokens. "
+            f"Unset max_cache_len (buckets still share programs), or drop the assistant."
         )
     check_length(size, prompt_length, num_new_tokens)
     return FixedSlots(size, config.prefill_chunk_size or policy.granularity)

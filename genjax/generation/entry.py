@@ -51,7 +51,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from genjax.cache.quantized import init_cache
 from genjax.config import GenerationConfig
 from genjax.decoding import assisted, beam, guidance
 from genjax.decoding.sampling import (
@@ -66,7 +65,6 @@ from genjax.generation.healing import heal, heal_call, healing_step
 from genjax.generation.outputs import GenerateOutput, check_finite
 from genjax.generation.plan import CallPlan, CallRequest, Mode, PreparedCall, TracedInputs, prepare
 from genjax.generation.prefill import (
-    accepts_logits_to_keep,
     prompt_context,
     special_ids,
     start_stopping,
@@ -383,19 +381,10 @@ def _generate_sampling(call: TracedCall) -> GenerateOutput:
     def rows(x):  # row b -> rows b*R .. b*R+R-1, by a reshape: sharded rows stay in place
         return jnp.repeat(x, copies, axis=0)
 
-    prefill_outputs = []  # [the prefill's extra outputs] when the plan records them
-    if plan.slots is None:
-        logits, cache, cache_mask, tokens, *prefill_outputs = call.prefill()
-        length = jnp.asarray(tokens.shape[1] - plan.steps, jnp.int32)  # W, or the decoder's Pd
-    else:
-        cache = init_cache(plan.model, batch, plan.slots.buffer_length, plan.quantized)
-        keep_one = accepts_logits_to_keep(plan.model)
-        prompt_end = traced.bounds[0]
-        logits, cache, cache_mask = plan.slots.prefill(
-            plan.model, call.params, call.input_ids, attention_mask, prompt_end, cache,
-            keep_one=keep_one,
-        )  # fmt: skip
-        logits, tokens, length = logits[:, None], call.input_ids, prompt_end
+    logits, cache, cache_mask, tokens, *prefill_outputs = call.prefill()
+    length = jnp.asarray(tokens.shape[1] - plan.steps, jnp.int32)  # W, or the decoder's Pd
+    if plan.slots is not None:
+        length = traced.bounds[0]  # the prompt's end e in the slot buffer
     recorded = (batch * copies, plan.steps, logits.shape[-1])
     state = DecodeState(
         tokens=rows(tokens),
@@ -459,13 +448,14 @@ def _generate_beams(call: TracedCall) -> GenerateOutput:
         scores_shape=recorded if plan.output_scores else None,
         logits_shape=recorded if plan.output_logits else None,
         fill_token_id=beam.fill_token_id(call.pad_token_id, call.eos_token_ids),
+        prompt_end=None if plan.slots is None else call.traced.bounds[0],
     )
     automaton = call.traced.automaton
     if automaton is not None:
         state = state.replace(automaton_state=jnp.repeat(automaton.initial, num_beams, axis=0))
     state = recording.with_buffers(plan, call.params, state, prefill_outputs)
     context = call.context(state.tokens, state.length, state.attention_mask, num_beams)
-    bounds = call.traced.bounds  # max_cache_len (encoder-decoder): [Pd, Pd + N], N traced
+    bounds = call.traced.bounds  # max_cache_len: [e, e + N] (encoder-decoder: [Pd, Pd + N])
     if bounds is not None:
         context = context.replace(max_length=bounds[1] - call.traced.offset)
     rules = beam.BeamRules(
@@ -488,6 +478,8 @@ def _generate_beams(call: TracedCall) -> GenerateOutput:
     if bounds is not None:  # the slots after the call's end hold pad_token_id, as sampling's
         slots = jnp.arange(sequences.shape[1])[None, :]
         sequences = jnp.where(slots < bounds[1], sequences, call.pad_token_id)
+    if plan.slots is not None:  # the M slots from the prompt's first
+        sequences = plan.slots.sequences(sequences, call.traced.offset)
     return call.finish(
         GenerateOutput(
             sequences=sequences,

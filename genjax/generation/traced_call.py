@@ -15,12 +15,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from genjax.cache.quantized import init_cache
 from genjax.config import GenerationConfig
 from genjax.decoding import guidance
 from genjax.generation import encoder_decoder, recording
 from genjax.generation.outputs import GenerateOutput
 from genjax.generation.plan import CallPlan, TracedInputs
-from genjax.generation.prefill import prefill, prompt_context
+from genjax.generation.prefill import accepts_logits_to_keep, prefill, prompt_context
 from genjax.processors import Processor, from_config
 from genjax.stopping import StoppingRules
 from genjax.typing import Array, PyTree
@@ -57,8 +58,11 @@ class TracedCall:
     def prefill(self, new_slots: int | None = None, *, draft: bool = False, ring_margin=0):
         """:func:`genjax.generation.prefill.prefill` of the model (the assistant when
         ``draft``) into ``W + new_slots`` slots (default ``N``), sliding-window rings with
-        ``ring_margin`` extra slots (static)."""
+        ``ring_margin`` extra slots (static). With ``max_cache_len`` (``plan.slots``) the
+        model's prompt goes into the slot buffer's cache instead (:meth:`prefill_slots`)."""
         model, params = self.plan.model, self.params
+        if self.plan.slots is not None and not draft:
+            return self.prefill_slots()
         new_slots = self.plan.steps if new_slots is None else new_slots
         if self.traced.decoder_input_ids is not None:  # an encoder-decoder model
             return encoder_decoder.prefill(
@@ -87,6 +91,23 @@ class TracedCall:
             ring_margin,
             forward_flags=None if draft else self.plan.forward_flags,
         )
+
+    def prefill_slots(self):
+        """The prefill of the ``max_cache_len`` layout (:meth:`genjax.cache.slots.FixedSlots.
+        prefill`): the prompt, ``C`` slots at a time, into an empty cache of ``S`` slots; its
+        first new slot is the traced ``bounds[0]``.
+
+        Returns:
+            ``(logits float32[B, 1, V], cache, cache_mask int32[B, S], tokens int32[B, S])`` as
+            :meth:`prefill` returns them: ``tokens`` is the laid-out buffer as given.
+        """
+        plan, batch = self.plan, self.input_ids.shape[0]
+        cache = init_cache(plan.model, batch, plan.slots.buffer_length, plan.quantized)
+        logits, cache, cache_mask = plan.slots.prefill(
+            plan.model, self.params, self.input_ids, self.attention_mask, self.traced.bounds[0],
+            cache, keep_one=accepts_logits_to_keep(plan.model),
+        )  # fmt: skip
+        return logits[:, None], cache, cache_mask, self.input_ids
 
     def guidance_branch(self, prompt_end: Array) -> guidance.GuidanceState:
         """The classifier-free guidance branch, prefilled: the negative prompt, else each row's

@@ -54,8 +54,10 @@ Static or traced:
     whether continuations are sampled, ``early_stopping``, the number of EOS ids, the output
     flags, whether a token automaton constrains the beams (:mod:`genjax.decoding.automaton`).
     Traced: ``length_penalty`` (scalar or per prompt ``[B]``), the EOS ids, the PRNG key, ``N``
-    when ``BeamRules.num_new_tokens`` sets it below the buffer's new slots, the processor
-    settings, the automaton's tables and all state.
+    when ``BeamRules.num_new_tokens`` sets it below the buffer's new slots, the slot of the
+    first new token when ``init_state(prompt_end=)`` sets it (``BeamState.start``: the
+    ``max_cache_len`` layout of :mod:`genjax.cache.slots`, where the prompt's end changes from
+    call to call), the processor settings, the automaton's tables and all state.
 
 The slots of a returned sequence after its end hold transformers v5's fill value
 (:func:`fill_token_id`): ``pad_token_id`` when it is set and not 0, else the first EOS id; -1 when

@@ -25,8 +25,8 @@ already fixed and no padding is added.
 
 One program for many calls: with ``max_cache_len`` (a config field) the cache and token buffer
 are preallocated once, and the prompt length, its bucket and ``max_new_tokens`` become traced:
-every greedy or sampling call with ``P + N <= max_cache_len`` and the same batch size runs one
-program, and outputs have ``max_cache_len`` columns (see :mod:`genjax.cache.slots`). An
+every greedy, sampling or beam call with ``P + N <= max_cache_len`` and the same batch size runs
+one program, and outputs have ``max_cache_len`` columns (see :mod:`genjax.cache.slots`). An
 encoder-decoder model's decoder gets ``max_cache_len`` slots the same way, for every strategy,
 beams included (:mod:`genjax.generation.encoder_decoder`). :func:`genjax.warmup` compiles
 programs ahead of time.
@@ -225,11 +225,11 @@ def generate(
     Returns:
         A :class:`GenerateOutput`; ``sequences`` is int32[B*R, P+N]. With ``max_cache_len = M``
         (static): ``sequences`` is int32[B*R, M], the prompt, its ``N`` new tokens, then
-        ``pad_token_id``; ``scores``/``logits`` hold ``M - 1`` steps, 0 from step ``N`` on. An
-        encoder-decoder model's ``sequences`` are its decoder's tokens: int32[B*R, Pd+N], the
-        prefix ``Pd`` (the start token, any ``decoder_input_ids``) first; with ``max_cache_len``
-        int32[B*R, M], its steps ``M - Pd`` (beam search and beam sampling included; see
-        :mod:`genjax.generation.encoder_decoder`). Hidden states and attentions when asked
+        ``pad_token_id``; ``scores``/``logits`` (and ``beam_indices``) hold ``M - 1`` steps, 0
+        (-1) from step ``N`` on. An encoder-decoder model's ``sequences`` are its decoder's
+        tokens: int32[B*R, Pd+N], the prefix ``Pd`` (the start token, any
+        ``decoder_input_ids``) first; with ``max_cache_len`` int32[B*R, M], its steps ``M - Pd``
+        (see :mod:`genjax.generation.encoder_decoder`). Hidden states and attentions when asked
         for (an encoder-decoder model's ``encoder_*``, ``decoder_*`` and
         ``cross_attentions``): :mod:`genjax.generation.outputs`.
 
@@ -245,9 +245,8 @@ def generate(
         TypeError: a stopping criterion that is not a hashable callable; a logits processor
             that is a transformers ``LogitsProcessor``, not callable, or a plain unhashable one.
         GenerationConfigError: an invalid config.
-        UnsupportedError: a generation mode or option genjax does not support yet (also beam
-            search or assisted generation with ``max_cache_len`` for a decoder-only model; see
-            ``check_forward_outputs``).
+        UnsupportedError: a generation mode or option genjax does not support yet (also
+            assisted generation with ``max_cache_len``; see ``check_forward_outputs``).
         ShardingError: with a mesh, a batch or head count that does not divide over its axis;
             ``mesh=`` inside ``shard_map``.
 

@@ -57,7 +57,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from genjax.errors import InputError, UnsupportedError
+from genjax.errors import InputError
 from genjax.typing import Array
 
 __all__ = ["FixedSlots", "check_length", "pad_prompt", "plan", "prefill_chunks"]
@@ -129,7 +129,7 @@ class FixedSlots:
         return jax.lax.dynamic_slice_in_dim(tokens, offset, self.max_cache_len, axis=1)
 
 
-def plan(config, policy, prompt_length: int, num_new_tokens: int, assisted: bool):
+def plan(config, policy, prompt_length: int, num_new_tokens: int):
     """The :class:`FixedSlots` of a call, or None when ``config.max_cache_len`` is unset.
 
     Args:
@@ -138,21 +138,14 @@ def plan(config, policy, prompt_length: int, num_new_tokens: int, assisted: bool
             ``config.prefill_chunk_size`` is set).
         prompt_length: ``P``, the width of ``input_ids``.
         num_new_tokens: ``N``, from ``max_new_tokens`` or ``max_length``.
-        assisted: whether the call is assisted generation.
 
     Raises:
-        InputError: ``P + N > max_cache_len``.
-        UnsupportedError: assisted generation with ``max_cache_len``.
+        InputError: ``P + N > max_cache_len`` (every strategy: greedy, sampling, beams,
+            assisted generation).
     """
     size = config.max_cache_len
     if size is None:
         return None
-    if assisted:
-        raise UnsupportedError(
-            f"max_cache_len={size} is not supported with assisted generation yet: greedy, "
-            f"sampling and beams reuse one program across prompt lengths and max_new_tokens. "
-            f"Unset max_cache_len (buckets still share programs), or drop the assistant."
-        )
     check_length(size, prompt_length, num_new_tokens)
     return FixedSlots(size, config.prefill_chunk_size or policy.granularity)
 

@@ -65,7 +65,6 @@ from genjax.generation.healing import heal, heal_call, healing_step
 from genjax.generation.outputs import GenerateOutput, check_finite
 from genjax.generation.plan import CallPlan, CallRequest, Mode, PreparedCall, TracedInputs, prepare
 from genjax.generation.prefill import (
-    prompt_context,
     special_ids,
     start_stopping,
 )
@@ -399,8 +398,6 @@ def _generate_sampling(call: TracedCall) -> GenerateOutput:
     )
     state = recording.with_buffers(plan, call.params, state, prefill_outputs)
     context = call.context(state.tokens, state.length, state.attention_mask, copies)
-    if traced.bounds is not None:  # max_cache_len: transformers' max_length = P + N, traced
-        context = context.replace(max_length=traced.bounds[1] - traced.offset)
     rules = DecodeRules(
         process=call.processors(),
         choose=sampling_chooser() if plan.do_sample else greedy_chooser(),
@@ -455,8 +452,6 @@ def _generate_beams(call: TracedCall) -> GenerateOutput:
     state = recording.with_buffers(plan, call.params, state, prefill_outputs)
     context = call.context(state.tokens, state.length, state.attention_mask, num_beams)
     bounds = call.traced.bounds  # max_cache_len: [e, e + N] (encoder-decoder: [Pd, Pd + N])
-    if bounds is not None:
-        context = context.replace(max_length=bounds[1] - call.traced.offset)
     rules = beam.BeamRules(
         process=call.processors(),
         do_sample=plan.do_sample,
@@ -495,17 +490,20 @@ def _generate_beams(call: TracedCall) -> GenerateOutput:
 def _generate_assisted(call: TracedCall) -> GenerateOutput:
     """Assisted generation (:mod:`genjax.decoding.assisted`): prefill the target and the draft
     (none for prompt lookup) into caches sized for the rolled-back slots, then draft, verify
-    and commit in one loop."""
+    and commit in one loop. With ``max_cache_len`` the prompt ends at the traced ``bounds[0]``
+    of the slot buffer and the rows stop at ``bounds[1]``."""
     plan, config, traced = call.plan, call.config, call.traced
     model, assistant = plan.model, plan.assistant
-    batch, prompt_length = call.input_ids.shape
+    batch, prompt_length = call.input_ids.shape  # P, or the slot buffer's S
+    prompt_end = None if plan.slots is None else traced.bounds[0]
+    start = prompt_length if prompt_end is None else prompt_end
     limits = [getattr(m, "max_position_embeddings", None) for m in (model, assistant)]
     limits = [limit for limit in limits if limit is not None]
     rules = assisted.make_rules(
         config,
         eos_token_ids=call.eos_token_ids,
         pad_token_id=call.pad_token_id,
-        context=prompt_context(call.input_ids, prompt_length, call.attention_mask, traced.offset),
+        context=call.context(call.input_ids, start, call.attention_mask, 1),
         stopping=call.stopping,
         num_new_tokens=plan.steps,
         with_draft=assistant is not None,
@@ -513,6 +511,8 @@ def _generate_assisted(call: TracedCall) -> GenerateOutput:
         allowed_tokens_fn=plan.allowed_tokens_fn,
         max_position=min(limits) if limits else None,
     )
+    if prompt_end is not None:
+        rules = rules.replace(end=traced.bounds[1])
     sizes = assisted.cache_lengths(prompt_length, plan.steps, batch, rules.num_candidates)
     margin = assisted.ring_margin(rules.num_candidates)
     logits, cache, cache_mask, _ = call.prefill(sizes[0] - prompt_length, ring_margin=margin)
@@ -531,12 +531,15 @@ def _generate_assisted(call: TracedCall) -> GenerateOutput:
         vocab_size=logits.shape[-1],
         record_scores=plan.output_scores,
         record_logits=plan.output_logits,
+        prompt_end=prompt_end,
     )
     draft_step = None if assistant is None else assistant.apply
     state = assisted.decode(
         model.apply, call.params, draft_step, traced.assistant_params, state, logits[:, -1], rules
     )
     sequences, scores, raw_logits = assisted.finish(state, rules)
+    if plan.slots is not None:
+        sequences = plan.slots.sequences(sequences, traced.offset)
     return GenerateOutput(
         sequences=sequences,
         scores=scores,

@@ -31,14 +31,15 @@ Outputs (static shapes, unlike the bucketed path which returns ``P + N`` columns
     for new token ``t``, 0 from step ``N`` on. ``out.sequences[:, :P + N]`` and
     ``out.scores[:, :N]`` are what the call would return without ``max_cache_len``.
 
-Beam search and beam sampling use the same buffer, ``B*M`` rows of it (``M`` beams): the beam
-loop's first new slot is the traced ``e`` (``BeamState.start`` in :mod:`genjax.decoding.beam`),
-its hypotheses hold ``M - 1`` new tokens of which a call fills ``N``, and it stops at the
-call's ``N`` (``BeamRules.num_new_tokens``), which ``early_stopping`` and ``length_penalty``
-count. ``beam_indices`` int32[B*R, M - 1], -1 from step ``N`` on; ``scores`` has ``B*M`` rows.
-Assisted generation does not take ``max_cache_len``: its caches roll back rejected draft
-tokens and its verification pass feeds ``G + 1`` tokens a round at the cache's index, which
-this layout's traced prompt end does not support yet (:func:`plan` refuses it).
+Every strategy uses this buffer. Beam search and beam sampling: ``B*M`` rows of it (``M``
+beams); the beam loop's first new slot is the traced ``e`` (``BeamState.start`` in
+:mod:`genjax.decoding.beam`), its hypotheses hold ``M - 1`` new tokens of which a call fills
+``N``, and it stops at the call's ``N`` (``BeamRules.num_new_tokens``), which
+``early_stopping`` and ``length_penalty`` count. ``beam_indices`` int32[B*R, M - 1], -1 from
+step ``N`` on; ``scores`` has ``B*M`` rows. Assisted generation (a draft model or prompt
+lookup, :mod:`genjax.decoding.assisted`): its rows start at ``e`` and stop at ``e + N``
+(``AssistRules.end``, traced); its caches hold the ``S`` slots plus the rolled-back slots of
+``M - 1`` steps (``cache_lengths(S, M - 1, ...)``), prefilled in chunks like the others.
 
 Encoder-decoder models give their decoder's tokens and self-attention cache ``M`` slots
 without this layout: the decoder's prefix has a static length, so it needs no chunks or

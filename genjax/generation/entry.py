@@ -25,11 +25,11 @@ already fixed and no padding is added.
 
 One program for many calls: with ``max_cache_len`` (a config field) the cache and token buffer
 are preallocated once, and the prompt length, its bucket and ``max_new_tokens`` become traced:
-every greedy, sampling or beam call with ``P + N <= max_cache_len`` and the same batch size runs
-one program, and outputs have ``max_cache_len`` columns (see :mod:`genjax.cache.slots`). An
-encoder-decoder model's decoder gets ``max_cache_len`` slots the same way, for every strategy,
-beams included (:mod:`genjax.generation.encoder_decoder`). :func:`genjax.warmup` compiles
-programs ahead of time.
+every call (greedy, sampling, beams, assisted) with ``P + N <= max_cache_len`` and the same
+batch size runs one program, and outputs have ``max_cache_len`` columns (see
+:mod:`genjax.cache.slots`). An encoder-decoder model's decoder gets ``max_cache_len`` slots the
+same way, beams included (:mod:`genjax.generation.encoder_decoder`). :func:`genjax.warmup`
+compiles programs ahead of time.
 
 Structure: ``generate`` checks and plans the call once on the host
 (:func:`genjax.generation.plan.prepare`: a hashable :class:`~genjax.generation.plan.CallPlan`
@@ -244,8 +244,8 @@ def generate(
         TypeError: a stopping criterion that is not a hashable callable; a logits processor
             that is a transformers ``LogitsProcessor``, not callable, or a plain unhashable one.
         GenerationConfigError: an invalid config.
-        UnsupportedError: a generation mode or option genjax does not support yet (also
-            assisted generation with ``max_cache_len``; see ``check_forward_outputs``).
+        UnsupportedError: a generation mode or option genjax does not support yet (see
+            ``check_forward_outputs``).
         ShardingError: with a mesh, a batch or head count that does not divide over its axis;
             ``mesh=`` inside ``shard_map``.
 

@@ -65,10 +65,11 @@ class AssistRules:
 class AssistState:
     """Everything the assisted loop carries from one iteration to the next.
 
-    ``S = P + N`` is the buffer plain decoding has; the token buffer holds ``T`` slots more, so
-    that a block of candidates can be written past a row's end. ``Sc`` and ``Sd`` are the
-    target's and the draft's cache lengths (:func:`cache_lengths`). As everywhere in
-    :mod:`genjax.cache`, keys keep the slots last and values keep them before the head dim.
+    ``S = P + N`` is the buffer plain decoding has (with ``max_cache_len``, the slot buffer of
+    :mod:`genjax.cache.slots`, the call ending at ``AssistRules.end``); the token buffer holds
+    ``T`` slots more, so that a block of candidates can be written past a row's end. ``Sc`` and
+    ``Sd`` are the target's and the draft's cache lengths (:func:`cache_lengths`). As everywhere
+    in :mod:`genjax.cache`, keys keep the slots last and values keep them before the head dim.
     """
 
     tokens: Array  # int32[B, S + T]: per row padding, prompt, committed tokens, then pad
@@ -154,12 +155,12 @@ def init_state(
     pad = jnp.full((batch, new_slots + block), rules.pad_token_id, jnp.int32)
     tokens = jnp.concatenate([prompt.astype(jnp.int32), pad], axis=1)
     in_prompt = jnp.arange(width)[None, :] < start
+    prompt_tokens = jnp.sum(jnp.where(in_prompt, cache_mask[:, :width], 0), axis=-1)
     recorded = (batch, rules.num_new_tokens + block, vocab_size)
     return AssistState(
         tokens=tokens,
         lengths=jnp.full((batch,), start, jnp.int32),
-        positions=jnp.sum(jnp.where(in_prompt, cache_mask[:, :width], 0), axis=-1).astype(jnp.int32)
-        - 1,
+        positions=prompt_tokens.astype(jnp.int32) - 1,
         cache=cache,
         cache_mask=cache_mask,
         draft_cache=draft_cache,

@@ -321,10 +321,10 @@ def test_clear_errors_before_anything_compiles(tmp_path):
     with compiles() as compiled:
         with pytest.raises(InputError, match="9 \\+ 40 new tokens = 49 exceeds max_cache_len=48"):
             _generate(ids, mask, max_new_tokens=40, max_cache_len=MAX_CACHE_LEN)
-        with pytest.raises(UnsupportedError, match="beam search"):
-            _generate(ids, mask, num_beams=2, max_cache_len=MAX_CACHE_LEN)
-        with pytest.raises(UnsupportedError, match="assisted generation"):
-            _generate(ids, mask, prompt_lookup_num_tokens=2, max_cache_len=MAX_CACHE_LEN)
+        with pytest.raises(InputError, match="9 \\+ 40 new tokens = 49 exceeds"):  # beams too
+            _generate(ids, mask, num_beams=2, max_new_tokens=40, max_cache_len=MAX_CACHE_LEN)
+        with pytest.raises(InputError, match="9 \\+ 40 new tokens = 49 exceeds"):  # assisted
+            _generate(ids, mask, prompt_lookup_num_tokens=2, max_new_tokens=40, max_cache_len=48)
         with pytest.raises(InputError, match="prompt_buckets"):
             _generate(ids, mask, prompt_buckets="sixteen")
         with pytest.raises(InputError, match="batch_sizes"):

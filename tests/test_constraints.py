@@ -234,6 +234,14 @@ def test_beam_search_outputs_match(bundled):
     out = genjax.generate(model, params, ids, config, attention_mask=mask, constraint=c)
     for text, ended in _new_texts(tok, out, ids.shape[1]):
         assert ended and re.fullmatch(PHONE, text), text
+    # The max_cache_len slot layout: the same hypotheses, pad after P + N.
+    fixed = genjax.generate(
+        model, params, ids, config, attention_mask=mask, constraint=c, max_cache_len=48
+    )
+    end = ids.shape[1] + GREEDY.max_new_tokens
+    np.testing.assert_array_equal(fixed.sequences[:, :end], out.sequences)
+    np.testing.assert_array_equal(fixed.sequences[:, end:], 0)
+    np.testing.assert_allclose(fixed.sequences_scores, out.sequences_scores, rtol=1e-5)
 
 
 def test_per_row_regexes_with_max_cache_len(bundled):

@@ -5,9 +5,10 @@ transformers records ``tests/test_generate.py`` already compares on 9-token prom
 ``W``, so through the rings). Here prompts of 13 tokens go through the paths that write a ring
 in more than one way: chunked prefill with chunks shorter and longer than ``W`` and the
 ``max_cache_len`` slot layout (against the same transformers records), prompt lookup (rejected
-tokens rolled back) against the same model with ``ring_cache=False`` (every layer ``S`` slots,
-the window applied by the mask). Beam search on rings is ``tests/test_beam.py``'s gemma3 and
-qwen3 records. Programs compile with ``jax_disable_most_optimizations``.
+tokens rolled back, also in the ``max_cache_len`` layout) against the same model with
+``ring_cache=False`` (every layer ``S`` slots, the window applied by the mask). Beam search on
+rings is ``tests/test_beam.py``'s gemma3 and qwen3 records. Programs compile with
+``jax_disable_most_optimizations``.
 """
 
 import dataclasses
@@ -134,6 +135,10 @@ def test_prompt_lookup_rolls_back_rings_as_the_full_cache():
     np.testing.assert_array_equal(out.sequences, plain.sequences)
     np.testing.assert_array_equal(out.num_accepted_tokens, expected.num_accepted_tokens)
     assert 0 < int(out.num_accepted_tokens[0]) < 30  # some candidates taken, some rolled back
+    # The max_cache_len slot layout: rings of W + G + 1 slots from the chunked prefill on.
+    fixed = genjax.generate(ring, params, ids[:1], config, max_cache_len=48)
+    np.testing.assert_array_equal(fixed.sequences[:, :43], out.sequences)
+    np.testing.assert_array_equal(fixed.num_accepted_tokens, out.num_accepted_tokens)
 
 
 def test_a_windowed_draft_proposes_what_it_would_without_the_window():

@@ -31,6 +31,16 @@ Outputs (static shapes, unlike the bucketed path which returns ``P + N`` columns
     for new token ``t``, 0 from step ``N`` on. ``out.sequences[:, :P + N]`` and
     ``out.scores[:, :N]`` are what the call would return without ``max_cache_len``.
 
+Every strategy uses this buffer. Beam search and beam sampling: ``B*M`` rows of it (``M``
+beams); the beam loop's first new slot is the traced ``e`` (``BeamState.start`` in
+:mod:`genjax.decoding.beam`), its hypotheses hold ``M - 1`` new tokens of which a call fills
+``N``, and it stops at the call's ``N`` (``BeamRules.num_new_tokens``), which
+``early_stopping`` and ``length_penalty`` count. ``beam_indices`` int32[B*R, M - 1], -1 from
+step ``N`` on; ``scores`` has ``B*M`` rows. Assisted generation (a draft model or prompt
+lookup, :mod:`genjax.decoding.assisted`): its rows start at ``e`` and stop at ``e + N``
+(``AssistRules.end``, traced); its caches hold the ``S`` slots plus the rolled-back slots of
+``M - 1`` steps (``cache_lengths(S, M - 1, ...)``), prefilled in chunks like the others.
+
 Encoder-decoder models give their decoder's tokens and self-attention cache ``M`` slots
 without this layout: the decoder's prefix has a static length, so it needs no chunks or
 padding (see :mod:`genjax.generation.encoder_decoder`).
@@ -48,7 +58,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from genjax.errors import InputError, UnsupportedError
+from genjax.errors import InputError
 from genjax.typing import Array
 
 __all__ = ["FixedSlots", "check_length", "pad_prompt", "plan", "prefill_chunks"]
@@ -120,7 +130,7 @@ class FixedSlots:
         return jax.lax.dynamic_slice_in_dim(tokens, offset, self.max_cache_len, axis=1)
 
 
-def plan(config, policy, prompt_length: int, num_new_tokens: int, assisted: bool):
+def plan(config, policy, prompt_length: int, num_new_tokens: int):
     """The :class:`FixedSlots` of a call, or None when ``config.max_cache_len`` is unset.
 
     Args:
@@ -129,22 +139,14 @@ def plan(config, policy, prompt_length: int, num_new_tokens: int, assisted: bool
             ``config.prefill_chunk_size`` is set).
         prompt_length: ``P``, the width of ``input_ids``.
         num_new_tokens: ``N``, from ``max_new_tokens`` or ``max_length``.
-        assisted: whether the call is assisted generation.
 
     Raises:
-        InputError: ``P + N > max_cache_len``.
-        UnsupportedError: beam search or assisted generation with ``max_cache_len``.
+        InputError: ``P + N > max_cache_len`` (every strategy: greedy, sampling, beams,
+            assisted generation).
     """
     size = config.max_cache_len
     if size is None:
         return None
-    if config.num_beams > 1 or assisted:
-        mode = "beam search (num_beams > 1)" if config.num_beams > 1 else "assisted generation"
-        raise UnsupportedError(
-            f"max_cache_len={size} is not supported with {mode} yet: only greedy and sampling "
-            f"reuse one program across prompt lengths and max_new_tokens. Unset max_cache_len "
-            f"(buckets still share programs), or use num_beams=1 without an assistant."
-        )
     check_length(size, prompt_length, num_new_tokens)
     return FixedSlots(size, config.prefill_chunk_size or policy.granularity)
 

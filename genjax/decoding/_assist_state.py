@@ -51,6 +51,9 @@ class AssistRules:
     extra: tuple = struct.field(pytree_node=False, default=())  # the user's processors
     allowed_tokens_fn: Callable | None = struct.field(pytree_node=False, default=None)
     max_position: int | None = struct.field(pytree_node=False, default=None)  # position clamp
+    # int32[] (traced): the slot after the call's last new token when the buffer has more slots
+    # than the call's P + N (max_cache_len: genjax.cache.slots); None: S (static).
+    end: Array | None = None
 
     @property
     def prompt_length(self) -> Array:
@@ -62,10 +65,11 @@ class AssistRules:
 class AssistState:
     """Everything the assisted loop carries from one iteration to the next.
 
-    ``S = P + N`` is the buffer plain decoding has; the token buffer holds ``T`` slots more, so
-    that a block of candidates can be written past a row's end. ``Sc`` and ``Sd`` are the
-    target's and the draft's cache lengths (:func:`cache_lengths`). As everywhere in
-    :mod:`genjax.cache`, keys keep the slots last and values keep them before the head dim.
+    ``S = P + N`` is the buffer plain decoding has (with ``max_cache_len``, the slot buffer of
+    :mod:`genjax.cache.slots`, the call ending at ``AssistRules.end``); the token buffer holds
+    ``T`` slots more, so that a block of candidates can be written past a row's end. ``Sc`` and
+    ``Sd`` are the target's and the draft's cache lengths (:func:`cache_lengths`). As everywhere
+    in :mod:`genjax.cache`, keys keep the slots last and values keep them before the head dim.
     """
 
     tokens: Array  # int32[B, S + T]: per row padding, prompt, committed tokens, then pad
@@ -128,34 +132,42 @@ def init_state(
     vocab_size: int,
     record_scores: bool,
     record_logits: bool,
+    prompt_end: Array | None = None,
 ) -> AssistState:
     """The state after both prefills, before the first token.
 
     Args:
-        prompt: int32[B, P], the (bucket-padded) prompts.
+        prompt: int32[B, P], the (bucket-padded) prompts; with ``prompt_end`` the
+            ``max_cache_len`` buffer int32[B, S] (:mod:`genjax.cache.slots`), its new slots
+            included.
         cache, cache_mask: the target's prefilled cache (index ``P``) and its mask int32[B, C].
         draft_cache, draft_mask: the draft's, or None for prompt lookup.
         key: the PRNG key of the call.
         rules: the call's :class:`AssistRules`.
         vocab_size: ``V``, for the recorded scores.
         record_scores, record_logits: whether to keep processed scores / raw logits.
+        prompt_end: int32[] (traced): the slot of the first new token in the ``max_cache_len``
+            buffer ``prompt``; None: ``P`` (static), ``N`` new slots are appended.
     """
-    batch, prompt_length = prompt.shape
+    batch, width = prompt.shape
     block = rules.num_candidates + 1
-    sequence_slots = prompt_length + rules.num_new_tokens  # S
-    pad = jnp.full((batch, rules.num_new_tokens + block), rules.pad_token_id, jnp.int32)
+    start, new_slots = (width, rules.num_new_tokens) if prompt_end is None else (prompt_end, 0)
+    pad = jnp.full((batch, new_slots + block), rules.pad_token_id, jnp.int32)
+    tokens = jnp.concatenate([prompt.astype(jnp.int32), pad], axis=1)
+    in_prompt = jnp.arange(width)[None, :] < start
+    prompt_tokens = jnp.sum(jnp.where(in_prompt, cache_mask[:, :width], 0), axis=-1)
     recorded = (batch, rules.num_new_tokens + block, vocab_size)
     return AssistState(
-        tokens=jnp.concatenate([prompt.astype(jnp.int32), pad], axis=1),
-        lengths=jnp.full((batch,), prompt_length, jnp.int32),
-        positions=jnp.sum(cache_mask[:, :prompt_length], axis=-1).astype(jnp.int32) - 1,
+        tokens=tokens,
+        lengths=jnp.full((batch,), start, jnp.int32),
+        positions=prompt_tokens.astype(jnp.int32) - 1,
         cache=cache,
         cache_mask=cache_mask,
         draft_cache=draft_cache,
         draft_mask=draft_mask,
         draft_behind=jnp.zeros((batch,), bool),
         finished=jnp.zeros((batch,), bool),
-        stop_lengths=jnp.full((batch,), sequence_slots, jnp.int32),
+        stop_lengths=jnp.full((batch,), call_end(rules, tokens), jnp.int32),
         num_candidates=jnp.full((batch,), rules.num_candidates, jnp.int32),
         num_accepted=jnp.zeros((batch,), jnp.int32),
         iteration=jnp.zeros((), jnp.int32),
@@ -184,6 +196,12 @@ def sequence_slots(rules: AssistRules, tokens: Array) -> int:
     """``S = P + N`` (static): the slots of plain decoding's buffer, the token buffer int32[B,
     S + T] less the ``T`` spare slots that let a block of candidates run past a row's end."""
     return tokens.shape[1] - rules.num_candidates - 1
+
+
+def call_end(rules: AssistRules, tokens: Array) -> Array | int:
+    """The slot after the call's last new token: ``rules.end`` (traced, ``max_cache_len``),
+    else ``S`` (:func:`sequence_slots`, static)."""
+    return sequence_slots(rules, tokens) if rules.end is None else rules.end
 
 
 def _plain_view(row: Array, length: Array, pad: Array, num_slots: int) -> Array:
@@ -286,7 +304,7 @@ def running_rows(state: AssistState, rules: AssistRules) -> Array:
     row keeps taking real tokens until all have finished, and then up to the longest finished
     length, where all rows are cut at the end.
     """
-    room = state.lengths < sequence_slots(rules, state.tokens)
+    room = state.lengths < call_end(rules, state.tokens)
     if rules.eos_token_ids is not None:
         return room & ~state.finished
     everyone = jnp.all(state.finished)

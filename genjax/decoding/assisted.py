@@ -96,6 +96,7 @@ from genjax.decoding._assist_state import (
     AssistRules,
     AssistState,
     cache_lengths,
+    call_end,
     choose,
     clamp_positions,
     count_leading,
@@ -163,9 +164,9 @@ def commit(
     Returns:
         The new state and int32[B], the tokens each row committed.
     """
-    num_slots = sequence_slots(rules, state.tokens)
     running = running_rows(state, rules)
-    count = jnp.where(running, jnp.minimum(count, num_slots - state.lengths), 0)
+    room = call_end(rules, state.tokens) - state.lengths
+    count = jnp.where(running, jnp.minimum(count, room), 0)
     tokens = write_block(state.tokens, state.lengths, block, count)
     count, stopped = _cut_at_stops(rules, tokens, state.lengths, count, block.shape[1])
     # Slots after the committed tokens go back to pad (they may hold candidates).
@@ -268,7 +269,7 @@ def _propose(
     A row proposes at most its ``num_candidates`` and leaves one slot of ``S`` free for the
     target's own token; rows that are done propose none.
     """
-    room = sequence_slots(rules, state.tokens) - state.lengths - 1
+    room = call_end(rules, state.tokens) - state.lengths - 1
     limit = jnp.where(running, jnp.minimum(state.num_candidates, room), 0)
     if draft is None:
         return lookup_proposal(state, rules, limit)
@@ -476,9 +477,11 @@ def decode(
 def finish(state: AssistState, rules: AssistRules) -> tuple[Array, Array | None, Array | None]:
     """Returns (sequences int32[B, P+N], scores, logits float32[B, N, V] or None): the buffer
     cut to ``P + N`` slots (and, without EOS ids, at the longest finished length once every row
-    finished, as plain decoding stops there), steps past a row's end zeroed."""
+    finished, as plain decoding stops there), steps past a row's end zeroed. With
+    ``rules.end`` (``max_cache_len``): the buffer's ``S`` slots, ``pad_token_id`` from the
+    call's end on."""
     num_slots = sequence_slots(rules, state.tokens)
-    end = jnp.full((), num_slots, jnp.int32)
+    end = jnp.asarray(call_end(rules, state.tokens), jnp.int32)
     if rules.eos_token_ids is None:
         end = jnp.where(jnp.all(state.finished), jnp.max(state.stop_lengths), end)
     slots = jnp.arange(num_slots)[None, :]

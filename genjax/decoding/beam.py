@@ -54,8 +54,10 @@ Static or traced:
     whether continuations are sampled, ``early_stopping``, the number of EOS ids, the output
     flags, whether a token automaton constrains the beams (:mod:`genjax.decoding.automaton`).
     Traced: ``length_penalty`` (scalar or per prompt ``[B]``), the EOS ids, the PRNG key, ``N``
-    when ``BeamRules.num_new_tokens`` sets it below the buffer's new slots, the processor
-    settings, the automaton's tables and all state.
+    when ``BeamRules.num_new_tokens`` sets it below the buffer's new slots, the slot of the
+    first new token when ``init_state(prompt_end=)`` sets it (``BeamState.start``: the
+    ``max_cache_len`` layout of :mod:`genjax.cache.slots`, where the prompt's end changes from
+    call to call), the processor settings, the automaton's tables and all state.
 
 The slots of a returned sequence after its end hold transformers v5's fill value
 (:func:`fill_token_id`): ``pad_token_id`` when it is set and not 0, else the first EOS id; -1 when
@@ -128,6 +130,9 @@ class BeamState:
     # running beams as they were fed (not reordered), when recorded (see
     # genjax.decoding.sampling.step_output_buffers); None: the step function returns two values.
     step_outputs: PyTree | None = None
+    # int32[] (traced): the slot of the first new token when the buffer's prompt ends at a slot
+    # that changes from call to call (max_cache_len, genjax.cache.slots); None: S - N.
+    start: Array | None = None
 
     @property
     def num_beams(self) -> int:
@@ -138,6 +143,11 @@ class BeamState:
     def num_new_tokens(self) -> int:
         """``N`` (static)."""
         return self.running_indices.shape[2]
+
+    @property
+    def prompt_end(self) -> Array | int:
+        """The slot of the first new token: ``S - N`` (static), or ``start`` (traced)."""
+        return self.tokens.shape[1] - self.num_new_tokens if self.start is None else self.start
 
 
 @struct.dataclass
@@ -236,6 +246,7 @@ def init_state(
     scores_shape: tuple[int, int, int] | None = None,
     logits_shape: tuple[int, int, int] | None = None,
     fill_token_id: Array | None = None,
+    prompt_end: Array | None = None,
 ) -> BeamState:
     """The state after prefill, with every prompt's row repeated ``M`` times.
 
@@ -251,6 +262,10 @@ def init_state(
         scores_shape, logits_shape: ``(B*M, N, V)`` to record processed scores / raw logits.
         fill_token_id: int32[] written into the ``N`` new slots first (see
             :func:`fill_token_id`), so that it follows each hypothesis' end; None keeps them.
+        prompt_end: int32[] (traced): the slot of the first new token, for a buffer whose
+            prompt ends at a slot that changes from call to call (the ``max_cache_len`` layout
+            of :mod:`genjax.cache.slots`: the prompt, then at most ``N`` new slots, which
+            ``BeamRules.num_new_tokens`` bounds); None: ``S - N`` (static).
 
     Returns:
         A :class:`BeamState`; beam 0 of each prompt starts at score 0 and the others at -1e9,
@@ -264,16 +279,18 @@ def init_state(
         (2, 4)
     """
     batch, length = tokens.shape
+    start = length - num_new_tokens if prompt_end is None else prompt_end
+    prompt = jnp.arange(length)[None, :] < start  # bool[1, S]
     if fill_token_id is not None:
-        tokens = tokens.at[:, length - num_new_tokens :].set(fill_token_id)
-    new = jnp.repeat(tokens[:, None, length - num_new_tokens :], num_beams, axis=1)
+        tokens = jnp.where(prompt, tokens, fill_token_id)
+    new = jnp.repeat(_new_slots(tokens, start, num_new_tokens)[:, None], num_beams, axis=1)
     running = jnp.full((batch, num_beams), EXCLUDED, jnp.float32).at[:, 0].set(0.0)
     no_indices = jnp.full((batch, num_beams, num_new_tokens), -1, jnp.int32)
     return BeamState(
         tokens=jnp.repeat(tokens, num_beams, axis=0),  # a reshape: sharded rows stay local
-        length=jnp.asarray(length - num_new_tokens, jnp.int32),
+        length=jnp.asarray(start, jnp.int32),
         positions=jnp.repeat(
-            jnp.sum(attention_mask[:, :-num_new_tokens], axis=-1), num_beams, axis=0
+            jnp.sum(jnp.where(prompt, attention_mask, 0), axis=-1), num_beams, axis=0
         ).astype(jnp.int32),
         cache=cache.repeat_rows(num_beams),
         attention_mask=jnp.repeat(attention_mask, num_beams, axis=0),
@@ -288,7 +305,18 @@ def init_state(
         key=key,
         scores=None if scores_shape is None else jnp.zeros(scores_shape, jnp.float32),
         raw_logits=None if logits_shape is None else jnp.zeros(logits_shape, jnp.float32),
+        start=None if prompt_end is None else jnp.asarray(prompt_end, jnp.int32),
     )
+
+
+def _new_slots(tokens: Array, start: Array | int, count: int) -> Array:
+    """int32[..., count]: ``tokens[..., start : start + count]``. A traced ``start`` reads by a
+    gather whose slots past the buffer's end repeat its last slot: the ``max_cache_len``
+    layout has fewer than ``count`` slots after a long prompt, and those columns are never
+    returned (:func:`best_hypotheses` reads only the buffer's slots)."""
+    if isinstance(start, int):
+        return tokens[..., start : start + count]
+    return jnp.take(tokens, start + jnp.arange(count), axis=-1, mode="clip")
 
 
 def _take(values: Array, index: Array) -> Array:
@@ -406,7 +434,7 @@ def advance(state: BeamState, logits: Array, rules: BeamRules) -> BeamState:
         [1, 2]
     """
     batch, num_beams = state.running_scores.shape
-    prompt_length = state.tokens.shape[1] - state.num_new_tokens
+    prompt_length = state.prompt_end
     step = state.length - prompt_length
     log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     context = rules.context.replace(tokens=state.tokens, length=state.length)
@@ -442,7 +470,8 @@ def advance(state: BeamState, logits: Array, rules: BeamRules) -> BeamState:
         raw_logits=_record(state.raw_logits, logits, step),
         automaton_state=_next_automaton_state(state, rules, source, token, keep),
     )
-    new = _add_hypotheses(new, picked, tokens[:, :, prompt_length:], indices, hits, step, rules)
+    hypotheses = _new_slots(tokens, prompt_length, state.num_new_tokens)  # int32[B, K, N]
+    new = _add_hypotheses(new, picked, hypotheses, indices, hits, step, rules)
     new = new.replace(improvable=_still_improvable(new, step, rules))
     searching = jnp.any(new.improvable) & ~jnp.all(hits)
     if rules.early_stopping is True:
@@ -479,8 +508,7 @@ def beam_search(
     constrain = rules.constrain or (lambda state: state)
     state = constrain(advance(state, first_logits, rules))
     max_length = state.tokens.shape[1]
-
-    prompt_length = state.tokens.shape[1] - state.num_new_tokens
+    prompt_length = state.prompt_end
 
     def body(state: BeamState) -> BeamState:
         last = jax.lax.dynamic_slice_in_dim(state.tokens, state.length - 1, 1, axis=1)
@@ -529,9 +557,15 @@ def best_hypotheses(state: BeamState, num_return_sequences: int) -> tuple[Array,
     """
     batch, num_beams = state.running_scores.shape
     count = num_return_sequences
-    prompt = state.tokens.reshape(batch, num_beams, -1)[:, 0, : -state.num_new_tokens]
-    new_tokens = state.hyp_tokens[:, :count].reshape(batch * count, -1)
-    sequences = jnp.concatenate([jnp.repeat(prompt, count, axis=0), new_tokens], axis=1)
+    buffer = state.tokens.reshape(batch, num_beams, -1)[:, 0]  # int32[B, S]: the prompt first
+    new_tokens = state.hyp_tokens[:, :count].reshape(batch * count, -1)  # int32[B*R, N]
+    slot = jnp.arange(buffer.shape[1])
+    new_slot = jnp.clip(slot - state.prompt_end, 0, state.num_new_tokens - 1)
+    sequences = jnp.where(
+        slot[None, :] < state.prompt_end,
+        jnp.repeat(buffer, count, axis=0),
+        jnp.take(new_tokens, new_slot, axis=1),
+    )
     return (
         sequences,
         state.hyp_scores[:, :count].reshape(-1),

@@ -25,11 +25,11 @@ already fixed and no padding is added.
 
 One program for many calls: with ``max_cache_len`` (a config field) the cache and token buffer
 are preallocated once, and the prompt length, its bucket and ``max_new_tokens`` become traced:
-every greedy or sampling call with ``P + N <= max_cache_len`` and the same batch size runs one
-program, and outputs have ``max_cache_len`` columns (see :mod:`genjax.cache.slots`). An
-encoder-decoder model's decoder gets ``max_cache_len`` slots the same way, for every strategy,
-beams included (:mod:`genjax.generation.encoder_decoder`). :func:`genjax.warmup` compiles
-programs ahead of time.
+every call (greedy, sampling, beams, assisted) with ``P + N <= max_cache_len`` and the same
+batch size runs one program, and outputs have ``max_cache_len`` columns (see
+:mod:`genjax.cache.slots`). An encoder-decoder model's decoder gets ``max_cache_len`` slots the
+same way, beams included (:mod:`genjax.generation.encoder_decoder`). :func:`genjax.warmup`
+compiles programs ahead of time.
 
 Structure: ``generate`` checks and plans the call once on the host
 (:func:`genjax.generation.plan.prepare`: a hashable :class:`~genjax.generation.plan.CallPlan`
@@ -51,7 +51,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from genjax.cache.quantized import init_cache
 from genjax.config import GenerationConfig
 from genjax.decoding import assisted, beam, guidance
 from genjax.decoding.sampling import (
@@ -66,8 +65,6 @@ from genjax.generation.healing import heal, heal_call, healing_step
 from genjax.generation.outputs import GenerateOutput, check_finite
 from genjax.generation.plan import CallPlan, CallRequest, Mode, PreparedCall, TracedInputs, prepare
 from genjax.generation.prefill import (
-    accepts_logits_to_keep,
-    prompt_context,
     special_ids,
     start_stopping,
 )
@@ -227,11 +224,11 @@ def generate(
     Returns:
         A :class:`GenerateOutput`; ``sequences`` is int32[B*R, P+N]. With ``max_cache_len = M``
         (static): ``sequences`` is int32[B*R, M], the prompt, its ``N`` new tokens, then
-        ``pad_token_id``; ``scores``/``logits`` hold ``M - 1`` steps, 0 from step ``N`` on. An
-        encoder-decoder model's ``sequences`` are its decoder's tokens: int32[B*R, Pd+N], the
-        prefix ``Pd`` (the start token, any ``decoder_input_ids``) first; with ``max_cache_len``
-        int32[B*R, M], its steps ``M - Pd`` (beam search and beam sampling included; see
-        :mod:`genjax.generation.encoder_decoder`). Hidden states and attentions when asked
+        ``pad_token_id``; ``scores``/``logits`` (and ``beam_indices``) hold ``M - 1`` steps, 0
+        (-1) from step ``N`` on. An encoder-decoder model's ``sequences`` are its decoder's
+        tokens: int32[B*R, Pd+N], the prefix ``Pd`` (the start token, any
+        ``decoder_input_ids``) first; with ``max_cache_len`` int32[B*R, M], its steps ``M - Pd``
+        (see :mod:`genjax.generation.encoder_decoder`). Hidden states and attentions when asked
         for (an encoder-decoder model's ``encoder_*``, ``decoder_*`` and
         ``cross_attentions``): :mod:`genjax.generation.outputs`.
 
@@ -247,8 +244,7 @@ def generate(
         TypeError: a stopping criterion that is not a hashable callable; a logits processor
             that is a transformers ``LogitsProcessor``, not callable, or a plain unhashable one.
         GenerationConfigError: an invalid config.
-        UnsupportedError: a generation mode or option genjax does not support yet (also beam
-            search or assisted generation with ``max_cache_len`` for a decoder-only model; see
+        UnsupportedError: a generation mode or option genjax does not support yet (see
             ``check_forward_outputs``).
         ShardingError: with a mesh, a batch or head count that does not divide over its axis;
             ``mesh=`` inside ``shard_map``.
@@ -383,19 +379,10 @@ def _generate_sampling(call: TracedCall) -> GenerateOutput:
     def rows(x):  # row b -> rows b*R .. b*R+R-1, by a reshape: sharded rows stay in place
         return jnp.repeat(x, copies, axis=0)
 
-    prefill_outputs = []  # [the prefill's extra outputs] when the plan records them
-    if plan.slots is None:
-        logits, cache, cache_mask, tokens, *prefill_outputs = call.prefill()
-        length = jnp.asarray(tokens.shape[1] - plan.steps, jnp.int32)  # W, or the decoder's Pd
-    else:
-        cache = init_cache(plan.model, batch, plan.slots.buffer_length, plan.quantized)
-        keep_one = accepts_logits_to_keep(plan.model)
-        prompt_end = traced.bounds[0]
-        logits, cache, cache_mask = plan.slots.prefill(
-            plan.model, call.params, call.input_ids, attention_mask, prompt_end, cache,
-            keep_one=keep_one,
-        )  # fmt: skip
-        logits, tokens, length = logits[:, None], call.input_ids, prompt_end
+    logits, cache, cache_mask, tokens, *prefill_outputs = call.prefill()
+    length = jnp.asarray(tokens.shape[1] - plan.steps, jnp.int32)  # W, or the decoder's Pd
+    if plan.slots is not None:
+        length = traced.bounds[0]  # the prompt's end e in the slot buffer
     recorded = (batch * copies, plan.steps, logits.shape[-1])
     state = DecodeState(
         tokens=rows(tokens),
@@ -411,8 +398,6 @@ def _generate_sampling(call: TracedCall) -> GenerateOutput:
     )
     state = recording.with_buffers(plan, call.params, state, prefill_outputs)
     context = call.context(state.tokens, state.length, state.attention_mask, copies)
-    if traced.bounds is not None:  # max_cache_len: transformers' max_length = P + N, traced
-        context = context.replace(max_length=traced.bounds[1] - traced.offset)
     rules = DecodeRules(
         process=call.processors(),
         choose=sampling_chooser() if plan.do_sample else greedy_chooser(),
@@ -459,15 +444,14 @@ def _generate_beams(call: TracedCall) -> GenerateOutput:
         scores_shape=recorded if plan.output_scores else None,
         logits_shape=recorded if plan.output_logits else None,
         fill_token_id=beam.fill_token_id(call.pad_token_id, call.eos_token_ids),
+        prompt_end=None if plan.slots is None else call.traced.bounds[0],
     )
     automaton = call.traced.automaton
     if automaton is not None:
         state = state.replace(automaton_state=jnp.repeat(automaton.initial, num_beams, axis=0))
     state = recording.with_buffers(plan, call.params, state, prefill_outputs)
     context = call.context(state.tokens, state.length, state.attention_mask, num_beams)
-    bounds = call.traced.bounds  # max_cache_len (encoder-decoder): [Pd, Pd + N], N traced
-    if bounds is not None:
-        context = context.replace(max_length=bounds[1] - call.traced.offset)
+    bounds = call.traced.bounds  # max_cache_len: [e, e + N] (encoder-decoder: [Pd, Pd + N])
     rules = beam.BeamRules(
         process=call.processors(),
         do_sample=plan.do_sample,
@@ -488,6 +472,8 @@ def _generate_beams(call: TracedCall) -> GenerateOutput:
     if bounds is not None:  # the slots after the call's end hold pad_token_id, as sampling's
         slots = jnp.arange(sequences.shape[1])[None, :]
         sequences = jnp.where(slots < bounds[1], sequences, call.pad_token_id)
+    if plan.slots is not None:  # the M slots from the prompt's first
+        sequences = plan.slots.sequences(sequences, call.traced.offset)
     return call.finish(
         GenerateOutput(
             sequences=sequences,
@@ -504,17 +490,20 @@ def _generate_beams(call: TracedCall) -> GenerateOutput:
 def _generate_assisted(call: TracedCall) -> GenerateOutput:
     """Assisted generation (:mod:`genjax.decoding.assisted`): prefill the target and the draft
     (none for prompt lookup) into caches sized for the rolled-back slots, then draft, verify
-    and commit in one loop."""
+    and commit in one loop. With ``max_cache_len`` the prompt ends at the traced ``bounds[0]``
+    of the slot buffer and the rows stop at ``bounds[1]``."""
     plan, config, traced = call.plan, call.config, call.traced
     model, assistant = plan.model, plan.assistant
-    batch, prompt_length = call.input_ids.shape
+    batch, prompt_length = call.input_ids.shape  # P, or the slot buffer's S
+    prompt_end = None if plan.slots is None else traced.bounds[0]
+    start = prompt_length if prompt_end is None else prompt_end
     limits = [getattr(m, "max_position_embeddings", None) for m in (model, assistant)]
     limits = [limit for limit in limits if limit is not None]
     rules = assisted.make_rules(
         config,
         eos_token_ids=call.eos_token_ids,
         pad_token_id=call.pad_token_id,
-        context=prompt_context(call.input_ids, prompt_length, call.attention_mask, traced.offset),
+        context=call.context(call.input_ids, start, call.attention_mask, 1),
         stopping=call.stopping,
         num_new_tokens=plan.steps,
         with_draft=assistant is not None,
@@ -522,6 +511,8 @@ def _generate_assisted(call: TracedCall) -> GenerateOutput:
         allowed_tokens_fn=plan.allowed_tokens_fn,
         max_position=min(limits) if limits else None,
     )
+    if prompt_end is not None:
+        rules = rules.replace(end=traced.bounds[1])
     sizes = assisted.cache_lengths(prompt_length, plan.steps, batch, rules.num_candidates)
     margin = assisted.ring_margin(rules.num_candidates)
     logits, cache, cache_mask, _ = call.prefill(sizes[0] - prompt_length, ring_margin=margin)
@@ -540,12 +531,15 @@ def _generate_assisted(call: TracedCall) -> GenerateOutput:
         vocab_size=logits.shape[-1],
         record_scores=plan.output_scores,
         record_logits=plan.output_logits,
+        prompt_end=prompt_end,
     )
     draft_step = None if assistant is None else assistant.apply
     state = assisted.decode(
         model.apply, call.params, draft_step, traced.assistant_params, state, logits[:, -1], rules
     )
     sequences, scores, raw_logits = assisted.finish(state, rules)
+    if plan.slots is not None:
+        sequences = plan.slots.sequences(sequences, traced.offset)
     return GenerateOutput(
         sequences=sequences,
         scores=scores,

@@ -298,7 +298,7 @@ def prepare(model, params: PyTree, input_ids, config, request: CallRequest) -> P
     prompt_length = input_ids.shape[1]
     new_tokens = num_new_tokens(lengths, resolved, prompt_length, model)
     policy = buckets.resolve(request.prompt_buckets)
-    slots = cache_slots.plan(resolved, policy, prompt_length, new_tokens, mode is Mode.ASSISTED)
+    slots = cache_slots.plan(resolved, policy, prompt_length, new_tokens)
     if resolved.min_new_tokens is not None:  # transformers: min_new_tokens overrides min_length
         resolved = resolved.replace(min_length=0)
     criteria = as_criteria(request.stopping_criteria)  # raises for one that is not hashable
@@ -485,7 +485,9 @@ def _plan(model, config, mode, shape, new_tokens, slots, layout, request) -> Cal
     """The :class:`CallPlan` of a call whose program takes prompts of ``shape`` (``[B,
     width]``) and asks for ``new_tokens``; ``config`` is resolved."""
     steps = slots.max_steps if slots is not None else new_tokens
-    cache_new = 0 if slots is not None else steps
+    # the cache slots after the prompt's: the slot buffer holds them, except assisted
+    # generation's, which counts every step (genjax.decoding.assisted.cache_lengths)
+    cache_new = 0 if slots is not None and mode is not Mode.ASSISTED else steps
     caches = cache_requests(model, config, mode, shape, cache_new, request.assistant_model)
     return CallPlan(
         model=model,

@@ -15,12 +15,14 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from genjax.cache.quantized import init_cache
+from genjax.cache.slots import pad_prompt
 from genjax.config import GenerationConfig
 from genjax.decoding import guidance
 from genjax.generation import encoder_decoder, recording
 from genjax.generation.outputs import GenerateOutput
 from genjax.generation.plan import CallPlan, TracedInputs
-from genjax.generation.prefill import prefill, prompt_context
+from genjax.generation.prefill import accepts_logits_to_keep, prefill, prompt_context
 from genjax.processors import Processor, from_config
 from genjax.stopping import StoppingRules
 from genjax.typing import Array, PyTree
@@ -57,8 +59,14 @@ class TracedCall:
     def prefill(self, new_slots: int | None = None, *, draft: bool = False, ring_margin=0):
         """:func:`genjax.generation.prefill.prefill` of the model (the assistant when
         ``draft``) into ``W + new_slots`` slots (default ``N``), sliding-window rings with
-        ``ring_margin`` extra slots (static)."""
+        ``ring_margin`` extra slots (static). With ``max_cache_len`` (``plan.slots``) the
+        prompt goes into the slot buffer's cache instead, with ``new_slots`` (default 0) more
+        (:meth:`prefill_slots`)."""
         model, params = self.plan.model, self.params
+        if draft:
+            model, params = self.plan.assistant, self.traced.assistant_params
+        if self.plan.slots is not None:
+            return self.prefill_slots(model, params, new_slots or 0, ring_margin)
         new_slots = self.plan.steps if new_slots is None else new_slots
         if self.traced.decoder_input_ids is not None:  # an encoder-decoder model
             return encoder_decoder.prefill(
@@ -73,8 +81,6 @@ class TracedCall:
                 self.traced.encoder_states,
                 self.plan.forward_flags,
             )
-        if draft:
-            model, params = self.plan.assistant, self.traced.assistant_params
         return prefill(
             model,
             params,
@@ -87,6 +93,28 @@ class TracedCall:
             ring_margin,
             forward_flags=None if draft else self.plan.forward_flags,
         )
+
+    def prefill_slots(self, model, params, new_slots: int = 0, ring_margin: int = 0):
+        """The prefill of the ``max_cache_len`` layout (:meth:`genjax.cache.slots.FixedSlots.
+        prefill`): the prompt, ``C`` slots at a time, into an empty cache of ``S + new_slots``
+        slots (static; assisted generation's rolled-back slots), sliding-window rings with
+        ``ring_margin`` extra slots (static); its first new slot is the traced ``bounds[0]``.
+
+        Returns:
+            ``(logits float32[B, 1, V], cache, cache_mask int32[B, S + new_slots], tokens
+            int32[B, S])`` as :meth:`prefill` returns them: ``tokens`` is the laid-out buffer.
+        """
+        plan, ids, mask = self.plan, self.input_ids, self.attention_mask
+        if new_slots:
+            ids, mask = pad_prompt(ids, mask, self.pad_token_id, 0, new_slots)
+        cache = init_cache(model, ids.shape[0], ids.shape[1], plan.quantized)
+        if ring_margin and getattr(cache, "windows", ()):
+            cache = cache.with_length(ids.shape[1], margin=ring_margin)  # rings of W + margin
+        logits, cache, cache_mask = plan.slots.prefill(
+            model, params, ids, mask, self.traced.bounds[0], cache,
+            keep_one=accepts_logits_to_keep(model),
+        )  # fmt: skip
+        return logits[:, None], cache, cache_mask, self.input_ids
 
     def guidance_branch(self, prompt_end: Array) -> guidance.GuidanceState:
         """The classifier-free guidance branch, prefilled: the negative prompt, else each row's
@@ -114,8 +142,11 @@ class TracedCall:
 
     def context(self, tokens: Array, length: Array, attention_mask: Array, rows_per_prompt: int):
         """The processors' view of the prompt (:func:`prompt_context`); for an encoder-decoder
-        model with the source ids, one row per decoder row (``rows_per_prompt`` static)."""
+        model with the source ids, one row per decoder row (``rows_per_prompt`` static). With
+        ``max_cache_len`` its ``max_length`` is transformers' ``P + N`` (traced)."""
         context = prompt_context(tokens, length, attention_mask, self.traced.offset)
+        if self.traced.bounds is not None:
+            context = context.replace(max_length=self.traced.bounds[1] - self.traced.offset)
         if self.traced.source_length is None:
             return context
         source = encoder_decoder.source_tokens(

@@ -140,6 +140,7 @@ def test_bad_bounds_and_unparsable_patterns(tok):
         genjax.constraints.choice(["a"], tok, max_transitions=True)
     chars = np.array([[97, -1]], np.int32)
     limits.check_pattern(r"\p{L}{1,3}", chars, 1, 1)  # Rust-only syntax: not sized here
+    limits.check_pattern(r"[a&&b]{1,9}", chars, 1, 1)  # read otherwise by Python (no warning)
     leading = limits.leading_chars([b"\x80a", b"\xe4", "z", b"ab", "\u00e9t"]).tolist()
     assert leading == [[-1, -1], [0xFFFD, -1], [122, -1], [97, 98], [233, 116]]
 

@@ -21,8 +21,9 @@ So every build is sized first, in Python, in time bounded by the limits themselv
    measured on small patterns), so only more than ``4 * max_transitions`` is refused here.
 
 After the build the exact counts are checked again (:func:`check_counts`) before the
-transitions are read into Python. A pattern Python's parser rejects (Rust-only syntax such as
-``\\p{L}``) skips steps 1-3 and gets only the exact check.
+transitions are read into Python. A pattern Python's parser rejects or reads differently
+(Rust-only syntax such as ``\\p{L}`` or ``[a&&b]``) skips steps 1-3 and gets only the exact
+check.
 
 The defaults, :data:`MAX_STATES` and :data:`MAX_TRANSITIONS`, admit JSON schemas of ordinary
 size on a 32k-50k vocabulary and keep one build to seconds and about 2 GiB of host memory at
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import bisect
 import re
+import warnings
 from re import _constants as sre
 from re import _parser as sre_parse
 
@@ -122,13 +124,17 @@ def check_pattern(pattern: str, chars: np.ndarray, max_states: int, max_transiti
         genjax.errors.InputError: the constraint's pattern '[a-z]{1,5000}' unrolls to 5000 ...
     """
     try:
-        tree = sre_parse.parse(pattern)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            tree = sre_parse.parse(pattern)
     except (re.error, OverflowError):
         return
     except RecursionError:
         raise InputError(
             f"the constraint's pattern {_short(pattern)} nests too deeply to size. {_HOW_TO_RAISE}"
         ) from None
+    if caught:  # Python reads it differently from Rust (set operations such as [a&&b])
+        return
     positions = _positions(tree)
     if positions is None:
         return

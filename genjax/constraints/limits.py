@@ -246,13 +246,12 @@ class _Glushkov:
         first, last, nullable = set(), set(), True
         for op, av in items:
             if op is not sre.AT:
-                self._concat(first, last, nullable, self._node(op, av, ignore_case))
-                nullable = nullable and self._nullable
+                nullable = self._concat(first, last, nullable, self._node(op, av, ignore_case))
         return first, last, nullable
 
-    def _concat(self, first: set, last: set, nullable: bool, part) -> None:
+    def _concat(self, first: set, last: set, nullable: bool, part) -> bool:
         """Appends ``part`` (first, last, nullable) to a sequence whose ``first`` and ``last``
-        sets are updated in place."""
+        sets are updated in place; returns whether the longer sequence is nullable."""
         f, lst, n = part
         self._link(last, f)
         if nullable:
@@ -260,7 +259,7 @@ class _Glushkov:
         if not n:
             last.clear()
         last.update(lst)
-        self._nullable = n
+        return nullable and n
 
     def _node(self, op, av, ignore_case):
         if op is sre.BRANCH:
@@ -299,8 +298,7 @@ class _Glushkov:
             tail = (tail_first, tail_last, True)
         first, last, nullable = set(), set(), True
         for _ in range(low):
-            self._concat(first, last, nullable, self._sequence(inner, ignore_case))
-            nullable = nullable and self._nullable
+            nullable = self._concat(first, last, nullable, self._sequence(inner, ignore_case))
         self._concat(first, last, nullable, tail)
         return first, last, nullable
 

@@ -659,6 +659,9 @@ def test_structured_output_errors_name_the_field(server):
         ({"guided_regex": "[0-9"}, "guided_regex"),
         ({"guided_json": {"type": "object", "properties": 5}}, "guided_json"),
         ({"guided_regex": "a+", "guided_choice": ["a"]}, "guided_regex, guided_choice"),
+        # Automata over the pool's sizes: refused before outlines-core builds them.
+        ({"guided_regex": "(a|b)*a(a|b){20}"}, "guided_regex"),
+        ({"guided_json": {"type": "string", "maxLength": 100000}}, "guided_json"),
     ]  # fmt: skip
     for body, param in cases:
         error = _status(

@@ -7,6 +7,12 @@ a bitmask plus CSR transitions beyond). ``genjax.generate(..., constraint=c)`` c
 row's automaton state in the decoding loop: the allowed-token mask is one gather per step and the
 next state another, so nothing leaves the device (:mod:`genjax.decoding.automaton`).
 
+Builds are bounded: a pattern whose automaton would exceed ``max_states`` states or
+``max_transitions`` transitions (keywords of every builder; defaults
+:data:`~genjax.constraints.limits.MAX_STATES` and
+:data:`~genjax.constraints.limits.MAX_TRANSITIONS`) raises InputError, most before
+``outlines-core`` starts (:mod:`genjax.constraints.limits`).
+
 Rules: the output matches the pattern in full; EOS is allowed only in accepting states (and a
 row in a state whose only continuation is EOS therefore ends); a row whose every allowed token
 was removed by another processor gets EOS. The constraint's EOS id must be one of the call's EOS
@@ -40,6 +46,7 @@ from genjax.constraints.automata import (
     json_schema,
     regex,
 )
+from genjax.constraints.limits import MAX_STATES, MAX_TRANSITIONS
 from genjax.constraints.tables import (
     DENSE_LIMIT_BYTES,
     CompressedTable,
@@ -49,6 +56,8 @@ from genjax.constraints.tables import (
 
 __all__ = [
     "DENSE_LIMIT_BYTES",
+    "MAX_STATES",
+    "MAX_TRANSITIONS",
     "CompressedTable",
     "Constraint",
     "DenseTable",

@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
+import itertools
 import json
 import re
 import time
@@ -24,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from genjax.constraints import limits
 from genjax.errors import InputError, UnsupportedError
 from genjax.stopping.stop_strings import token_texts
 
@@ -106,8 +108,19 @@ class Constraint:
         )
 
 
-def regex(pattern: str, tokenizer: Any, *, eos_token_id: int | None = None) -> Constraint:
+def regex(
+    pattern: str,
+    tokenizer: Any,
+    *,
+    eos_token_id: int | None = None,
+    max_states: int | None = None,
+    max_transitions: int | None = None,
+) -> Constraint:
     """Outputs that match ``pattern`` in full (``re.fullmatch``), then EOS.
+
+    The automaton is sized before it is built (:mod:`genjax.constraints.limits`): one with more
+    than ``max_states`` states or ``max_transitions`` transitions is refused, most before any
+    expensive work (``[a-z]{1,100000}``, ``(a|b)*a(a|b){20}`` fail in well under a second).
 
     Args:
         pattern: a regular expression (the dialect of ``outlines-core``: Rust ``regex``-like,
@@ -115,10 +128,14 @@ def regex(pattern: str, tokenizer: Any, *, eos_token_id: int | None = None) -> C
         tokenizer: a transformers tokenizer, a ``tokenizers.Tokenizer`` or
             :class:`genjax.tokenizer.Tokenizer`; byte-level vocabularies are matched on bytes.
         eos_token_id: the EOS id allowed in accepting states; None reads the tokenizer's.
+        max_states: the bound on the automaton's states; None:
+            :data:`~genjax.constraints.limits.MAX_STATES` (32768).
+        max_transitions: the bound on its transitions (allowed (state, token) pairs); None:
+            :data:`~genjax.constraints.limits.MAX_TRANSITIONS` (2**25).
 
     Raises:
         InputError: a pattern the vocabulary cannot spell (nothing is admitted), an invalid
-            pattern, or no EOS id.
+            pattern, no EOS id, or an automaton over the bounds (the message gives its size).
 
     Example:
         >>> c = genjax.constraints.regex(r"\\d{3}-\\d{4}", tok)  # doctest: +SKIP
@@ -126,13 +143,19 @@ def regex(pattern: str, tokenizer: Any, *, eos_token_id: int | None = None) -> C
     """
     if not isinstance(pattern, str) or not pattern:
         raise InputError(f"regex needs a non-empty pattern string; got {pattern!r}.")
+    bounds = (
+        limits.MAX_STATES if max_states is None else max_states,
+        limits.MAX_TRANSITIONS if max_transitions is None else max_transitions,
+    )
+    limits.check_limits(*bounds)
     vocabulary = _vocabulary(tokenizer, eos_token_id)
     key = (pattern, vocabulary.fingerprint)
     found = _AUTOMATA.get(key)
     if found is not None:
         _AUTOMATA.move_to_end(key)
+        limits.check_counts(pattern, found.num_states, found.tokens.shape[0], *bounds)
         return found
-    built = _build(pattern, vocabulary)
+    built = _build(pattern, vocabulary, *bounds)
     _AUTOMATA[key] = built
     if len(_AUTOMATA) > _CACHE_SIZE:
         _AUTOMATA.popitem(last=False)
@@ -145,7 +168,7 @@ def json_schema(
     *,
     whitespace_pattern: str | None = None,
     max_recursion_depth: int = 3,
-    eos_token_id: int | None = None,
+    **kwargs,
 ) -> Constraint:
     """Outputs that are JSON documents valid under ``schema`` (through ``outlines-core``'s
     schema-to-regex builder).
@@ -160,7 +183,8 @@ def json_schema(
         tokenizer: as for :func:`regex`.
         whitespace_pattern: the regex for whitespace between tokens; None: ``[ ]?``.
         max_recursion_depth: how deep recursive ``$ref`` and nested free objects unfold.
-        eos_token_id: as for :func:`regex`.
+        **kwargs: ``eos_token_id``, ``max_states``, ``max_transitions`` as for :func:`regex`
+            (a schema with ``maxLength: 100000`` or deep nesting exceeds the default bounds).
 
     Example:
         >>> schema = {"type": "object", "properties": {"n": {"type": "integer"}}}
@@ -173,7 +197,7 @@ def json_schema(
         pattern = build_regex_from_schema(text, whitespace_pattern, max_recursion_depth)
     except (ValueError, TypeError) as error:
         raise InputError(f"json_schema: cannot turn the schema into a regex: {error}") from error
-    return regex(pattern, tokenizer, eos_token_id=eos_token_id)
+    return regex(pattern, tokenizer, **kwargs)
 
 
 def json_object(tokenizer: Any, *, max_recursion_depth: int = 1, **kwargs) -> Constraint:
@@ -224,6 +248,7 @@ class _Vocabulary:
     fingerprint: str  # hash of the token texts, the EOS id and the excluded ids
     eos_token_id: int
     size: int  # ids are below it
+    leading_chars: np.ndarray  # int32[T, 2]: each token's first two code points (limits.py)
 
 
 def _vocabulary(tokenizer: Any, eos_token_id: int | None) -> _Vocabulary:
@@ -252,6 +277,7 @@ def _vocabulary(tokenizer: Any, eos_token_id: int | None) -> _Vocabulary:
         fingerprint=digest,
         eos_token_id=int(eos),
         size=max([*texts, int(eos)]) + 1,
+        leading_chars=limits.leading_chars([t for t, ids in spelled.items() for _ in ids]),
     )
     _BY_TOKENIZER[quick] = (tokenizer, vocabulary)
     if len(_BY_TOKENIZER) > 8:
@@ -269,11 +295,14 @@ def _special_ids(tokenizer: Any) -> set[int]:
     return ids
 
 
-def _build(pattern: str, vocabulary: _Vocabulary) -> Constraint:
-    """Builds the outlines-core index of ``pattern`` and reads it out in CSR form."""
+def _build(pattern: str, vocabulary: _Vocabulary, max_states: int, max_transitions: int):
+    """Sizes ``pattern`` (:func:`limits.check_pattern`), builds its outlines-core index, checks
+    the exact counts and reads the transitions out in CSR form (vectorized: the Python dict
+    ``get_transitions`` returns is walked by ``np.fromiter``, then sorted in numpy)."""
     from outlines_core import Index
 
     start = time.perf_counter()
+    limits.check_pattern(pattern, vocabulary.leading_chars, max_states, max_transitions)
     try:
         index = Index(pattern, vocabulary.index)
     except ValueError as error:
@@ -282,22 +311,33 @@ def _build(pattern: str, vocabulary: _Vocabulary) -> Constraint:
             f"{error}"
         ) from error
     transitions = index.get_transitions()
-    initial = index.get_initial_state()
-    order = [initial, *sorted(s for s in _states(transitions) if s != initial)]
-    number = {state: i for i, state in enumerate(order)}
-    counts, tokens, targets = [], [], []
-    for state in order:
-        edges = sorted(transitions.get(state, {}).items())
-        counts.append(len(edges))
-        tokens.extend(token for token, _ in edges)
-        targets.extend(number[target] for _, target in edges)
-    final = np.zeros(len(order), bool)
-    final[[number[s] for s in index.get_final_states() if s in number]] = True
+    initial, finals = index.get_initial_state(), np.fromiter(index.get_final_states(), np.int64)
+    counts = np.fromiter(map(len, transitions.values()), np.int64, len(transitions))
+    total = int(counts.sum())
+    limits.check_counts(pattern, len(transitions), total, max_states, max_transitions)
+    sources = np.repeat(np.fromiter(transitions, np.int64, len(transitions)), counts)
+    tokens = np.fromiter(itertools.chain.from_iterable(transitions.values()), np.int64, total)
+    targets = itertools.chain.from_iterable(e.values() for e in transitions.values())
+    targets = np.fromiter(targets, np.int64, total)
+    del transitions, index
+    ids = np.unique(np.concatenate([sources, targets, [initial]]))
+    limits.check_counts(pattern, ids.shape[0], total, max_states, max_transitions)
+    others = ids[ids != initial]  # numbered 1.. in order; the initial state is 0
+
+    def number(states):
+        return np.where(states == initial, 0, np.searchsorted(others, states) + 1)
+
+    rows = number(sources)
+    order = np.argsort(rows * (int(tokens.max(initial=0)) + 1) + tokens, kind="stable")
+    final = np.zeros(ids.shape[0], bool)
+    final[number(finals[np.isin(finals, ids)])] = True
     constraint = Constraint(
         pattern=pattern,
-        offsets=np.concatenate([[0], np.cumsum(counts)]).astype(np.int32),
-        tokens=np.asarray(tokens, np.int32),
-        targets=np.asarray(targets, np.int32),
+        offsets=np.concatenate([[0], np.cumsum(np.bincount(rows, None, ids.shape[0]))]).astype(
+            np.int32
+        ),
+        tokens=tokens[order].astype(np.int32),
+        targets=number(targets[order]).astype(np.int32),
         final=final,
         eos_token_id=vocabulary.eos_token_id,
         vocab_size=vocabulary.size,
@@ -305,10 +345,6 @@ def _build(pattern: str, vocabulary: _Vocabulary) -> Constraint:
     )
     _check_admits_something(constraint)
     return constraint
-
-
-def _states(transitions: Mapping[int, Mapping[int, int]]) -> set[int]:
-    return set(transitions) | {t for edges in transitions.values() for t in edges.values()}
 
 
 def _check_admits_something(constraint: Constraint) -> None:

@@ -14,6 +14,15 @@ share one compiled program. Two formats implement :class:`genjax.decoding.automa
   tokens, counted from the bitmask row with population counts. Memory: ``S * V / 8`` bytes plus
   ``4`` per transition.
 
+Why 64 MiB and the two formats: the dense table costs ``4 * S * V`` bytes and a step reads one
+row per batch row, the cheapest mask there is; it holds every state of a JSON schema's
+automaton (about 2k states) over a 4096-token vocabulary. Over 32k-50k tokens it holds 256 to
+512 states (choices, short regexes) and a JSON schema takes the compressed form:
+``S * V / 8 + 4 * E`` bytes, a bitmask 32x smaller than the dense table plus 4 bytes per
+transition (``structured.py``'s schema over a 50k vocabulary: 153 MiB, against 785 MiB dense),
+at the price of population counts over the ``V / 32`` words of a row per step.
+``bench/results/*-structured-build.txt`` has the sizes and times measured per case.
+
 Static or traced:
     Static: the format and the array shapes (padded state count ``S``, padded transition count
     ``E``, ``V``, the batch). Traced: every table entry, the initial states, the EOS id: another

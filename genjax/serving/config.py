@@ -76,7 +76,10 @@ class ContinuousBatchingConfig:
             uses it); 0 leaves the option out of the compiled step.
         max_constraint_states: ``S_p``, states in the engine's pool of structured-output
             automata (:mod:`genjax.serving.constraint_pool`); an automaton of ``n`` states takes
-            ``n + 1``. 0: no pool, and a request with a constraint raises InputError.
+            ``n + 1``. 0: no pool, and a request with a constraint raises InputError. The
+            server also bounds each guided build by it (and by ``max_constraint_edges``):
+            an automaton that would not fit is refused before it is built
+            (:mod:`genjax.constraints.limits`).
         max_constraint_edges: ``E_p``, transitions in the pool (a JSON-schema automaton over a
             4096-token vocabulary takes from thousands to a few hundred thousand). The pool
             takes ``S_p * ceil(V / 32) * 4 + 4 * E_p`` bytes of device memory (``V`` the

@@ -12,9 +12,12 @@ Fields (one per request; two or more are a 400 naming them):
   being one of them (vLLM's names and meanings).
 
 An invalid schema or pattern, or an automaton larger than the engine's constraint pool, is a 400
-naming the field. Building an automaton can take seconds (a JSON schema over a large
-vocabulary), so it runs in a worker thread, never on the event loop; built ones are kept in
-memory per (kind, pattern, EOS id), the last 64.
+naming the field. The pool's sizes bound the build itself: a pattern whose automaton would not
+fit (``(a|b)*a(a|b){20}``, ``maxLength: 100000``) is refused by
+:mod:`genjax.constraints.limits` before outlines-core starts, in well under a second. Building an
+admitted automaton can take seconds (a JSON schema over a large vocabulary; outlines-core's
+native build cannot be interrupted, but it releases the GIL), so it runs in a worker thread,
+never on the event loop; built ones are kept in memory per (kind, pattern, EOS id), the last 64.
 
 The constraint's EOS id is the tokenizer's when that is one of the request's EOS ids, else the
 request's first; a request with no EOS id gets the tokenizer's, so that a row ends where the
@@ -173,11 +176,18 @@ class ConstraintCache:
         return constraint
 
     def _new(self, spec: GuidedSpec, eos: int | None) -> constraints.Constraint:
-        tok = self.tokenizer
+        """Builds ``spec``'s automaton bounded by the pool's sizes, so that one the pool cannot
+        hold is refused before outlines-core builds it (:mod:`genjax.constraints.limits`)."""
+        tok, shape = self.tokenizer, self.manager.shape
+        bounds = {"eos_token_id": eos}
+        if shape.constraint_states > 1:  # else check_constraint says the engine has no pool
+            bounds.update(
+                max_states=shape.constraint_states - 1, max_transitions=shape.constraint_edges
+            )
         if spec.kind == "regex":
-            return constraints.regex(spec.pattern, tok, eos_token_id=eos)
+            return constraints.regex(spec.pattern, tok, **bounds)
         if spec.kind == "choice":
-            return constraints.choice(json.loads(spec.pattern), tok, eos_token_id=eos)
+            return constraints.choice(json.loads(spec.pattern), tok, **bounds)
         if spec.kind == "json_object":
-            return constraints.json_object(tok, eos_token_id=eos)
-        return constraints.json_schema(spec.pattern, tok, eos_token_id=eos)
+            return constraints.json_object(tok, **bounds)
+        return constraints.json_schema(spec.pattern, tok, **bounds)

@@ -8,7 +8,10 @@ cut to each span given, interleaved over repeats in one process; the best of the
 wall time and in process CPU time (less sensitive to a shared machine). Random SmolLM-135M-shape
 weights (float32), no bias, n-gram, log-probability or constraint tables.
 
-Run:  python bench/engine_spans.py --rows 8 --fill 128 --spans 256 768
+With ``--kv-cache-dtypes auto int8`` it times the int8 pool too (codes with one scale per head
+vector, dequantized where read), against the float one.
+
+Run:  python bench/engine_spans.py --rows 8 --fill 128 --spans 256 768 [--kv-cache-dtypes auto int8]
 """
 
 from __future__ import annotations
@@ -28,8 +31,9 @@ import numpy as np  # noqa: E402
 STEPS = 8  # decode iterations per call
 
 
-def _programs(model, params, rows: int, fill: int, spans: list[int]):
-    """span -> (jitted step, a fresh-state maker, the step input): every row decoding."""
+def _programs(model, params, rows: int, fill: int, spans: list[int], kv_cache_dtype: str):
+    """span -> (jitted step, a fresh-state maker, the step input): every row decoding, the
+    pool in ``kv_cache_dtype`` ("auto": the model's float dtype, or "int8")."""
     import jax
     import jax.numpy as jnp
 
@@ -48,6 +52,7 @@ def _programs(model, params, rows: int, fill: int, spans: list[int]):
         max_no_repeat_ngram_size=0,
         max_top_logprobs=0,
         max_constraint_states=0,
+        kv_cache_dtype=kv_cache_dtype,
     )
     shape = config.engine_shape(model)
     blocks = shape.max_blocks_per_row
@@ -90,6 +95,10 @@ def main(argv=None) -> int:
     parser.add_argument("--fill", type=int, default=128, help="tokens in each row")
     parser.add_argument("--spans", type=int, nargs="+", default=[256, 768], help="tokens")
     parser.add_argument("--repeats", type=int, default=4)
+    parser.add_argument(
+        "--kv-cache-dtypes", nargs="+", choices=["auto", "int8"], default=["auto"],
+        help="the pools timed (auto: float32; int8: codes with scales)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
 
     import jax
@@ -100,26 +109,32 @@ def main(argv=None) -> int:
     shape = _cases.SHAPES["smollm"]
     _cases.write_checkpoint(shape, shape.layers, folder)
     model, params = genjax.models.from_pretrained(folder)
-    programs = _programs(model, params, args.rows, args.fill, sorted(args.spans))
-    measured = {span: [] for span in programs}
+    programs = {
+        (kind, span): program
+        for kind in args.kv_cache_dtypes
+        for span, program in _programs(
+            model, params, args.rows, args.fill, sorted(args.spans), kind
+        ).items()
+    }
+    measured = {key: [] for key in programs}
     for _ in range(args.repeats):
-        for span, (step, fresh, work) in programs.items():
+        for key, (step, fresh, work) in programs.items():
             state = jax.block_until_ready(fresh())
             wall, cpu = time.perf_counter(), time.process_time()
             jax.block_until_ready(step(params, state, work))
-            measured[span].append(
+            measured[key].append(
                 ((time.perf_counter() - wall) / STEPS, (time.process_time() - cpu) / STEPS)
             )
     print(f"engine decode iteration, SmolLM-135M shape float32, {args.rows} rows of {args.fill}")
     print(f"CPU: {_machine.cpu_model()} ({_machine.cpu_count()} usable)")
-    shortest = min(measured)
+    shortest = min(measured)  # the first pool's shortest span
     base = np.asarray(measured[shortest])[:, 1].min() * 1e3
-    for span, times in measured.items():
+    for (kind, span), times in measured.items():
         times = np.asarray(times) * 1e3
         wall, cpu = times[:, 0].min(), times[:, 1].min()
         print(
-            f"span {span:5d} tokens: wall {wall:7.1f} ms, cpu {cpu:7.1f} ms "
-            f"({cpu / base:.2f}x span {shortest}, cpu)"
+            f"pool {kind:4s} span {span:5d} tokens: wall {wall:7.1f} ms, cpu {cpu:7.1f} ms "
+            f"({cpu / base:.2f}x pool {shortest[0]} span {shortest[1]}, cpu)"
         )
     return 0
 

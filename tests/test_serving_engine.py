@@ -150,11 +150,14 @@ def test_paged_cache_runs_the_model_like_the_contiguous_cache():
     assert isinstance(dense, KVCache)
 
 
-def test_gathered_blocks_decode_like_the_pool_and_scatter_back_only_the_slots_written():
+@pytest.mark.parametrize("quantized", [False, True], ids=["float", "int8"])
+def test_gathered_blocks_decode_like_the_pool_and_scatter_back_only_the_slots_written(quantized):
     model, params = _model()
     ids = jnp.asarray([_prompt(1, 6), _prompt(2, 6)], jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(6, dtype=jnp.int32), (2, 6))
-    paged = PagedKVCache.create(2, 8, 4, 3, 2, model.num_kv_heads, model.head_dim)
+    paged = PagedKVCache.create(
+        2, 8, 4, 3, 2, model.num_kv_heads, model.head_dim, quantized=quantized
+    )
     paged = paged.replace(block_tables=jnp.asarray([[5, 2, 7], [1, 6, 0]], jnp.int32))
     mask = jnp.ones((2, 12), jnp.int32)
     _, paged = model.apply(params, ids, positions, paged, mask)
@@ -162,16 +165,18 @@ def test_gathered_blocks_decode_like_the_pool_and_scatter_back_only_the_slots_wr
     start, gathered = paged, paged.gather()
     assert isinstance(gathered, GatheredKVCache) and gathered.length == 12
     tokens = jnp.asarray([[7], [9]], jnp.int32)
-    for _ in range(2):
+    for _ in range(3):  # an int8 pool's view requantizes the slot before each call's
         fed = paged.index[:, None]
         want, paged = model.apply(params, tokens, fed, paged, mask)
         got, gathered = model.apply(params, tokens, fed, gathered, mask)
         np.testing.assert_array_equal(got, want)
         tokens = jnp.argmax(want[:, -1], -1)[:, None].astype(jnp.int32)
-    back = start.scatter(gathered, start.index, count=3)  # up to 3 slots; rows wrote 2
-    np.testing.assert_array_equal(back.index, [8, 6])
-    for got, want in zip(back.keys + back.values, paged.keys + paged.values, strict=True):
-        np.testing.assert_array_equal(got[1:], want[1:])  # block 0 is scratch
+    back = start.scatter(gathered, start.index, count=4)  # up to 4 slots; rows wrote 3
+    np.testing.assert_array_equal(back.index, [9, 7])
+    pools = ("keys", "values", "key_scales", "value_scales")
+    for name in pools:
+        for got, want in zip(getattr(back, name), getattr(paged, name), strict=True):
+            np.testing.assert_array_equal(got[1:], want[1:])  # block 0 is scratch
 
 
 # ---- the block allocator --------------------------------------------------------------------

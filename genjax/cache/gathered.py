@@ -13,12 +13,20 @@ Rows write at their own ``index`` (int32[B]) as in the paged cache, so the same 
 (:func:`~genjax.cache.attention_bias` with a per-row index) applies. Writes past the ``S``
 slots are dropped, as the paged cache sends them to its scratch block.
 
+From an int8 pool the blocks are gathered dequantized, and the view carries the pool
+(``codes``): each call quantizes its new slot into the pool as the paged cache does, keeps it
+exact in the view for its own attention, and turns the previous call's slot into its
+dequantized codes, so every call sees what the paged cache's ``update_layer`` returns (earlier
+slots dequantized, its own exact), one call of one token at a time.
+
 Static or traced:
     Static: the number of layers, ``B``, ``S`` (the span of blocks gathered times the block
     size), the KV heads, the head size and the dtype. Traced: the contents and ``index``.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import jax.numpy as jnp
 from flax import struct
@@ -44,6 +52,8 @@ class GatheredKVCache:
     keys: tuple[Array, ...]  # L x float[B, K, H, S]: slots last, as KVCache
     values: tuple[Array, ...]  # L x float[B, K, S, H]
     index: Array  # int32[B]: per row, the first slot not yet written
+    codes: Any = None  # an int8 pool's PagedKVCache (codes, scales, the rows' tables); None:
+    #   a float pool's view, written back by PagedKVCache.scatter
 
     @property
     def length(self) -> int:
@@ -76,21 +86,44 @@ class GatheredKVCache:
         count = new_keys.shape[1]
         rows = jnp.arange(self.batch)[:, None]  # [B, 1]
         slots = self.index[:, None] + jnp.arange(count)[None, :]  # [B, T]
+        view = self
+        if self.codes is not None:
+            view = self._requantized(layer, new_keys, new_values)
         # The indexed axes come first in a scatter's updates: [B, T, K, H] at (row, slot).
         new_keys = new_keys.astype(self.keys[layer].dtype)
         new_values = new_values.astype(self.values[layer].dtype)
-        keys = self.keys[layer].at[rows, :, :, slots].set(new_keys, mode="drop")
-        values = self.values[layer].at[rows, :, slots, :].set(new_values, mode="drop")
-        cache = self.replace(
-            keys=replace_layer(self.keys, layer, keys),
-            values=replace_layer(self.values, layer, values),
+        keys = view.keys[layer].at[rows, :, :, slots].set(new_keys, mode="drop")
+        values = view.values[layer].at[rows, :, slots, :].set(new_values, mode="drop")
+        cache = view.replace(
+            keys=replace_layer(view.keys, layer, keys),
+            values=replace_layer(view.values, layer, values),
         )
         return keys, values, cache
+
+    def _requantized(self, layer: int, new_keys: Array, new_values: Array) -> GatheredKVCache:
+        """An int8 pool's view before a one-token call writes ``layer``: the call's slot
+        quantized into the pool, and the slot before it (the previous call's, exact until now)
+        replaced by its dequantized codes."""
+        if new_keys.shape[1] != 1:
+            raise ValueError("an int8 pool's gathered view takes one token per call")
+        codes = self.codes.replace(index=self.index).write_codes(layer, new_keys, new_values)
+        before = jnp.where(self.index > 0, self.index - 1, self.length)[:, None]  # [B, 1]
+        old_keys, old_values = codes.read_slots(layer, jnp.minimum(before, self.length - 1))
+        rows = jnp.arange(self.batch)[:, None]
+        keys = self.keys[layer].at[rows, :, :, before].set(old_keys, mode="drop")
+        values = self.values[layer].at[rows, :, before, :].set(old_values, mode="drop")
+        return self.replace(
+            keys=replace_layer(self.keys, layer, keys),
+            values=replace_layer(self.values, layer, values),
+            codes=codes.replace(index=self.codes.index),
+        )
 
     def advance(self, num_slots: int | Array) -> GatheredKVCache:
         """Returns the cache with every row's ``index`` moved forward by ``num_slots``."""
         return self.replace(index=self.index + jnp.asarray(num_slots, jnp.int32))
 
     def with_pools(self, other: GatheredKVCache) -> GatheredKVCache:
-        """This cache's index with the keys and values of ``other`` (as the paged cache's)."""
-        return self.replace(keys=other.keys, values=other.values)
+        """This cache's index (and its pool's tables) with the keys, values and pool codes of
+        ``other`` (as the paged cache's)."""
+        codes = None if self.codes is None else self.codes.with_pools(other.codes)
+        return self.replace(keys=other.keys, values=other.values, codes=codes)

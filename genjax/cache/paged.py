@@ -211,13 +211,11 @@ class PagedKVCache:
                 values=replace_layer(self.values, layer, pool_v),
             )
             return keys, values, cache
-        codes_k, scales_k = quantize(flat_k, self.dtype)  # int8[B*T, K, H], float[B*T, K]
-        codes_v, scales_v = quantize(flat_v, self.dtype)
-        pool_k = self.keys[layer].at[block, :, :, offset].set(codes_k)
-        pool_v = self.values[layer].at[block, :, offset, :].set(codes_v)
-        key_scales = self.key_scales[layer].at[block, :, offset].set(scales_k)
-        value_scales = self.value_scales[layer].at[block, :, offset].set(scales_v)
-        keys, values = self._gather(pool_k, pool_v, key_scales, value_scales)
+        cache = self.write_codes(layer, new_keys, new_values)
+        pool_k, pool_v = cache.keys[layer], cache.values[layer]
+        keys, values = self._gather(
+            pool_k, pool_v, cache.key_scales[layer], cache.value_scales[layer]
+        )
         # The call's own slots: exact (mode="drop": slots past S exist only in the scratch block).
         rows = jnp.arange(batch)[:, None]  # [B, 1]
         slots = self.index[:, None] + jnp.arange(count)[None, :]  # [B, T]
@@ -225,13 +223,51 @@ class PagedKVCache:
         exact_v = flat_v.reshape(batch, count, heads, dim)
         keys = keys.at[rows, :, :, slots].set(exact_k, mode="drop")  # [B, T, K, H] at (b, s)
         values = values.at[rows, :, slots, :].set(exact_v, mode="drop")
-        cache = self.replace(
-            keys=replace_layer(self.keys, layer, pool_k),
-            values=replace_layer(self.values, layer, pool_v),
-            key_scales=replace_layer(self.key_scales, layer, key_scales),
-            value_scales=replace_layer(self.value_scales, layer, value_scales),
-        )
         return keys, values, cache
+
+    def write_codes(self, layer: int, new_keys: Array, new_values: Array) -> PagedKVCache:
+        """An int8 pool with ``T`` new slots of one layer quantized and written at each row's
+        ``index`` (not advanced); new_keys and new_values float[B, T, K, H]."""
+        batch, count, heads, dim = new_keys.shape
+        block, offset = self._write_slots(count)
+        flat_k = new_keys.reshape(batch * count, heads, dim).astype(self.dtype)
+        flat_v = new_values.reshape(batch * count, heads, dim).astype(self.dtype)
+        codes_k, scales_k = quantize(flat_k, self.dtype)  # int8[B*T, K, H], float[B*T, K]
+        codes_v, scales_v = quantize(flat_v, self.dtype)
+        return self.replace(
+            keys=replace_layer(
+                self.keys, layer, self.keys[layer].at[block, :, :, offset].set(codes_k)
+            ),
+            values=replace_layer(
+                self.values, layer, self.values[layer].at[block, :, offset, :].set(codes_v)
+            ),
+            key_scales=replace_layer(
+                self.key_scales, layer, self.key_scales[layer].at[block, :, offset].set(scales_k)
+            ),
+            value_scales=replace_layer(
+                self.value_scales,
+                layer,
+                self.value_scales[layer].at[block, :, offset].set(scales_v),
+            ),
+        )
+
+    def read_slots(self, layer: int, slots: Array) -> tuple[Array, Array]:
+        """An int8 pool's keys and values at logical ``slots`` int32[B, T] of each row,
+        dequantized as :meth:`update_layer` returns them: float[B, T, K, H] each."""
+        block, offset = self._pool_slots(slots, jnp.ones(slots.shape, bool))
+        # Codes [B*T, K, H] times scales [B*T, K] in float32, the products _gather takes.
+        keys = dequantize(
+            self.keys[layer][block, :, :, offset],
+            self.key_scales[layer][block, :, offset],
+            self.dtype,
+        )
+        values = dequantize(
+            self.values[layer][block, :, offset, :],
+            self.value_scales[layer][block, :, offset],
+            self.dtype,
+        )
+        shape = (*slots.shape, *keys.shape[1:])  # [B, T, K, H]
+        return keys.reshape(shape), values.reshape(shape)
 
     def _gather(self, pool_k, pool_v, key_scales=None, value_scales=None) -> tuple[Array, Array]:
         """Every row's blocks in logical order: keys float[B, K, H, S] and values
@@ -248,28 +284,34 @@ class PagedKVCache:
         return keys, values
 
     def gather(self) -> GatheredKVCache:
-        """Every row's blocks copied into logical order, with the rows' indices: the cache a
-        run of decode steps writes and reads in place (:mod:`genjax.cache.gathered`), float
-        pools only. :meth:`scatter` writes its new slots back."""
+        """Every row's blocks copied into logical order (an int8 pool's dequantized), with the
+        rows' indices: the cache a run of decode steps writes and reads in place
+        (:mod:`genjax.cache.gathered`). :meth:`scatter` takes its new slots back."""
         if self.quantized:
-            raise ValueError(
-                "gather() copies float pools; an int8 pool's blocks are dequantized where they "
-                "are read (update_layer), so that each call's own slots stay exact."
-            )
-        blocks = [self._gather(k, v) for k, v in zip(self.keys, self.values, strict=True)]
+            scales = zip(self.key_scales, self.value_scales, strict=True)
+            layers = zip(self.keys, self.values, scales, strict=True)
+            blocks = [self._gather(k, v, ks, vs) for k, v, (ks, vs) in layers]
+        else:
+            blocks = [self._gather(k, v) for k, v in zip(self.keys, self.values, strict=True)]
         return GatheredKVCache(
-            keys=tuple(k for k, _ in blocks), values=tuple(v for _, v in blocks), index=self.index
+            keys=tuple(k for k, _ in blocks),
+            values=tuple(v for _, v in blocks),
+            index=self.index,
+            codes=self if self.quantized else None,
         )
 
     def scatter(self, view: GatheredKVCache, start: Array, count: int) -> PagedKVCache:
         """Writes the slots each row of ``view`` (made by :meth:`gather`) wrote since ``start``
-        back into the pools, and takes the view's indices.
+        back into the pools (an int8 pool: takes the codes the view wrote), and takes the view's
+        indices.
 
         Args:
             view: the gathered cache, its ``index`` int32[B] advanced past the slots written.
             start: int32[B], each row's index when the view was gathered.
             count: the most slots a row wrote (static), ``K`` decode steps.
         """
+        if self.quantized:  # the view wrote its codes into the pool as it went
+            return self.with_pools(view.codes).replace(index=view.index)
         slots = start[:, None] + jnp.arange(count)[None, :]  # [B, count]
         block, offset = self._pool_slots(slots, slots < view.index[:, None])
         rows = jnp.arange(self.batch)[:, None]

@@ -15,9 +15,9 @@ the donated state):
    ``lax.while_loop`` that ends early when a row finishes (a scheduling event). Only the slots
    the host names in ``StepInput.decode_rows`` go through the model (``B = B_k``, ``T = 1``):
    they are gathered before the loop and written back after it, so a step with two requests
-   in flight multiplies two rows of activations, not ``R``. Their blocks of a float pool are
-   copied into logical order once for the loop (:class:`~genjax.cache.GatheredKVCache`),
-   and only the slots decoded go back into the pool after it. ``B_k`` is one of a few bucket
+   in flight multiplies two rows of activations, not ``R``. Their blocks are copied into logical
+   order (an int8 pool's dequantized) once for the loop (:class:`~genjax.cache.GatheredKVCache`),
+   and only the slots decoded go back into the pool. ``B_k`` is one of a few bucket
    sizes (:func:`decode_buckets`), and the loop attends over the first ``M_s`` blocks of the
    rows' tables, the shortest of a few spans that holds every decoding row's blocks
    (:func:`~genjax.serving.config.attention_spans`): one compiled decode program per pair.
@@ -273,14 +273,21 @@ def state_shardings(layout: Layout, state: EngineState) -> EngineState:
     """
     replicated = layout.sharding()
     tree = jax.tree.map(lambda _: replicated, state)
+    return tree.replace(cache=_cache_shardings(layout, state.cache, tree.cache))
+
+
+def _cache_shardings(layout: Layout, cache, tree):
+    """``tree`` (``cache``'s leaves, replicated) with the keys, values and scales split over
+    KV heads; for a gathered view of an int8 pool, its pool too."""
     pool = layout.sharding(None, "kv_heads", None, None)
     scales = layout.sharding(None, "kv_heads", None)
-    cache = state.cache
     split = {"keys": tuple(pool for _ in cache.keys), "values": tuple(pool for _ in cache.values)}
     if isinstance(cache, PagedKVCache):
         split["key_scales"] = tuple(scales for _ in cache.key_scales)
         split["value_scales"] = tuple(scales for _ in cache.value_scales)
-    return tree.replace(cache=tree.cache.replace(**split))
+    elif cache.codes is not None:
+        split["codes"] = _cache_shardings(layout, cache.codes, tree.codes)
+    return tree.replace(**split)
 
 
 def engine_layout(model, mesh) -> Layout | None:

@@ -192,8 +192,12 @@ def _decode_once(model, params, state: EngineState, pool, top: int):
         view = state.cache.replace(block_tables=tables, index=fed)
     else:
         # Gathered: every row writes its own copy; only live rows' slots go back to the pool
-        # (PagedKVCache.scatter writes the slots below each row's index).
+        # (PagedKVCache.scatter writes the slots below each row's index). An int8 pool's codes
+        # are written as the call goes: rows not decoding write them to the scratch block.
         view = state.cache.replace(index=fed)
+        if view.codes is not None:
+            tables = jnp.where(live[:, None], view.codes.block_tables, 0)
+            view = view.replace(codes=view.codes.replace(block_tables=tables))
     mask = jnp.ones((live.shape[0], view.length), jnp.int32)
     logits, view = model.apply(params, state.tokens[rows, fed][:, None], fed[:, None], view, mask)
     cache = state.cache.with_pools(view).replace(index=jnp.where(live, fed + 1, state.cache.index))
@@ -321,15 +325,13 @@ def engine_decode(
 
     state = _constrain(layout, state)
     part = _take_rows(state, rows, work.decode_tables)
+    # The rows' blocks copied (an int8 pool's dequantized) once for the whole loop, not once
+    # per iteration and layer (genjax.cache.gathered).
     paged = part.cache
-    if not paged.quantized:
-        # The rows' blocks copied once for the whole loop, not once per iteration and layer
-        # (genjax.cache.gathered); an int8 pool keeps reading its blocks dequantized.
-        part = part.replace(cache=paged.gather())
+    part = part.replace(cache=paged.gather())
     start = (jnp.zeros((), jnp.int32), part, buffer, scores, finished[rows])
     steps, part, buffer, scores, done = jax.lax.while_loop(cond, body, start)
-    if not paged.quantized:
-        part = part.replace(cache=paged.scatter(part.cache, paged.index, max_steps))
+    part = part.replace(cache=paged.scatter(part.cache, paged.index, max_steps))
     state = _constrain(layout, _put_rows(state, rows, part))
     # Back to one column per slot: the host reads tokens and scores by slot.
     tokens = jnp.full((max_steps, slots), -1, jnp.int32).at[:, rows].set(buffer)

@@ -12,6 +12,7 @@ documented in :mod:`genjax.sharding`.
 import jax
 import numpy as np
 import pytest
+from encdec_models import recorded_model
 from jax.sharding import PartitionSpec as P
 
 import genjax
@@ -98,3 +99,22 @@ def test_mesh_argument_inside_shard_map_raises_a_clear_error(llama, inputs):
     mesh = sharding.make_mesh((2,), ("data",))
     with pytest.raises(ShardingError, match=r"mesh= inside shard_map .*\('data',\).*Drop mesh="):
         _per_shard(model, GREEDY, mesh, mesh=mesh)(params, ids, mask)
+
+
+def test_encoder_decoder_inside_shard_map_and_pmap_equals_single_device():
+    """T5 v1.1 (recorded): the decoder's first self-attention slots come from the start token
+    alone, the same on every device, and still enter the loop typed as varying over "data"
+    (generation.encoder_decoder.vary_like); pmap_generate's blocks equal one device too."""
+    model, params, src, mask = recorded_model("t5_v1_1")
+    ids, mask = np.resize(src, (4, src.shape[1])), np.resize(mask, (4, mask.shape[1]))
+    config = genjax.GenerationConfig(max_new_tokens=NEW, pad_token_id=0)
+    reference = genjax.generate(model, params, ids, config, attention_mask=mask).sequences
+    mesh = sharding.make_mesh((4,), ("data",))
+    rows = jax.sharding.NamedSharding(mesh, P("data"))
+    sequences, _ = _per_shard(model, config, mesh)(
+        params, jax.device_put(ids, rows), jax.device_put(mask, rows)
+    )
+    np.testing.assert_array_equal(sequences, reference)
+    devices = jax.devices()[:4]
+    mapped = genjax.pmap_generate(model, params, ids, config, attention_mask=mask, devices=devices)
+    np.testing.assert_array_equal(mapped.sequences, reference)

@@ -11,8 +11,10 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
+from genjax.cache.kv import KVCache
 from genjax.models import layers
 
 pytestmark = pytest.mark.skipif(
@@ -38,6 +40,12 @@ def _decode_like_loop(dtype, scale):
 def _shapes_in(text: str, element: str) -> set[str]:
     """Every ``element[...]`` shape that an instruction of ``text`` produces."""
     return set(re.findall(rf"= ({element}\[[\d,]*\])\{{", text))
+
+
+def _buffers(text: str, element: str) -> set[str]:
+    """Every ``element[...]`` shape that a fusion or copy of ``text`` writes to memory (ops
+    inside a fused computation are computed in registers)."""
+    return set(re.findall(rf"= ({element}\[[\d,]*\])\{{[\d,]*\}} (?:fusion|copy)\(", text))
 
 
 @pytest.mark.parametrize("rows", [8, 32])
@@ -77,3 +85,36 @@ def test_a_narrow_table_lookup_reads_rows_not_a_widened_table(dtype):
         layers.take_rows(jnp.arange(12.0, dtype=dtype).reshape(4, 3), jnp.array([[3], [9]])),
         jnp.array([[[9.0, 10.0, 11.0]], [[9.0, 10.0, 11.0]]], dtype),
     )  # values as jnp.take's, out-of-range ids clipped
+
+
+def test_a_bfloat16_cache_write_does_not_widen_the_cache():
+    """``KVCache.update_layer`` writes a 16-bit float cache as its integer bits: XLA:CPU
+    computes a 16-bit float ``dynamic_update_slice`` on a float32 copy of the whole block,
+    narrowed back after the write, each decode step of each layer. (float16 caches are
+    written the same way; XLA:CPU widens a float16 block for its attention read anyway.)"""
+    dtype = jnp.bfloat16
+    batch, heads, head_dim, slots = 2, 4, 64, 64  # small blocks fuse the read differently
+    cache = KVCache.create(1, batch, slots, heads, head_dim, dtype)
+    new = jnp.ones((batch, 1, heads, head_dim), jnp.float32)
+
+    def loop(cache, new):
+        def step(i, carry):  # a decode step's write, then its attention over the block
+            cache, total = carry
+            keys, values, cache = cache.update_layer(0, new * i, new * i)
+            bias = jnp.zeros((batch, 1, 1, slots), jnp.float32)
+            out = layers.attention(new.astype(dtype), keys, values, bias, 0.25)
+            return cache.replace(index=cache.index + 1), total + out.astype(jnp.float32)
+
+        zeros = jnp.zeros((batch, 1, heads * head_dim), jnp.float32)
+        return jax.lax.fori_loop(0, 4, step, (cache, zeros))
+
+    compiled = jax.jit(loop).lower(cache, new).compile()
+    widened = {
+        f"f32[{batch},{heads},{head_dim},{slots}]",
+        f"f32[{batch},{heads},{slots},{head_dim}]",
+    }
+    assert not widened & _buffers(compiled.as_text(), "f32")
+    cache, _ = compiled(cache, new)
+    np.testing.assert_array_equal(
+        np.asarray(cache.keys[0][..., :4], np.float32)[0, 0, 0], [0, 1, 2, 3]
+    )

@@ -13,19 +13,24 @@ import genjax
 import genjax.io.bundled
 from genjax import cli
 from genjax.errors import InputError
+from genjax.models import precision
 from genjax.models import quantize as Q
 from genjax.models.precision import CPU_FLOAT32_FROM_ROWS, auto_precision
 
 
-def test_the_choice_per_backend_and_batch_size():
+@pytest.mark.parametrize("amx", [False, True], ids=["no-amx", "amx"])
+def test_the_choice_per_backend_and_batch_size(amx, monkeypatch):
+    monkeypatch.setattr(precision, "cpu_has_amx", lambda: amx)
     assert auto_precision(None, "cpu") == ("float32", "int8")
     assert auto_precision(CPU_FLOAT32_FROM_ROWS - 1, "cpu") == ("float32", "int8")
-    assert auto_precision(CPU_FLOAT32_FROM_ROWS, "cpu") == ("float32", None)
+    many = ("bfloat16" if amx else "float32", None)
+    assert auto_precision(CPU_FLOAT32_FROM_ROWS, "cpu") == auto_precision(64, "cpu") == many
     assert auto_precision(1, "gpu") == auto_precision(64, "tpu") == ("bfloat16", None)
     assert auto_precision() == ("float32", "int8")  # these tests run on the CPU backend
 
 
-def test_auto_loads_the_chosen_format():
+def test_auto_loads_the_chosen_format(monkeypatch):
+    monkeypatch.setattr(precision, "cpu_has_amx", lambda: False)
     folder = genjax.io.bundled.path()
     _, few = genjax.models.from_pretrained(folder, dtype="auto")
     _, int8 = genjax.models.from_pretrained(folder, quantize="int8")
@@ -39,6 +44,9 @@ def test_auto_loads_the_chosen_format():
     for a, b in zip(*(jax_leaves(t) for t in (many, floats)), strict=True):
         assert a.dtype == jnp.float32
         np.testing.assert_array_equal(a, b)
+    monkeypatch.setattr(precision, "cpu_has_amx", lambda: True)
+    _, amx = genjax.models.from_pretrained(folder, dtype="auto", batch_size=64)
+    assert {a.dtype for a in jax_leaves(amx)} == {jnp.dtype(jnp.bfloat16)}
 
 
 def jax_leaves(tree):

@@ -141,8 +141,8 @@ class KVCache:
         new_keys = slots_last(new_keys).astype(keys.dtype)
         new_values = heads_first(new_values).astype(values.dtype)
         if self.ring_slots(layer) is None:
-            keys = jax.lax.dynamic_update_slice(keys, new_keys, (0, 0, 0, self.index))
-            values = jax.lax.dynamic_update_slice(values, new_values, (0, 0, self.index, 0))
+            keys = write_slots(keys, new_keys, (0, 0, 0, self.index))
+            values = write_slots(values, new_values, (0, 0, self.index, 0))
             read_keys, read_values = keys, values
         else:
             read_keys, keys = ring_update(keys, new_keys, self.index, axis=3)
@@ -232,6 +232,23 @@ def grow_slots(block: Array, length: int, axis: int = 2) -> Array:
     widths = [(0, 0)] * block.ndim
     widths[axis] = (0, extra)
     return jnp.pad(block, widths)
+
+
+def write_slots(block: Array, new: Array, starts: tuple) -> Array:
+    """``dynamic_update_slice(block, new, starts)``, 16-bit float blocks written as their bits.
+
+    XLA:CPU computes a bfloat16 or float16 update in float32: it widens the whole block,
+    writes the slots and narrows it back, and a second widened copy feeds the attention that
+    reads the block: four passes over each layer's cache per decode step, where float32
+    writes the slots in place. The 16-bit integer bits are written as they are; XLA:CPU
+    still copies the block once to do it, but never widens it. Same values.
+    """
+    if not jnp.issubdtype(block.dtype, jnp.floating) or jnp.finfo(block.dtype).bits != 16:
+        return jax.lax.dynamic_update_slice(block, new, starts)
+    bits = jax.lax.bitcast_convert_type(block, jnp.uint16)
+    new_bits = jax.lax.bitcast_convert_type(new.astype(block.dtype), jnp.uint16)
+    bits = jax.lax.dynamic_update_slice(bits, new_bits, starts)
+    return jax.lax.bitcast_convert_type(bits, block.dtype)
 
 
 def replace_layer(blocks: tuple[Array, ...], layer: int, block: Array) -> tuple[Array, ...]:

@@ -84,7 +84,7 @@ from genjax.cache import (
 )
 from genjax.errors import InputError
 from genjax.models.base import ModelBase, _check_inputs
-from genjax.models.layers import attention, linear
+from genjax.models.layers import attention, linear, take_rows
 from genjax.typing import Array, PyTree
 
 _LEAF_TO_HF = {"kernel": "weight", "scale": "weight", "embedding": "weight"}
@@ -305,7 +305,7 @@ def dense(p: Mapping[str, Array], x: Array, dtype: jnp.dtype) -> Array:
 
 def embed(p: Mapping[str, Array], ids: Array, dtype: jnp.dtype) -> Array:
     """Rows of ``p["embedding"]`` for int ids (clipped into range, so no NaN from a bad id)."""
-    return jnp.take(p["embedding"], ids, axis=0, mode="clip").astype(dtype)
+    return take_rows(p["embedding"], ids).astype(dtype)
 
 
 def rms_norm(p: Mapping[str, Array], x: Array, eps: float, dtype: jnp.dtype) -> Array:

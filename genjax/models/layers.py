@@ -147,7 +147,7 @@ class Embed(nn.Module):
 
     def __call__(self, ids: Array) -> Array:
         """Returns dtype[..., D] rows for int ids[...]."""
-        rows = jnp.take(self.embedding, ids, axis=0, mode="clip").astype(self.dtype)
+        rows = take_rows(self.embedding, ids).astype(self.dtype)
         if self.has_variable("params", "embedding_scale"):  # int8 table, float32[num] row scales
             scale = jnp.take(self.get_variable("params", "embedding_scale"), ids, mode="clip")
             rows = (rows.astype(jnp.float32) * scale[..., None]).astype(self.dtype)
@@ -159,6 +159,21 @@ class Embed(nn.Module):
         if self.has_variable("params", "embedding_scale"):  # row scales = output channels
             scale = self.get_variable("params", "embedding_scale")
         return linear(x, self.embedding, scale, self.dtype)
+
+
+def take_rows(table: Array, ids: Array) -> Array:
+    """``table[ids]`` (ids clipped into range) for a table dtype[num, D]; dtype[..., D].
+
+    A table of 16-bit floats is gathered as its 16-bit integer bits: XLA:CPU computes bfloat16
+    and float16 ops in float32, and for a gather that means converting the whole table to
+    float32 first (hoisted before a decode loop, once per call: a [V, D] float32 copy of the
+    vocabulary, to read B rows of it). Integers are gathered as they are. Same values.
+    """
+    if not jnp.issubdtype(table.dtype, jnp.floating) or jnp.finfo(table.dtype).bits != 16:
+        return jnp.take(table, ids, axis=0, mode="clip")
+    bits = jax.lax.bitcast_convert_type(table, jnp.uint16)
+    rows = jnp.take(bits, ids, axis=0, mode="clip")
+    return jax.lax.bitcast_convert_type(rows, table.dtype)
 
 
 def dense(features: int, use_bias: bool, dtype: jnp.dtype, name: str) -> Dense:
@@ -265,9 +280,20 @@ def _rows_times_transposed_accumulating(x: Array, weight: Array) -> Array:
 
     Always the plain product: the swapped one that helps float32 at 2-16 rows makes bfloat16
     products 1.7-2.4x slower there on the CPU (GPT-2's step at 8 rows: 127 ms swapped, 53 ms
-    plain; ``bench/matmul_floor.py --dtypes``)."""
-    contract = (((x.ndim - 1,), (1,)), ((), ()))
-    return jax.lax.dot_general(x, weight, contract, preferred_element_type=jnp.float32)
+    plain; ``bench/matmul_floor.py --dtypes``).
+
+    The rows are flattened to one axis [R, in] first. XLA rewrites a product whose activations
+    have several non-contracted axes (a decode step's [B, 1, in]) into its canonical form
+    ``[R, in] x [in, out]``: a transpose of the weight that layout assignment turns into a
+    transposed copy of every matrix, made once per call before the decode loop (a whole
+    model's weights copied per ``generate``), and then XLA:CPU's narrow product reads the
+    weight [in, out], which runs several times slower than [out, in] contracted on its last
+    axis. A two-axis product is left as written.
+    """
+    flat = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])  # [R, in]
+    contract = (((1,), (1,)), ((), ()))
+    y = jax.lax.dot_general(flat, weight, contract, preferred_element_type=jnp.float32)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
 def _one_row_widened(x: Array, weight: Array) -> Array:

@@ -23,7 +23,10 @@ SmolLM2-135M-Instruct, one decode step against float32's
   it 1.04x).
 * CPU, more rows: float32. The narrow formats move by -40% to +64% there, differently at each
   batch size and between runs: products of several rows are bound by arithmetic more than by
-  reading weights, so no narrow format wins reliably.
+  reading weights, so no narrow format wins reliably. Except on a CPU with AMX bfloat16 tiles
+  (:func:`cpu_has_amx`, Intel Xeon since Sapphire Rapids): there XLA:CPU's bfloat16 products
+  of several rows run on the tiles, and bfloat16 is the faster format at 8 and 32 rows
+  (``bench/results/2026-12-02-cpu-intel-xeon-bf16-layout.txt``), so it is chosen there.
 * GPU and TPU: bfloat16 params and activations (products accumulate in float32). Not measured
   by this project (no accelerator was lent to its benchmark runs); it is the format those
   devices' matrix units are built for.
@@ -38,6 +41,8 @@ Static or traced: nothing here is traced; the choice is made on the host before 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 
 from genjax.errors import InputError
@@ -45,7 +50,8 @@ from genjax.errors import InputError
 AUTO = "auto"
 
 CPU_FLOAT32_FROM_ROWS = 4
-"""On a CPU, decoding this many rows or more picks float32 over int8 weights."""
+"""On a CPU, decoding this many rows or more picks float32 (bfloat16 with AMX) over int8
+weights."""
 
 
 def auto_precision(batch_size: int | None = None, backend: str | None = None):
@@ -58,14 +64,17 @@ def auto_precision(batch_size: int | None = None, backend: str | None = None):
 
     Returns:
         ``("float32", "int8")``, ``("float32", None)`` or ``("bfloat16", None)`` (see the
-        module docstring).
+        module docstring; on a CPU with AMX, :func:`cpu_has_amx`, ``("bfloat16", None)`` from
+        :data:`CPU_FLOAT32_FROM_ROWS` rows).
 
     Raises:
         InputError: ``batch_size`` is not a positive integer.
 
     Example:
-        >>> auto_precision(1, "cpu"), auto_precision(8, "cpu"), auto_precision(8, "gpu")
-        (('float32', 'int8'), ('float32', None), ('bfloat16', None))
+        >>> auto_precision(1, "cpu"), auto_precision(8, "gpu")
+        (('float32', 'int8'), ('bfloat16', None))
+        >>> auto_precision(8, "cpu") == (("bfloat16" if cpu_has_amx() else "float32"), None)
+        True
     """
     if batch_size is not None and (
         isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1
@@ -75,8 +84,20 @@ def auto_precision(batch_size: int | None = None, backend: str | None = None):
     if backend != "cpu":
         return "bfloat16", None
     if batch_size is not None and batch_size >= CPU_FLOAT32_FROM_ROWS:
-        return "float32", None
+        return ("bfloat16", None) if cpu_has_amx() else ("float32", None)
     return "float32", "int8"
+
+
+@functools.cache
+def cpu_has_amx() -> bool:
+    """True when this machine's CPU reports AMX bfloat16 tiles (``amx_bf16`` in Linux's
+    ``/proc/cpuinfo`` flags); False when it does not or the file cannot be read (other
+    systems: the choice stays float32, measured on CPUs without AMX)."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            return any(line.startswith("flags") and "amx_bf16" in line.split() for line in info)
+    except OSError:
+        return False
 
 
 def resolve(dtype, quantize: str | None, batch_size: int | None):

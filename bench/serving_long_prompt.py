@@ -100,6 +100,7 @@ def main(argv=None) -> int:
         max_batch_size=ROWS + 1,
         max_length=args.long + 64,
         prefill_chunk_size=chunk,
+        prefix_caching=False,  # each pass prefills the same prompts again in full
     )
     config = genjax.GenerationConfig(eos_token_id=None, pad_token_id=0)
     manager = init_continuous_batching(model, params, config, cb)

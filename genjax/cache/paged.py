@@ -199,10 +199,10 @@ class PagedKVCache:
             ``new_values`` exactly), and the cache holding them.
         """
         batch, count, heads, dim = new_keys.shape
-        block, offset = self._write_slots(count)
-        flat_k = new_keys.reshape(batch * count, heads, dim).astype(self.dtype)
-        flat_v = new_values.reshape(batch * count, heads, dim).astype(self.dtype)
         if not self.quantized:
+            block, offset = self._write_slots(count)
+            flat_k = new_keys.reshape(batch * count, heads, dim).astype(self.dtype)
+            flat_v = new_values.reshape(batch * count, heads, dim).astype(self.dtype)
             pool_k = self.keys[layer].at[block, :, :, offset].set(flat_k)  # [B*T, K, H] at
             pool_v = self.values[layer].at[block, :, offset, :].set(flat_v)  # (block, :, :, off)
             keys, values = self._gather(pool_k, pool_v)
@@ -219,8 +219,7 @@ class PagedKVCache:
         # The call's own slots: exact (mode="drop": slots past S exist only in the scratch block).
         rows = jnp.arange(batch)[:, None]  # [B, 1]
         slots = self.index[:, None] + jnp.arange(count)[None, :]  # [B, T]
-        exact_k = flat_k.reshape(batch, count, heads, dim)
-        exact_v = flat_v.reshape(batch, count, heads, dim)
+        exact_k, exact_v = new_keys.astype(self.dtype), new_values.astype(self.dtype)
         keys = keys.at[rows, :, :, slots].set(exact_k, mode="drop")  # [B, T, K, H] at (b, s)
         values = values.at[rows, :, slots, :].set(exact_v, mode="drop")
         return keys, values, cache

@@ -25,6 +25,8 @@ from genjax.models import from_pretrained
 from genjax.models import gguf as gguf_module
 from genjax.testing import write_gguf, write_random_checkpoint
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 FIXTURES = Path(__file__).parent / "fixtures"
 _spec = importlib.util.spec_from_file_location(
     "make_gguf_fixtures", FIXTURES / "make_gguf_fixtures.py"

@@ -24,6 +24,7 @@ from genjax.testing import write_random_checkpoint
 FIXTURES = Path(__file__).parent / "fixtures"
 SHAPE = (5, 32)  # [B, T] of every full forward: 160 rows per product (the exact kernel)
 NEW = 24
+pytestmark = pytest.mark.usefixtures("fast_compiles")
 
 
 def _module(name: str):

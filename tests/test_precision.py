@@ -17,6 +17,8 @@ from genjax.models import precision
 from genjax.models import quantize as Q
 from genjax.models.precision import CPU_FLOAT32_FROM_ROWS, auto_precision
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 
 @pytest.mark.parametrize("amx", [False, True], ids=["no-amx", "amx"])
 def test_the_choice_per_backend_and_batch_size(amx, monkeypatch):

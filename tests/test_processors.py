@@ -23,6 +23,8 @@ from genjax import GenerationConfig
 from genjax import processors as P
 from genjax.errors import GenerationConfigError
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 VOCAB = 12
 FIXTURES = Path(__file__).parent / "fixtures"
 OFFSET = 4

@@ -18,6 +18,8 @@ from genjax.errors import InputError, UnsupportedError
 from genjax.models import quantize as Q
 from genjax.testing import write_random_checkpoint
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 SHAPE = (4, 32)  # [B, T] of every forward pass, so that the tests share compiled programs
 NEW = 24  # new tokens per row in the greedy test
 ARCHS = {

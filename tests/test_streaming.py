@@ -32,6 +32,8 @@ from genjax.streaming import (
     token_hook,
 )
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 CORPUS = ["def fibonacci(n):\n    return n", "hello world, hello tokens"] * 20
 PAD, BOS, EOS = 0, 1, 2
 PROMPT = "def fib"

@@ -6,8 +6,11 @@ rows costs little more than with one row. This script measures exactly that: for
 matrix of a model shape, the time of ``x @ W.T`` with ``x`` float32[M, in] and ``W``
 float32[out, in] three ways: the plain product in genjax's ``[out, in]`` layout
 (``dot_general`` contracting both ``in`` axes), the same matrix stored ``[in, out]`` (``x @ W``),
-and genjax's ``layers.linear`` on the ``[out, in]`` matrix (on CPU, with 2-16 rows, the swapped
-product ``W @ x.T`` and a transpose of its small result), for M = 1, 2, 3, 5, 8, 16, 32. Each
+genjax's ``layers.linear`` on the ``[out, in]`` matrix as XLA runs it (on CPU, with 2-16 rows,
+the swapped product ``W @ x.T`` and a transpose of its small result), and genjax's CPU kernel
+(``genjax.kernels.rows``, which ``layers.linear`` takes for 1-32 float32 rows where it builds),
+for M = 1, 2, 3, 5, 8, 16, 32. ``bench/matmul_stack.py`` times a whole model's matrices instead,
+streaming from memory. Each
 product runs ``--repeats`` times inside one ``lax.fori_loop`` (one compiled program, no dispatch
 per product), the weight staying the same, so the figures are for a matrix that fits in the CPU
 cache when it is small and streams from memory when it is not, as in decoding.
@@ -31,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from genjax.kernels import rows as rows_kernel
 from genjax.models.layers import linear
 
 SHAPES = {
@@ -47,6 +51,7 @@ PRODUCTS = {
     "out_in": lambda x, weight: jax.lax.dot_general(x, weight, _OUT_IN),
     "in_out": lambda x, weight: jax.lax.dot_general(x, weight, _IN_OUT),
     "linear": lambda x, weight: linear(x, weight, None, jnp.float32),  # weight [out, in]
+    "kernel": lambda x, weight: rows_kernel.matmul(x, weight),  # weight [out, in]
 }
 
 
@@ -64,7 +69,8 @@ def _per_product_s(product: str, weight: jax.Array, rows: int, repeats: int) -> 
         return jax.lax.fori_loop(0, repeats, body, jnp.float32(0))
 
     x = jnp.ones((rows, weight.shape[0] if product == "in_out" else weight.shape[1]), jnp.float32)
-    jax.block_until_ready(loop(x, weight))
+    with rows_kernel.disabled(product == "linear"):  # XLA's product, as genjax had it
+        jax.block_until_ready(loop(x, weight))
     samples = []
     for _ in range(5):
         start = time.perf_counter()
@@ -80,12 +86,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=100, help="products per timed loop")
     args = parser.parse_args()
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}; float32; microseconds per")
-    print("product: [out, in] plain / [in, out] / genjax linear on [out, in]; (x N): genjax")
-    print(f"linear's time over its time with M={args.rows[0]} rows")
+    print(
+        "product: [out, in] plain / [in, out] / genjax linear on [out, in] through XLA / genjax's"
+    )
+    print(f"kernel; (x N): the kernel's time over its time with M={args.rows[0]} rows")
     rng = np.random.default_rng(0)
     for shape in args.shapes:
         print(f"\n== {shape} ==")
-        print(f"{'matrix':>12} {'[out, in]':>12} " + " ".join(f"{f'M={m}':>27}" for m in args.rows))
+        print(f"{'matrix':>12} {'[out, in]':>12} " + " ".join(f"{f'M={m}':>34}" for m in args.rows))
         for name, out_features, in_features in SHAPES[shape]:
             weight = rng.standard_normal((out_features, in_features), np.float32)
             out_in = jnp.asarray(weight)
@@ -95,8 +103,9 @@ def main() -> None:
                 a = _per_product_s("out_in", out_in, rows, args.repeats) * 1e6
                 b = _per_product_s("in_out", in_out, rows, args.repeats) * 1e6
                 c = _per_product_s("linear", out_in, rows, args.repeats) * 1e6
-                one = one or c
-                cells.append(f"{a:6.0f}/{b:<6.0f}/{c:<6.0f}(x{c / one:4.1f})")
+                d = _per_product_s("kernel", out_in, rows, args.repeats) * 1e6
+                one = one or d
+                cells.append(f"{a:6.0f}/{b:<6.0f}/{c:<6.0f}/{d:<6.0f}(x{d / one:4.1f})")
             print(f"{name:>12} {f'{out_features}x{in_features}':>12} " + " ".join(cells))
 
 

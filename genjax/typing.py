@@ -15,6 +15,9 @@
     M  beams
 
 Shapes are written ``dtype[axes]``, e.g. ``int32[B, S]``.
+
+Inside ``shard_map`` JAX's types also say which manual mesh axes a value varies over:
+:func:`varying_axes` reads that, :func:`vary_like` widens it.
 """
 
 from __future__ import annotations
@@ -25,3 +28,30 @@ import jax
 
 Array = jax.Array
 PyTree = Any
+
+
+def varying_axes(x) -> tuple[str, ...]:
+    """The manual mesh axes ``x`` varies over (its type's; JAX 0.7-0.9 name them ``vma``)."""
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)
+    return tuple(sorted(manual.varying if manual is not None else getattr(aval, "vma", ())))
+
+
+def vary_like(tree, reference):
+    """``tree`` typed as varying over every manual mesh axis ``reference`` varies over (a pytree:
+    over any of its leaves). Outside a ``shard_map`` nothing varies and ``tree`` comes back as
+    it is.
+
+    Inside a ``shard_map`` a value computed from replicated inputs alone, or returned by a
+    custom call (which JAX cannot see into), is typed as not varying; where it meets varying
+    values in one carry or one ``switch``, JAX requires the same type.
+    """
+    axes = tuple(sorted({a for leaf in jax.tree.leaves(reference) for a in varying_axes(leaf)}))
+    if not axes:
+        return tree
+
+    def vary(x):
+        missing = tuple(a for a in axes if a not in varying_axes(x))
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(vary, tree)

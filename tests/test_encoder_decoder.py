@@ -25,7 +25,9 @@ pytestmark = pytest.mark.usefixtures("fast_compiles")  # LLVM at -O0: see confte
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "encdec")
 FIXTURE_CASES = ["t5_v1_0", "t5_v1_1", "bart", "mbart", "marian"]
 PRESETS = ["t5", "t5_v1_1", "bart", "mbart", "marian"]
-TOL = dict(atol=2e-5, rtol=2e-5)
+# float32 sums in another order: T5 v1.1's logits (up to ~2.5, no attention scaling) moved by
+# 3.3e-5 when genjax's CPU kernel (16 partial sums per product) replaced XLA's products.
+TOL = dict(atol=5e-5, rtol=5e-5)
 # transformers run live on this machine: torch's own CPU kernels differ by kind (on the Intel
 # Xeon with AMX, T5 v1.1 logits up to ~2.5 moved by 3.2e-5 against the recorded AMD values that
 # genjax matches to 2e-5), so the live comparison allows float32 noise of a few times that.

@@ -104,7 +104,7 @@ def test_mesh_argument_inside_shard_map_raises_a_clear_error(llama, inputs):
 def test_encoder_decoder_inside_shard_map_and_pmap_equals_single_device():
     """T5 v1.1 (recorded): the decoder's first self-attention slots come from the start token
     alone, the same on every device, and still enter the loop typed as varying over "data"
-    (generation.encoder_decoder.vary_like); pmap_generate's blocks equal one device too."""
+    (genjax.typing.vary_like); pmap_generate's blocks equal one device too."""
     model, params, src, mask = recorded_model("t5_v1_1")
     ids, mask = np.resize(src, (4, src.shape[1])), np.resize(mask, (4, mask.shape[1]))
     config = genjax.GenerationConfig(max_new_tokens=NEW, pad_token_id=0)

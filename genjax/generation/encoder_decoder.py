@@ -95,7 +95,7 @@ import numpy as np
 from genjax.cache.quantized import QuantizedKVCache
 from genjax.cache.slots import check_length, pad_prompt
 from genjax.errors import InputError, UnsupportedError
-from genjax.typing import Array
+from genjax.typing import Array, vary_like
 
 __all__ = [
     "check_request",
@@ -440,35 +440,11 @@ def prefill(
     )
     filler = jnp.full((batch, new_slots), pad_token_id, jnp.int32)
     result = (logits, cache, cache_mask, jnp.concatenate([prefix, filler], axis=1))
+    # Inside a user's shard_map the first self-attention keys and values and the prefix come from
+    # the start token alone, typed as not varying over the rows' axis, while the loop's later
+    # writes are: lax.while_loop refuses a carry whose type changes.
     result = vary_like(result, states)
     return (*result, {**recorded, **decoded[0]}) if flags else result
-
-
-def vary_like(tree, reference):
-    """``tree`` typed as varying over every manual mesh axis ``reference`` varies over.
-
-    Inside a user's ``jax.shard_map`` the decoder's first self-attention keys and values, and
-    the buffer's prefix, come from the start token alone: the same on every device, so JAX types
-    them as not varying over the rows' axis, while the loop's later writes (tokens that depend
-    on each device's source) are varying, and ``lax.while_loop`` refuses a carry whose type
-    changes. Outside a ``shard_map`` nothing varies and ``tree`` comes back as it is.
-    """
-    axes = _varying_axes(reference)
-    if not axes:
-        return tree
-
-    def vary(x):
-        missing = tuple(a for a in axes if a not in _varying_axes(x))
-        return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-    return jax.tree.map(vary, tree)
-
-
-def _varying_axes(x) -> tuple[str, ...]:
-    """The manual mesh axes ``x`` varies over (its type's; JAX 0.7-0.9 name them ``vma``)."""
-    aval = jax.typeof(x)
-    manual = getattr(aval, "manual_axis_type", None)
-    return tuple(sorted(manual.varying if manual is not None else getattr(aval, "vma", ())))
 
 
 def source_tokens(source, source_length, rows_per_prompt: int) -> Array:

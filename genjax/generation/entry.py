@@ -69,6 +69,7 @@ from genjax.generation.prefill import (
     start_stopping,
 )
 from genjax.generation.traced_call import TracedCall
+from genjax.kernels import rows as rows_kernel
 from genjax.models.quantize import LIBRARY_DOT_OPTIONS
 from genjax.processors import Processor
 from genjax.stopping import StopCriterion
@@ -344,6 +345,12 @@ def _generate(
         traced: the config, key, padding ``o``, slot bounds, stop-string tables, draft params
             and stream id (all traced).
     """
+    # On a mesh, XLA's partitioned products rather than the CPU kernel (see genjax.kernels.rows).
+    with rows_kernel.disabled(plan.layout is not None):
+        return _generate_traced(plan, params, input_ids, attention_mask, traced)
+
+
+def _generate_traced(plan, params, input_ids, attention_mask, traced) -> GenerateOutput:
     if plan.layout is not None:
         input_ids, attention_mask = plan.layout.constrain((input_ids, attention_mask))
     config = traced.config

@@ -1,12 +1,12 @@
 """Building and loading genjax's native CPU kernels (XLA FFI custom calls).
 
-A kernel is a C++ source file in this folder (``<name>.cc``, which may include headers of its
-own, ``<name>_*.h``, beside it), compiled on first use with the machine's C++ compiler against
-the XLA FFI headers that jaxlib ships (``jax.ffi.include_dir()``), for this CPU
-(``-march=native``), into ``$GENJAX_KERNEL_CACHE`` (default ``~/.cache/genjax/kernels``). The
-library's name carries a hash of the source and its headers, the flags, jaxlib's version and
-the CPU's model and flags, so a changed source or another machine sharing the folder builds its
-own copy.
+A kernel is a C++ source file in this folder (``<name>.cc``, which may include the headers
+beside it: its own ``<name>_*.h`` and shared ones such as ``team.h``), compiled on first use
+with the machine's C++ compiler against the XLA FFI headers that jaxlib ships
+(``jax.ffi.include_dir()``), for this CPU (``-march=native``), into ``$GENJAX_KERNEL_CACHE``
+(default ``~/.cache/genjax/kernels``). The library's name carries a hash of the source and of
+every header in the folder, the flags, jaxlib's version and the CPU's model and flags, so a
+changed source or another machine sharing the folder builds its own copy.
 A build is written to a temporary file and renamed into place, so concurrent processes (test
 workers) never load a half-written library; nothing else in the folder is touched.
 
@@ -79,7 +79,7 @@ def load(name: str) -> ctypes.CDLL | None:
     """The library built from ``<name>.cc``, built first if needed; None if it cannot be built
     (see :func:`problem`). Cached per process."""
     source = SOURCE_DIR / f"{name}.cc"
-    texts = [path.read_bytes() for path in [source, *sorted(SOURCE_DIR.glob(f"{name}_*.h"))]]
+    texts = [path.read_bytes() for path in [source, *sorted(SOURCE_DIR.glob("*.h"))]]
     identity = b"\0".join(
         [*texts, " ".join(_FLAGS).encode(), jaxlib.__version__.encode(), _cpu_identity().encode()]
     )

@@ -15,25 +15,21 @@
 // and run a register-tiled FMA product over the activation rows (q4_matmul_exact.h). Each
 // kernel fixes the order of its float operations per output, so a row's result does not depend
 // on the other rows of the call. Ranges of output rows are shared by the calling thread and a
-// team of helper threads (see Team).
+// team of helper threads (team.h).
 //
 // The integer block dot follows the method of llama.cpp's ggml_vec_dot_q4_1_q8_1; the code is
 // genjax's own.
 
 #include <algorithm>
-#include <atomic>
-#include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <memory>
-#include <mutex>
-#include <thread>
 #include <vector>
 
 #include "q4_matmul_common.h"
 #include "q4_matmul_exact.h"
 #include "q4_matmul_rounded.h"
+#include "team.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -115,97 +111,15 @@ void GroupActivations(const int8_t* xq, const float* dx, const float* sums, int6
   }
 }
 
-// One product's work: chunks of weight rows, claimed through an atomic counter by the calling
-// thread and the helper team. Owned jointly, because a helper may look at it after the call
-// has returned (it then finds no chunk left and only drops its reference).
-struct Job {
+// One product's work: chunks of weight rows, shared by the calling thread and the helper team
+// (team.h), with the rounded activations it reads.
+struct Job : genjax_kernels::Job {
   Problem problem;
   std::vector<int8_t> xq, xq_groups;
   std::vector<float> x_scale, block_sums, x_scale_groups, block_sums_groups;
-  int64_t chunks = 0;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
 
-  void Work() {
-    int64_t mine = 0;
-    for (int64_t c; (c = next.fetch_add(1)) < chunks;) {
-      Chunk(problem, c);
-      ++mine;
-    }
-    if (mine) done.fetch_add(mine);
-  }
+  void Chunk(int64_t chunk) override { genjax_q4::Chunk(problem, chunk); }
 };
-
-// Helper threads kept for the process's life. A decode step runs hundreds of small products
-// back to back (tens of microseconds each); waking a sleeping thread for each costs about as
-// much as the product, so a helper spins for a short while after each job, waiting for the
-// next, and only then sleeps. Jobs are published as a generation number and a shared pointer.
-class Team {
- public:
-  explicit Team(int helpers) {
-    for (int t = 0; t < helpers; ++t) std::thread([this] { Loop(); }).detach();
-    size_ = helpers;
-  }
-
-  int size() const { return size_; }
-
-  void Run(const std::shared_ptr<Job>& job) {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      job_ = job;
-      generation_.fetch_add(1, std::memory_order_release);
-    }
-    if (sleeping_.load() > 0) wake_.notify_all();
-    job->Work();
-    while (job->done.load(std::memory_order_acquire) < job->chunks) Pause();
-  }
-
- private:
-  static void Pause() {
-#if defined(__x86_64__) || defined(__i386__)
-    _mm_pause();
-#endif
-  }
-
-  void Loop() {
-    uint64_t seen = 0;
-    for (;;) {
-      const auto until = std::chrono::steady_clock::now() + kSpin;
-      int64_t polls = 0;
-      while (generation_.load(std::memory_order_acquire) == seen) {
-        Pause();
-        if (++polls % 256 == 0 && std::chrono::steady_clock::now() > until) break;
-      }
-      std::shared_ptr<Job> job;
-      {
-        std::unique_lock<std::mutex> lock(mutex_);
-        if (generation_.load() == seen) {
-          sleeping_.fetch_add(1);
-          wake_.wait(lock, [&] { return generation_.load() != seen; });
-          sleeping_.fetch_sub(1);
-        }
-        seen = generation_.load();
-        job = job_;
-      }
-      job->Work();
-    }
-  }
-
-  static constexpr std::chrono::microseconds kSpin{100};
-  int size_ = 0;
-  std::atomic<uint64_t> generation_{0};
-  std::atomic<int> sleeping_{0};
-  std::shared_ptr<Job> job_;
-  std::mutex mutex_;
-  std::condition_variable wake_;
-};
-
-// The team, made on first use with one helper fewer than XLA's intra-op threads (the calling
-// thread is the last); never destroyed, its threads end with the process.
-Team& TeamFor(int64_t threads) {
-  static Team* team = new Team(threads > 1 ? static_cast<int>(threads - 1) : 0);
-  return *team;
-}
 
 ffi::Error Q4MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                         ffi::Buffer<ffi::U8> packed, ffi::Buffer<ffi::F16> scale,
@@ -256,20 +170,11 @@ ffi::Error Q4MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
       p.block_sums_groups = job->block_sums_groups.data();
     }
   }
-  // One contiguous range of weight rows per thread: each thread then streams one region of
-  // memory, which measured faster than interleaved smaller chunks (26 against 12-18 GB/s).
-  // Ranges are whole multiples of the kernels' tiles of weight rows.
-  Team& team = TeamFor(pool.num_threads());
-  const int64_t threads = team.size() + 1;
-  const int64_t share = (outputs + threads - 1) / threads;
-  p.chunk_rows = std::max<int64_t>((share + kMinChunkRows - 1) / kMinChunkRows * kMinChunkRows,
-                                   kMinChunkRows);
+  // Ranges are whole multiples of the kernels' tiles of weight rows (kMinChunkRows).
+  genjax_kernels::Team& team = genjax_kernels::TeamFor(pool.num_threads());
+  p.chunk_rows = genjax_kernels::ChunkRows(outputs, team.size() + 1, kMinChunkRows);
   job->chunks = (outputs + p.chunk_rows - 1) / p.chunk_rows;
-  if (team.size() == 0 || job->chunks < 2) {
-    job->Work();
-  } else {
-    team.Run(job);
-  }
+  team.Run(job);
   return ffi::Error::Success();
 }
 

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from genjax.errors import UnsupportedError
-from genjax.kernels import q4
+from genjax.kernels import q4, rows
 from genjax.typing import Array
 
 
@@ -236,12 +236,13 @@ class Dense(nn.Module):
 def linear(x: Array, weight: Array, scale: Array | None, dtype: jnp.dtype) -> Array:
     """``x @ weight.T`` for x [..., in] and weight [out, in]; returns dtype[..., out].
 
-    Float weights in float32 give the plain product. Below float32 (bfloat16, float16) the product
-    accumulates in float32 and is rounded to ``dtype`` once, after the sum (one row on a CPU:
-    ``_one_row_widened``): on a mesh the partial sums of a row-parallel layer (split on its input
-    features) are then added in float32 too, so tensor-parallel and one-device runs round the
-    same sums (a bfloat16 all-reduce rounds each partial sum and moves logits by a bfloat16 step,
-    enough to flip near-tied greedy tokens).
+    Float weights in float32 give the plain product; with 1 to 32 rows on the CPU, genjax's
+    kernel (:mod:`genjax.kernels.rows`), which reads the weights faster. Below float32
+    (bfloat16, float16) the product accumulates in float32 and is rounded to ``dtype`` once,
+    after the sum (one row on a CPU: ``_one_row_widened``): on a mesh the partial sums of a
+    row-parallel layer (split on its input features) are then added in float32 too, so
+    tensor-parallel and one-device runs round the same sums (a bfloat16 all-reduce rounds each
+    partial sum and moves logits by a bfloat16 step, enough to flip near-tied greedy tokens).
 
     An int8 ``weight`` with ``scale`` float32[out] computes ``(x @ weight.T) * scale``, the int8
     values converted to ``dtype`` (exactly: int8 fits every float dtype) where they are used and
@@ -264,6 +265,8 @@ def linear(x: Array, weight: Array, scale: Array | None, dtype: jnp.dtype) -> Ar
         # whole matrix to memory first.
         y = jnp.matmul(x, weight.astype(dtype).T, preferred_element_type=jnp.float32)
         return (y * scale).astype(dtype)
+    if rows.applies(x, weight):  # float32, 1-32 rows, on the CPU: genjax's kernel
+        return rows.matmul(x, weight)
     weight = weight.astype(dtype)
     if jnp.finfo(dtype).bits >= 32:
         return _rows_times_transposed(x, weight, None).astype(dtype)

@@ -34,6 +34,7 @@ from flax import struct
 from genjax.cache import PagedKVCache
 from genjax.constraints import CompressedTable
 from genjax.generation.prefill import accepts_logits_to_keep
+from genjax.kernels import rows as rows_kernel
 from genjax.models.quantize import LIBRARY_DOT_OPTIONS
 from genjax.serving.choosing import Scored, choose_rows, no_scores
 from genjax.serving.engine import EngineState, StepInput, StepOutput, state_shardings
@@ -373,12 +374,19 @@ def engine_step(
     return engine_decode(model, params, state, work, prefilled, pool, max_steps=max_steps, **sizes)
 
 
-def _jit(function, library_dots: bool):
+def _jit(function, library_dots: bool, layout: Layout | None):
     """``function`` jitted with its state (argument 1) donated, compiled with
     :data:`~genjax.models.quantize.LIBRARY_DOT_OPTIONS` when ``library_dots`` (int8 params
-    multiplying several rows: :func:`~genjax.models.quantize.library_dots`)."""
+    multiplying several rows: :func:`~genjax.models.quantize.library_dots`), and traced with
+    XLA's products rather than the CPU kernel on a mesh (see :mod:`genjax.kernels.rows`)."""
+
+    @functools.wraps(function)
+    def traced(*args, **kwargs):
+        with rows_kernel.disabled(layout is not None):
+            return function(*args, **kwargs)
+
     options = LIBRARY_DOT_OPTIONS if library_dots else None
-    return jax.jit(function, donate_argnums=1, compiler_options=options)
+    return jax.jit(traced, donate_argnums=1, compiler_options=options)
 
 
 @functools.cache
@@ -393,7 +401,7 @@ def compile_prefill(
         sizes = dict(max_top_logprobs=max_top_logprobs, layout=layout)
         return engine_prefill(model, params, state, work, pool, **sizes)
 
-    return _jit(prefill, library_dots)
+    return _jit(prefill, library_dots, layout)
 
 
 @functools.cache
@@ -411,7 +419,7 @@ def compile_decode(
         sizes = dict(max_steps=max_steps, max_top_logprobs=max_top_logprobs, layout=layout)
         return engine_decode(model, params, state, work, prefilled, pool, **sizes)
 
-    return _jit(decode, library_dots)
+    return _jit(decode, library_dots, layout)
 
 
 @functools.cache
@@ -429,4 +437,4 @@ def compile_step(
         sizes = dict(max_steps=max_steps, max_top_logprobs=max_top_logprobs, layout=layout)
         return engine_step(model, params, state, work, pool, **sizes)
 
-    return _jit(step, library_dots)
+    return _jit(step, library_dots, layout)

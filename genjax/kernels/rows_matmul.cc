@@ -1,0 +1,179 @@
+// y[R, O] = x[R, I] @ w[O, I].T for float32 weights and a few activation rows (decode steps at
+// batch 1-32, beams, speculative verification), reading the weights from memory once.
+//
+// Why not XLA's product: over a SmolLM-shaped stack of matrices (538 MB of weights) on the 2-core
+// Intel Xeon, XLA:CPU's products took 30 ms at one row, 48 at five, 47 at eight and 73 at 32;
+// this kernel takes 19, 23, 24 and 52 (bench/matmul_rows.py; figures in bench/README.md).
+//
+// Work: each thread takes one contiguous range of weight rows (genjax_kernels::Team). Within it,
+// a tile of kTile weight rows is multiplied by every register tile of activation rows in turn,
+// so the weight tile comes from memory once and from L1 for the later register tiles. Each
+// output's arithmetic is fixed whatever the number of rows and threads: kLanes partial sums over
+// the inputs (input k feeds partial k mod kLanes, one fused multiply-add per input, in input
+// order), then summed by halves. So a row's result does not depend on the other rows of the call:
+// a request decoded beside others gets the bits it gets alone.
+//
+// Inputs must be a multiple of 16 (genjax.kernels.rows checks before calling).
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <memory>
+
+#include "team.h"
+#include "xla/ffi/api/ffi.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+namespace ffi = xla::ffi;
+
+namespace genjax_rows {
+
+constexpr int64_t kMinChunkRows = 16;  // fewer weight rows are not worth another thread
+
+struct Problem {
+  const float* x;  // [R, I]
+  const float* w;  // [O, I]
+  float* y;        // [R, O]
+  int64_t rows, outputs, inputs, chunk_rows;
+};
+
+#if defined(__AVX512F__)
+using Vec = __m512;
+constexpr int kLanes = 16;
+inline Vec Zero() { return _mm512_setzero_ps(); }
+inline Vec Load(const float* a) { return _mm512_loadu_ps(a); }
+inline Vec Fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline float Sum(Vec v) {
+  const __m256 eight = _mm256_add_ps(
+      _mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(eight), _mm256_extractf128_ps(eight, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+// Weight rows per tile and activation rows per register tile: 6 x 4 accumulators, 4 weight
+// vectors and one activation vector of the 32 registers.
+constexpr int kTile = 4;
+constexpr int kRegisterRows = 6;
+#elif defined(__AVX2__) && defined(__FMA__)
+using Vec = __m256;
+constexpr int kLanes = 8;
+inline Vec Zero() { return _mm256_setzero_ps(); }
+inline Vec Load(const float* a) { return _mm256_loadu_ps(a); }
+inline Vec Fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline float Sum(Vec v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+constexpr int kTile = 2;  // 4 x 2 accumulators of the 16 registers
+constexpr int kRegisterRows = 4;
+#else
+// Portable: the same partial sums, one float at a time.
+struct Vec {
+  float v[8];
+};
+constexpr int kLanes = 8;
+inline Vec Zero() { return Vec{}; }
+inline Vec Load(const float* a) {
+  Vec r;
+  for (int i = 0; i < kLanes; ++i) r.v[i] = a[i];
+  return r;
+}
+inline Vec Fma(Vec a, Vec b, Vec c) {
+  for (int i = 0; i < kLanes; ++i) c.v[i] = std::fma(a.v[i], b.v[i], c.v[i]);
+  return c;
+}
+inline float Sum(Vec v) {
+  for (int width = kLanes / 2; width >= 1; width /= 2) {
+    for (int i = 0; i < width; ++i) v.v[i] += v.v[i + width];
+  }
+  return v.v[0];
+}
+constexpr int kTile = 2;
+constexpr int kRegisterRows = 4;
+#endif
+
+// y[r0:r0+NR, o0:o0+NO].
+template <int NR, int NO>
+void Tile(const Problem& p, int64_t o0, int64_t r0) {
+  Vec acc[NR][NO];
+  for (int r = 0; r < NR; ++r) {
+    for (int t = 0; t < NO; ++t) acc[r][t] = Zero();
+  }
+  const float* x = p.x + r0 * p.inputs;
+  const float* w = p.w + o0 * p.inputs;
+  for (int64_t k = 0; k < p.inputs; k += kLanes) {
+    Vec wk[NO];
+    for (int t = 0; t < NO; ++t) wk[t] = Load(w + t * p.inputs + k);
+    // The next tile's weights, into L2: the hardware prefetcher alone falls behind once a few
+    // rows' multiplications sit between the loads (5 rows: 1.45x the one-row time without this
+    // prefetch, 1.2x with it).
+    for (int t = 0; t < NO; ++t) __builtin_prefetch(w + (NO + t) * p.inputs + k, 0, 2);
+    for (int r = 0; r < NR; ++r) {
+      const Vec a = Load(x + r * p.inputs + k);
+      for (int t = 0; t < NO; ++t) acc[r][t] = Fma(a, wk[t], acc[r][t]);
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    for (int t = 0; t < NO; ++t) p.y[(r0 + r) * p.outputs + o0 + t] = Sum(acc[r][t]);
+  }
+}
+
+// Weight rows [o0, o0 + NO) against every activation row, a register tile at a time.
+template <int NO>
+void AllRows(const Problem& p, int64_t o0) {
+  int64_t r = 0;
+  for (; r + kRegisterRows <= p.rows; r += kRegisterRows) Tile<kRegisterRows, NO>(p, o0, r);
+  switch (p.rows - r) {
+    case 1: Tile<1, NO>(p, o0, r); break;
+    case 2: Tile<2, NO>(p, o0, r); break;
+    case 3: Tile<3, NO>(p, o0, r); break;
+#if defined(__AVX512F__)
+    case 4: Tile<4, NO>(p, o0, r); break;
+    case 5: Tile<5, NO>(p, o0, r); break;
+#endif
+    default: break;
+  }
+}
+
+struct RowsJob : genjax_kernels::Job {
+  Problem p;
+  void Chunk(int64_t chunk) override {
+    const int64_t begin = chunk * p.chunk_rows;
+    const int64_t end = std::min(begin + p.chunk_rows, p.outputs);
+    int64_t o = begin;
+    for (; o + kTile <= end; o += kTile) AllRows<kTile>(p, o);
+    for (; o < end; ++o) AllRows<1>(p, o);
+  }
+};
+
+ffi::Error RowsMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                          ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1] || xd[1] % 16 != 0) {
+    return ffi::Error::InvalidArgument(
+        "rows_matmul: x [R, I] and w [O, I] must be matrices with I a multiple of 16");
+  }
+  auto job = std::make_shared<RowsJob>();
+  job->p = Problem{x.typed_data(), w.typed_data(), y->typed_data(), xd[0], wd[0], xd[1], 0};
+  genjax_kernels::Team& team = genjax_kernels::TeamFor(pool.num_threads());
+  job->p.chunk_rows = genjax_kernels::ChunkRows(job->p.outputs, team.size() + 1, kMinChunkRows);
+  job->chunks = (job->p.outputs + job->p.chunk_rows - 1) / job->p.chunk_rows;
+  team.Run(job);
+  return ffi::Error::Success();
+}
+
+}  // namespace genjax_rows
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GenjaxRowsMatmul, genjax_rows::RowsMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

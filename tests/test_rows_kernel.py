@@ -1,6 +1,7 @@
-"""genjax's float32 CPU kernel for products of 1-32 activation rows (genjax/kernels/rows.py):
-float32 accuracy, each row's bits independent of the other rows, XLA's product where the kernel
-does not apply (more rows, odd widths, meshes), gradients, and generate taking it."""
+"""genjax's CPU kernel for products of a few activation rows (genjax/kernels/rows.py) with
+float32, bfloat16 and int8 weights: float32 sums of exact products, each row's bits independent
+of the other rows, XLA's product where the kernel does not apply (more rows, odd widths, float16,
+meshes), gradients, and generate taking it."""
 
 from __future__ import annotations
 
@@ -14,12 +15,16 @@ from genjax.generation.entry import lower_program
 from genjax.generation.plan import CallRequest, prepare
 from genjax.kernels import rows
 from genjax.models import layers
+from genjax.models.quantize import quantize_weight
 from genjax.sharding import make_mesh
 
 pytestmark = [
     pytest.mark.usefixtures("fast_compiles"),
     pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU kernel"),
 ]
+
+
+KERNEL = "genjax_rows_matmul"  # the prefix of the kernel's custom-call targets
 
 
 def _linear(x, weight):
@@ -40,35 +45,62 @@ def test_the_kernel_builds_here():
     assert rows.kernel_available(), genjax.kernels.native.problem("rows_matmul")
 
 
-@pytest.mark.parametrize("count", [1, 2, 5, 7, 8, 32])
-def test_products_are_float32_accurate_and_each_row_is_its_own(weight, count):
+def _weights(weight, kind):
+    """(weight, scale, dtype) of ``kind``, and the float64 matrix those stand for."""
+    if kind == "int8":
+        q, scale = quantize_weight(weight)
+        return (q, scale, jnp.float32), np.asarray(q, np.float64) * np.asarray(scale)[:, None]
+    if kind == "bfloat16":
+        narrow = weight.astype(jnp.bfloat16)
+        return (narrow, None, jnp.bfloat16), np.asarray(narrow, np.float64)
+    return (weight, None, jnp.float32), np.asarray(weight, np.float64)
+
+
+@pytest.mark.parametrize(
+    "kind, count",
+    [("float32", n) for n in (1, 2, 5, 7, 8, 32)] + [("bfloat16", 1), ("bfloat16", 8)]
+    + [("int8", 1), ("int8", 6), ("int8", 32)],
+)  # fmt: skip
+def test_products_are_float32_sums_and_each_row_is_its_own(weight, kind, count):
+    (matrix, scale, dtype), exact_matrix = _weights(weight, kind)
     rng = np.random.default_rng(count)
-    x = jnp.asarray(rng.standard_normal((count, weight.shape[1]), dtype=np.float32))
-    assert rows.applies(x, weight)
-    y = np.asarray(jax.jit(_linear)(x, weight))
-    exact = np.asarray(x, np.float64) @ np.asarray(weight, np.float64).T
-    np.testing.assert_allclose(y, exact, rtol=0, atol=2e-5 * np.abs(exact).max())
+    x = jnp.asarray(rng.standard_normal((count, weight.shape[1]), dtype=np.float32)).astype(dtype)
+    assert rows.applies(x, matrix, scale, dtype)
+
+    def product(x):
+        return layers.linear(x, matrix, scale, dtype).astype(jnp.float32)
+
+    y = np.asarray(jax.jit(product)(x))
+    exact = np.asarray(x, np.float64) @ exact_matrix.T
+    tolerance = 2e-5 if dtype == jnp.float32 else 1e-2  # bfloat16 outputs: rounded once
+    np.testing.assert_allclose(y, exact, rtol=0, atol=tolerance * np.abs(exact).max())
     # Each row gets the bits it gets alone: a request decoded beside others equals it alone.
-    alone = np.concatenate(
-        [np.asarray(jax.jit(_linear)(x[i : i + 1], weight)) for i in range(count)]
-    )
+    alone = np.concatenate([np.asarray(jax.jit(product)(x[i : i + 1])) for i in range(count)])
     np.testing.assert_array_equal(y, alone)
 
 
 def test_the_kernel_runs_exactly_where_it_applies(weight):
     x = jnp.ones((8, weight.shape[1]), jnp.float32)
-    assert rows.TARGET in _hlo(_linear, x, weight)
-    assert rows.TARGET in _hlo(_linear, x.reshape(2, 4, -1), weight)  # [B, T, in]: 8 rows
-    more = jnp.ones((rows.MAX_ROWS + 1, weight.shape[1]), jnp.float32)
-    assert rows.TARGET not in _hlo(_linear, more, weight)
+    assert KERNEL in _hlo(_linear, x, weight)
+    assert KERNEL in _hlo(_linear, x.reshape(2, 4, -1), weight)  # [B, T, in]: 8 rows
+    more = jnp.ones((33, weight.shape[1]), jnp.float32)
+    assert KERNEL not in _hlo(_linear, more, weight)
     odd = jnp.ones((2, 40), jnp.float32)
-    assert rows.TARGET not in _hlo(_linear, odd, jnp.ones((3, 40), jnp.float32))
-    narrow = weight.astype(jnp.bfloat16)
-    assert rows.TARGET not in _hlo(lambda x, w: layers.linear(x, w, None, jnp.bfloat16), x, narrow)
+    assert KERNEL not in _hlo(_linear, odd, jnp.ones((3, 40), jnp.float32))
+
+    def narrow(x, w):
+        return layers.linear(x, w, None, w.dtype)
+
+    bf16 = weight.astype(jnp.bfloat16)
+    assert KERNEL in _hlo(narrow, x.astype(jnp.bfloat16), bf16)
+    assert KERNEL not in _hlo(narrow, more.astype(jnp.bfloat16)[:9], bf16)  # XLA's AMX products
+    assert KERNEL not in _hlo(narrow, x.astype(jnp.float16), weight.astype(jnp.float16))
+    # float32 weights computed in bfloat16 are rounded first, as XLA's path does: not the kernel
+    assert KERNEL not in _hlo(lambda x, w: layers.linear(x, w, None, jnp.bfloat16), x, weight)
     with rows.disabled():
-        assert rows.TARGET not in _hlo(lambda x, w: _linear(x, w) + 0, x, weight)
+        assert KERNEL not in _hlo(lambda x, w: _linear(x, w) + 0, x, weight)
     with jax.set_mesh(make_mesh((2, 4))):  # automatic axes: XLA's partitioned product
-        assert rows.TARGET not in _hlo(lambda x, w: _linear(x, w) * 2, x, weight)
+        assert KERNEL not in _hlo(lambda x, w: _linear(x, w) * 2, x, weight)
 
 
 def test_each_shard_map_block_runs_the_kernel(weight):
@@ -79,20 +111,23 @@ def test_each_shard_map_block_runs_the_kernel(weight):
     )
     x = jnp.asarray(np.random.default_rng(1).standard_normal((4, weight.shape[1]), np.float32))
     padded = jnp.concatenate([weight, weight[:3]])  # 80 outputs: 20 per block of "model"
-    assert rows.TARGET in _hlo(blocks, x, padded)
+    assert KERNEL in _hlo(blocks, x, padded)
     np.testing.assert_array_equal(np.asarray(jax.jit(blocks)(x, padded)), _linear(x, padded))
 
 
-def test_gradients_equal_xla_products(weight):
+@pytest.mark.parametrize("kind", ["float32", "int8"])
+def test_gradients_equal_xla_products(weight, kind):
+    (matrix, scale, dtype), _ = _weights(weight, kind)
     x = jnp.asarray(np.random.default_rng(2).standard_normal((3, weight.shape[1]), np.float32))
     x = x * 0.03  # pre-activations of order 1, where tanh does not saturate
+    argnums = (0, 1) if kind == "float32" else (0, 2)  # int8 weights have no gradient
 
-    def loss(x, weight):
-        return jnp.sum(jnp.tanh(_linear(x, weight)))
+    def loss(x, matrix, scale):
+        return jnp.sum(jnp.tanh(layers.linear(x, matrix, scale, dtype)))
 
-    with rows.disabled():
-        expected = jax.jit(jax.grad(lambda x, w: loss(x, w) * 1.0, argnums=(0, 1)))(x, weight)
-    got = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, weight)
+    with rows.disabled():  # a new function: traced here, with XLA's products
+        expected = jax.jit(jax.grad(lambda *a: loss(*a) * 1.0, argnums=argnums))(x, matrix, scale)
+    got = jax.jit(jax.grad(loss, argnums=argnums))(x, matrix, scale)
     for a, b in zip(got, expected, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * np.abs(b).max())
 
@@ -107,5 +142,5 @@ def test_generate_runs_the_kernel_on_one_device_and_xla_products_on_a_mesh():
         request = CallRequest.of(attention_mask=np.ones_like(ids), **request)
         return lower_program(prepare(model, params, ids, config, request)).as_text()
 
-    assert rows.TARGET in program_text()
-    assert rows.TARGET not in program_text(mesh=make_mesh((2, 4)))
+    assert KERNEL in program_text()
+    assert KERNEL not in program_text(mesh=make_mesh((2, 4)))

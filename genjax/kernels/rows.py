@@ -1,33 +1,39 @@
-"""float32 products of a few activation rows on the CPU, through genjax's kernel.
+"""Products of a few activation rows on the CPU through genjax's kernel: float32, bfloat16 and
+int8 weights.
 
-``matmul(x, weight)`` is ``x @ weight.T`` for x float32[R, I] and weight float32[O, I]. On the
-CPU, for 1 to :data:`MAX_ROWS` rows (decode steps, beams, speculative verification, short
-prompt chunks), it runs ``rows_matmul.cc`` as an XLA FFI custom call, which reads each weight
-once from memory and multiplies it by every row while it is in the CPU's cache. XLA:CPU's
-products read the weights slower: over a SmolLM-shaped stack of matrices on the 2-core Intel
-Xeon they took 1.56x the kernel's time at one row, 2.1x at five, 1.9x at eight and 1.4x at 32
-(``bench/matmul_stack.py``; figures in ``bench/README.md``).
+``matmul(x, weight, scale)`` is ``x @ weight.T`` (times ``scale`` per output for int8 weights) in
+float32, for x [R, I] and weight [O, I] in float32, bfloat16, or int8 with scale float32[O]. On
+the CPU, for 1 to ``MAX_ROWS[weight dtype]`` rows (decode steps, beams, speculative
+verification, short prompt chunks), it runs ``rows_matmul.cc`` as an XLA FFI custom call, which
+reads each weight once from memory, widens narrow weights to float32 in registers (exactly), and
+multiplies it by every row while it is in the CPU's cache. XLA:CPU's products read the weights
+slower: its one-row product, and with several rows it packs the weight panel first (for int8,
+it writes a float copy of the matrix). Over a SmolLM-shaped stack of matrices on the 2-core Intel
+Xeon XLA's products took, against the kernel: float32 1.5x the time at one row, 2.0x at five,
+1.3x at 32; bfloat16 1.6x at one row, 1.5x at eight, level at 16 (where XLA's AMX products take
+over); int8 2.0x at one row, 2.3x at eight, 1.6x at 32 (``bench/matmul_stack.py``; figures in
+``bench/README.md``).
 
 Each output's float operations run in one fixed order whatever the number of rows (16 partial
 sums along the inputs, then summed by halves; 8 without AVX-512), so a row's result is the same
 bits alone or beside other rows: a request decoded in the serving engine's batch gets what
 ``generate`` gives it alone.
 
-When the kernel is not used (other backends; inputs not a multiple of 16; more rows; a compiler
-missing, see :mod:`genjax.kernels.native`; under :func:`disabled`; or in a process started with
-``GENJAX_ROWS_KERNEL=0``, for comparisons), callers take XLA's product. :func:`disabled` acts
-when a program is traced: a program JAX has already compiled keeps its path. Not under a mesh
-either: XLA's SPMD partitioner knows no sharding rule for a custom call and would gather every
-operand onto each device, so programs traced while a mesh with automatic axes is set
-(``jax.set_mesh``, or genjax's own meshed ``generate`` and serving engine, through
+When the kernel is not used (other backends; inputs not a multiple of 16; more rows; float16
+weights; a compiler missing, see :mod:`genjax.kernels.native`; under :func:`disabled`; or in a
+process started with ``GENJAX_ROWS_KERNEL=0``, for comparisons), callers take XLA's product.
+:func:`disabled` acts when a program is traced: a program JAX has already traced keeps its path.
+Not under a mesh either: XLA's SPMD partitioner knows no sharding rule for a custom call and
+would gather every operand onto each device, so programs traced while a mesh with automatic axes
+is set (``jax.set_mesh``, or genjax's own meshed ``generate`` and serving engine, through
 :func:`disabled`) use XLA's partitioned product. Inside ``shard_map`` each device's block runs
 the kernel.
 
-Gradients: the product's derivative is taken through XLA's product (a custom JVP), so
-training code that calls the models' layers differentiates as before.
+Gradients: the product's derivative is taken through XLA's product (a custom JVP), so training
+code that calls the models' layers differentiates as before.
 
 Static or traced: the choice of path (backend, shapes, dtypes, the context) is static; the
-activations and weights are traced.
+activations, weights and scales are traced.
 """
 
 from __future__ import annotations
@@ -44,14 +50,19 @@ import jax.numpy as jnp
 from genjax.kernels import native
 from genjax.typing import Array, vary_like
 
-MAX_ROWS = 32
-"""Products of up to this many activation rows run the kernel; more take XLA's product (at 64
-rows the two were level, at 32 the kernel took 0.72x the time)."""
+MAX_ROWS = {jnp.dtype(jnp.float32): 32, jnp.dtype(jnp.bfloat16): 8, jnp.dtype(jnp.int8): 32}
+"""Products of up to this many activation rows run the kernel, per weight dtype; more take XLA's
+product. float32: at 64 rows the two were level. bfloat16: from 16 rows XLA's products (AMX on
+the Intel Xeon) are as fast or faster, the kernel widening each weight once per 6 rows."""
 
 INPUT_MULTIPLE = 16
 """The kernel's input width must be a multiple of this (its vector width, in floats)."""
 
-TARGET = "genjax_rows_matmul"
+_TARGETS = {
+    jnp.dtype(jnp.float32): ("genjax_rows_matmul_f32", "GenjaxRowsMatmulF32"),
+    jnp.dtype(jnp.bfloat16): ("genjax_rows_matmul_bf16", "GenjaxRowsMatmulBF16"),
+    jnp.dtype(jnp.int8): ("genjax_rows_matmul_s8", "GenjaxRowsMatmulS8"),
+}
 _ALLOWED: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "genjax_rows_kernel", default=os.environ.get("GENJAX_ROWS_KERNEL", "1") != "0"
 )
@@ -68,26 +79,37 @@ def disabled(when: bool = True):
         _ALLOWED.reset(token)
 
 
-def applies(x: Array, weight: Array) -> bool:
-    """Whether ``matmul(x, weight)`` would run the kernel (static: shapes, dtypes, context)."""
+def applies(x: Array, weight: Array, scale: Array | None, dtype) -> bool:
+    """Whether ``linear``'s product of ``x`` (already in ``dtype``) and ``weight`` runs the kernel
+    (static: shapes, dtypes, context): float32 or bfloat16 weights computed in their own dtype,
+    or int8 weights with a scale computed in float32 or bfloat16."""
+    dtype, kind = jnp.dtype(dtype), jnp.dtype(weight.dtype)
+    if kind == jnp.int8:
+        typed = scale is not None and dtype in (jnp.float32, jnp.bfloat16)
+    else:
+        typed = scale is None and kind == dtype and kind in _TARGETS
     rows = math.prod(x.shape[:-1])
     return (
-        _ALLOWED.get()
-        and x.dtype == jnp.float32
-        and weight.dtype == jnp.float32
+        typed
+        and _ALLOWED.get()
         and weight.ndim == 2
-        and 1 <= rows <= MAX_ROWS
+        and 1 <= rows <= MAX_ROWS[kind]
         and x.shape[-1] % INPUT_MULTIPLE == 0
         and not _automatic_mesh()
         and _kernel_registered()
     )
 
 
-def matmul(x: Array, weight: Array) -> Array:
-    """float32[..., O] = ``x @ weight.T`` for x float32[..., I], weight float32[O, I], through the
-    kernel on the CPU (call only where :func:`applies`) and XLA's product elsewhere."""
-    flat = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
-    y = jax.lax.platform_dependent(flat, weight, cpu=_product, default=_xla_product)
+def matmul(x: Array, weight: Array, scale: Array | None = None) -> Array:
+    """float32[..., O] = ``x @ weight.T`` (``* scale`` for int8 weights) for x [..., I] and weight
+    [O, I], through the kernel on the CPU (call only where :func:`applies`) and XLA's product
+    elsewhere; ``x`` is taken in float32 (exactly, from bfloat16)."""
+    flat = x.reshape(math.prod(x.shape[:-1]), x.shape[-1]).astype(jnp.float32)
+    if scale is None:
+        y = jax.lax.platform_dependent(flat, weight, cpu=_product, default=_xla_product)
+    else:
+        operands = (flat, weight, scale.astype(jnp.float32))
+        y = jax.lax.platform_dependent(*operands, cpu=_scaled_product, default=_xla_scaled)
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
@@ -97,20 +119,42 @@ def kernel_available() -> bool:
 
 
 def _xla_product(x: Array, weight: Array) -> Array:
-    return jax.lax.dot_general(x, weight, (((1,), (1,)), ((), ())))
+    return jax.lax.dot_general(x, weight.astype(jnp.float32), (((1,), (1,)), ((), ())))
+
+
+def _xla_scaled(x: Array, weight: Array, scale: Array) -> Array:
+    return _xla_product(x, weight) * scale
+
+
+def _call(*operands: Array) -> Array:
+    x, weight = operands[:2]
+    target = _TARGETS[jnp.dtype(weight.dtype)][0]
+    out = jax.ShapeDtypeStruct((x.shape[0], weight.shape[0]), jnp.float32)
+    y = jax.ffi.ffi_call(target, out, vmap_method="sequential")(*operands)
+    return vary_like(y, operands)  # in shard_map: typed as XLA's product would be
 
 
 @jax.custom_jvp
 def _product(x: Array, weight: Array) -> Array:
-    out = jax.ShapeDtypeStruct((x.shape[0], weight.shape[0]), jnp.float32)
-    y = jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(x, weight)
-    return vary_like(y, (x, weight))  # in shard_map: typed as XLA's product would be
+    return _call(x, weight)
 
 
 @_product.defjvp
 def _product_jvp(primals, tangents):
     (x, weight), (dx, dweight) = primals, tangents
     return _product(x, weight), _xla_product(dx, weight) + _xla_product(x, dweight)
+
+
+@jax.custom_jvp
+def _scaled_product(x: Array, weight: Array, scale: Array) -> Array:
+    return _call(x, weight, scale)
+
+
+@_scaled_product.defjvp
+def _scaled_product_jvp(primals, tangents):
+    (x, weight, scale), (dx, _, dscale) = primals, tangents  # int8 weights: no tangent
+    y = _scaled_product(x, weight, scale)
+    return y, _xla_scaled(dx, weight, scale) + _xla_product(x, weight) * dscale
 
 
 def _automatic_mesh() -> bool:
@@ -124,12 +168,15 @@ def _automatic_mesh() -> bool:
 
 @functools.cache
 def _kernel_registered() -> bool:
-    """Builds, loads and registers the kernel once per process; False when it cannot be built
-    (:func:`genjax.kernels.native.problem` says why) or JAX's default backend is not the CPU."""
+    """Builds, loads and registers the kernels once per process; False when they cannot be
+    built (:func:`genjax.kernels.native.problem` says why) or JAX's default backend is not the
+    CPU."""
     if jax.default_backend() != "cpu":
         return False
     library = native.load("rows_matmul")
     if library is None:
         return False
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.GenjaxRowsMatmul), platform="cpu")
+    for target, symbol in _TARGETS.values():
+        handler = jax.ffi.pycapsule(getattr(library, symbol))
+        jax.ffi.register_ffi_target(target, handler, platform="cpu")
     return True

@@ -1,9 +1,12 @@
-// y[R, O] = x[R, I] @ w[O, I].T for float32 weights and a few activation rows (decode steps at
-// batch 1-32, beams, speculative verification), reading the weights from memory once.
+// y[R, O] = x[R, I] @ w[O, I].T (times scale[O] for int8 weights) for float32 activations, weights
+// in float32, bfloat16 or int8, and a few activation rows (decode steps at batch 1-32, beams,
+// speculative verification), reading the weights from memory once. Narrow weights are widened to
+// float32 in registers (exactly: every bfloat16 and int8 value is a float32 value), so the sums
+// are float32 sums of exact products whatever the weights' type.
 //
-// Why not XLA's product: over a SmolLM-shaped stack of matrices (538 MB of weights) on the 2-core
-// Intel Xeon, XLA:CPU's products took 30 ms at one row, 48 at five, 47 at eight and 73 at 32;
-// this kernel takes 19, 23, 24 and 52 (bench/matmul_rows.py; figures in bench/README.md).
+// Why not XLA's products: XLA:CPU's one-row product reads the weights slower, and with several
+// rows it packs the weights (or, for int8, writes a float copy) before multiplying. Times over a
+// SmolLM-shaped stack of matrices: bench/matmul_stack.py and bench/README.md.
 //
 // Work: each thread takes one contiguous range of weight rows (genjax_kernels::Team). Within it,
 // a tile of kTile weight rows is multiplied by every register tile of activation rows in turn,
@@ -18,6 +21,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 
 #include "team.h"
@@ -33,10 +37,13 @@ namespace genjax_rows {
 
 constexpr int64_t kMinChunkRows = 16;  // fewer weight rows are not worth another thread
 
+// W: float (float32), uint16_t (bfloat16 bits) or int8_t.
+template <typename W>
 struct Problem {
-  const float* x;  // [R, I]
-  const float* w;  // [O, I]
-  float* y;        // [R, O]
+  const float* x;      // [R, I]
+  const W* w;          // [O, I]
+  const float* scale;  // [O] for int8 weights, else null
+  float* y;            // [R, O]
   int64_t rows, outputs, inputs, chunk_rows;
 };
 
@@ -46,6 +53,14 @@ constexpr int kLanes = 16;
 inline Vec Zero() { return _mm512_setzero_ps(); }
 inline Vec Load(const float* a) { return _mm512_loadu_ps(a); }
 inline Vec Fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec Widen(const float* w) { return _mm512_loadu_ps(w); }
+inline Vec Widen(const uint16_t* w) {
+  const __m512i bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
+}
+inline Vec Widen(const int8_t* w) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
+}
 inline float Sum(Vec v) {
   const __m256 eight = _mm256_add_ps(
       _mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
@@ -64,6 +79,14 @@ constexpr int kLanes = 8;
 inline Vec Zero() { return _mm256_setzero_ps(); }
 inline Vec Load(const float* a) { return _mm256_loadu_ps(a); }
 inline Vec Fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec Widen(const float* w) { return _mm256_loadu_ps(w); }
+inline Vec Widen(const uint16_t* w) {
+  const __m256i bits = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
+}
+inline Vec Widen(const int8_t* w) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w))));
+}
 inline float Sum(Vec v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -88,6 +111,20 @@ inline Vec Fma(Vec a, Vec b, Vec c) {
   for (int i = 0; i < kLanes; ++i) c.v[i] = std::fma(a.v[i], b.v[i], c.v[i]);
   return c;
 }
+inline float WidenOne(float w) { return w; }
+inline float WidenOne(int8_t w) { return w; }
+inline float WidenOne(uint16_t w) {
+  const uint32_t bits = static_cast<uint32_t>(w) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+template <typename W>
+inline Vec Widen(const W* w) {
+  Vec r;
+  for (int i = 0; i < kLanes; ++i) r.v[i] = WidenOne(w[i]);
+  return r;
+}
 inline float Sum(Vec v) {
   for (int width = kLanes / 2; width >= 1; width /= 2) {
     for (int i = 0; i < width; ++i) v.v[i] += v.v[i + width];
@@ -99,17 +136,17 @@ constexpr int kRegisterRows = 4;
 #endif
 
 // y[r0:r0+NR, o0:o0+NO].
-template <int NR, int NO>
-void Tile(const Problem& p, int64_t o0, int64_t r0) {
+template <typename W, int NR, int NO>
+void Tile(const Problem<W>& p, int64_t o0, int64_t r0) {
   Vec acc[NR][NO];
   for (int r = 0; r < NR; ++r) {
     for (int t = 0; t < NO; ++t) acc[r][t] = Zero();
   }
   const float* x = p.x + r0 * p.inputs;
-  const float* w = p.w + o0 * p.inputs;
+  const W* w = p.w + o0 * p.inputs;
   for (int64_t k = 0; k < p.inputs; k += kLanes) {
     Vec wk[NO];
-    for (int t = 0; t < NO; ++t) wk[t] = Load(w + t * p.inputs + k);
+    for (int t = 0; t < NO; ++t) wk[t] = Widen(w + t * p.inputs + k);
     // The next tile's weights, into L2: the hardware prefetcher alone falls behind once a few
     // rows' multiplications sit between the loads (5 rows: 1.45x the one-row time without this
     // prefetch, 1.2x with it).
@@ -120,48 +157,49 @@ void Tile(const Problem& p, int64_t o0, int64_t r0) {
     }
   }
   for (int r = 0; r < NR; ++r) {
-    for (int t = 0; t < NO; ++t) p.y[(r0 + r) * p.outputs + o0 + t] = Sum(acc[r][t]);
+    float* y = p.y + (r0 + r) * p.outputs + o0;
+    for (int t = 0; t < NO; ++t) y[t] = p.scale ? Sum(acc[r][t]) * p.scale[o0 + t] : Sum(acc[r][t]);
   }
 }
 
 // Weight rows [o0, o0 + NO) against every activation row, a register tile at a time.
-template <int NO>
-void AllRows(const Problem& p, int64_t o0) {
+template <typename W, int NO>
+void AllRows(const Problem<W>& p, int64_t o0) {
   int64_t r = 0;
-  for (; r + kRegisterRows <= p.rows; r += kRegisterRows) Tile<kRegisterRows, NO>(p, o0, r);
+  for (; r + kRegisterRows <= p.rows; r += kRegisterRows) Tile<W, kRegisterRows, NO>(p, o0, r);
   switch (p.rows - r) {
-    case 1: Tile<1, NO>(p, o0, r); break;
-    case 2: Tile<2, NO>(p, o0, r); break;
-    case 3: Tile<3, NO>(p, o0, r); break;
+    case 1: Tile<W, 1, NO>(p, o0, r); break;
+    case 2: Tile<W, 2, NO>(p, o0, r); break;
+    case 3: Tile<W, 3, NO>(p, o0, r); break;
 #if defined(__AVX512F__)
-    case 4: Tile<4, NO>(p, o0, r); break;
-    case 5: Tile<5, NO>(p, o0, r); break;
+    case 4: Tile<W, 4, NO>(p, o0, r); break;
+    case 5: Tile<W, 5, NO>(p, o0, r); break;
 #endif
     default: break;
   }
 }
 
+template <typename W>
 struct RowsJob : genjax_kernels::Job {
-  Problem p;
+  Problem<W> p;
   void Chunk(int64_t chunk) override {
     const int64_t begin = chunk * p.chunk_rows;
     const int64_t end = std::min(begin + p.chunk_rows, p.outputs);
     int64_t o = begin;
-    for (; o + kTile <= end; o += kTile) AllRows<kTile>(p, o);
-    for (; o < end; ++o) AllRows<1>(p, o);
+    for (; o + kTile <= end; o += kTile) AllRows<W, kTile>(p, o);
+    for (; o < end; ++o) AllRows<W, 1>(p, o);
   }
 };
 
-ffi::Error RowsMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                          ffi::ResultBuffer<ffi::F32> y) {
-  const auto xd = x.dimensions();
-  const auto wd = w.dimensions();
+template <typename W>
+ffi::Error Run(ffi::ThreadPool pool, const float* x, ffi::Span<const int64_t> xd, const W* w,
+               ffi::Span<const int64_t> wd, const float* scale, float* y) {
   if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1] || xd[1] % 16 != 0) {
     return ffi::Error::InvalidArgument(
         "rows_matmul: x [R, I] and w [O, I] must be matrices with I a multiple of 16");
   }
-  auto job = std::make_shared<RowsJob>();
-  job->p = Problem{x.typed_data(), w.typed_data(), y->typed_data(), xd[0], wd[0], xd[1], 0};
+  auto job = std::make_shared<RowsJob<W>>();
+  job->p = Problem<W>{x, w, scale, y, xd[0], wd[0], xd[1], 0};
   genjax_kernels::Team& team = genjax_kernels::TeamFor(pool.num_threads());
   job->p.chunk_rows = genjax_kernels::ChunkRows(job->p.outputs, team.size() + 1, kMinChunkRows);
   job->chunks = (job->p.outputs + job->p.chunk_rows - 1) / job->p.chunk_rows;
@@ -169,11 +207,45 @@ ffi::Error RowsMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   return ffi::Error::Success();
 }
 
+ffi::Error Float32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                   ffi::ResultBuffer<ffi::F32> y) {
+  return Run(pool, x.typed_data(), x.dimensions(), w.typed_data(), w.dimensions(), nullptr,
+             y->typed_data());
+}
+
+ffi::Error Bfloat16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w,
+                    ffi::ResultBuffer<ffi::F32> y) {
+  const auto* bits = reinterpret_cast<const uint16_t*>(w.typed_data());
+  return Run(pool, x.typed_data(), x.dimensions(), bits, w.dimensions(), nullptr, y->typed_data());
+}
+
+ffi::Error Int8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
+                ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y) {
+  if (scale.element_count() != w.dimensions()[0]) {
+    return ffi::Error::InvalidArgument("rows_matmul: scale must hold one float per output");
+  }
+  return Run(pool, x.typed_data(), x.dimensions(), w.typed_data(), w.dimensions(),
+             scale.typed_data(), y->typed_data());
+}
+
 }  // namespace genjax_rows
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(GenjaxRowsMatmul, genjax_rows::RowsMatmulImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GenjaxRowsMatmulF32, genjax_rows::Float32,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GenjaxRowsMatmulBF16, genjax_rows::Bfloat16,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GenjaxRowsMatmulS8, genjax_rows::Int8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

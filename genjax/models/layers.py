@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 
 from genjax.errors import UnsupportedError
-from genjax.kernels import q4, rows
+from genjax.kernels import q4
+from genjax.kernels import rows as rows_kernel
 from genjax.typing import Array
 
 
@@ -236,13 +237,16 @@ class Dense(nn.Module):
 def linear(x: Array, weight: Array, scale: Array | None, dtype: jnp.dtype) -> Array:
     """``x @ weight.T`` for x [..., in] and weight [out, in]; returns dtype[..., out].
 
-    Float weights in float32 give the plain product; with 1 to 32 rows on the CPU, genjax's
-    kernel (:mod:`genjax.kernels.rows`), which reads the weights faster. Below float32
-    (bfloat16, float16) the product accumulates in float32 and is rounded to ``dtype`` once,
-    after the sum (one row on a CPU: ``_one_row_widened``): on a mesh the partial sums of a
-    row-parallel layer (split on its input features) are then added in float32 too, so
-    tensor-parallel and one-device runs round the same sums (a bfloat16 all-reduce rounds each
-    partial sum and moves logits by a bfloat16 step, enough to flip near-tied greedy tokens).
+    On the CPU, products of a few rows (1-32; bfloat16 weights 1-8) with float32, bfloat16 or
+    int8 weights run genjax's kernel (:mod:`genjax.kernels.rows`), which reads the weights
+    faster than XLA's products; the same sums up to their order. Otherwise:
+
+    Float weights in float32 give the plain product. Below float32 (bfloat16, float16) the
+    product accumulates in float32 and is rounded to ``dtype`` once, after the sum (one row on a
+    CPU: ``_one_row_widened``): on a mesh the partial sums of a row-parallel layer (split on its
+    input features) are then added in float32 too, so tensor-parallel and one-device runs round
+    the same sums (a bfloat16 all-reduce rounds each partial sum and moves logits by a bfloat16
+    step, enough to flip near-tied greedy tokens).
 
     An int8 ``weight`` with ``scale`` float32[out] computes ``(x @ weight.T) * scale``, the int8
     values converted to ``dtype`` (exactly: int8 fits every float dtype) where they are used and
@@ -252,6 +256,8 @@ def linear(x: Array, weight: Array, scale: Array | None, dtype: jnp.dtype) -> Ar
     several rows).
     """
     x = x.astype(dtype)
+    if rows_kernel.applies(x, weight, scale, dtype):  # a few rows, on the CPU: genjax's kernel
+        return rows_kernel.matmul(x, weight, scale).astype(dtype)
     if scale is not None:
         if math.prod(x.shape[:-1]) > 1:  # see quantize.LIBRARY_DOT_OPTIONS
             x, weight = _keep_in_loop(x, weight)
@@ -265,8 +271,6 @@ def linear(x: Array, weight: Array, scale: Array | None, dtype: jnp.dtype) -> Ar
         # whole matrix to memory first.
         y = jnp.matmul(x, weight.astype(dtype).T, preferred_element_type=jnp.float32)
         return (y * scale).astype(dtype)
-    if rows.applies(x, weight):  # float32, 1-32 rows, on the CPU: genjax's kernel
-        return rows.matmul(x, weight)
     weight = weight.astype(dtype)
     if jnp.finfo(dtype).bits >= 32:
         return _rows_times_transposed(x, weight, None).astype(dtype)

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from genjax.cache.kv import KVCache
+from genjax.kernels import rows as rows_kernel
 from genjax.models import layers
 
 pytestmark = pytest.mark.skipif(
@@ -56,7 +57,8 @@ def test_several_rows_of_bfloat16_read_the_weight_as_stored(rows):
     the narrow product reads [in, out], several times slower than [out, in] on XLA:CPU."""
     weight = jnp.ones((OUT, IN), jnp.bfloat16)
     x = jnp.ones((rows, 1, IN), jnp.bfloat16)
-    text = jax.jit(_decode_like_loop(jnp.bfloat16, None)).lower(x, weight, None).compile()
+    with rows_kernel.disabled():  # 8 rows: XLA's product, where genjax's CPU kernel does not run
+        text = jax.jit(_decode_like_loop(jnp.bfloat16, None)).lower(x, weight, None).compile()
     text = text.as_text()
     assert f"bf16[{IN},{OUT}]" not in _shapes_in(text, "bf16"), "a transposed weight copy"
     dots = re.findall(

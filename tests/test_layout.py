@@ -22,7 +22,7 @@ FLOORS = {
     "processors": 2,
     "stopping": 2,
     "cache": 2,
-    "kernels": 2,  # native CPU kernels (4-bit products) and their XLA fallbacks
+    "kernels": 2,  # native CPU kernels (few-row and 4-bit products) and their XLA fallbacks
     "watermarking": 2,  # the detector, beside the processor it shares its green lists with
     "models": 3,
     "decoding": 3,

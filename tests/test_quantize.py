@@ -245,26 +245,32 @@ def test_greedy_generate_mostly_agrees_with_float32(tiny):
 
 
 def test_several_rows_of_int8_compile_with_library_dots(tiny):
-    """generate compiles int8 params at several rows with LIBRARY_DOT_OPTIONS, and XLA still
-    knows them (its program holds YNNPACK fusions: a renamed option would drop them silently);
-    one row keeps the fused one-row product, float params the plain program. The greedy test
-    above checks the library-dot program's tokens against the plain full forward."""
+    """generate compiles int8 params at more rows than the rows kernel takes (33) with
+    LIBRARY_DOT_OPTIONS, and XLA still knows them (its program holds YNNPACK fusions: a renamed
+    option would drop them silently); rows the kernel takes (2), one row and float params keep
+    the plain program, and so would 2 rows on a mesh, where the kernel stands aside. The greedy
+    test above checks the library-dot program's tokens against the plain full forward."""
     from genjax.generation.entry import lower_program
     from genjax.generation.plan import CallRequest, prepare
+    from genjax.kernels import rows as rows_kernel
 
     model, params, qparams = tiny["llama"]
     config = genjax.GenerationConfig(max_new_tokens=2, do_sample=False, pad_token_id=0)
 
     def plan_and_program(params, rows):
-        ids = _ids(model.vocab_size, (rows, 8))
+        ids = _ids(model.vocab_size - 1, (rows, 8)) + 1  # no padding (0)
         call = prepare(model, params, ids, config, CallRequest())
         return call.plan.library_dots, lower_program(call)
 
-    dots, lowered = plan_and_program(qparams, 2)
+    dots, lowered = plan_and_program(qparams, rows_kernel.MAX_ROWS[jnp.dtype(jnp.int8)] + 1)
     assert dots and "__ynn_fusion" in lowered.compile().as_text()
+    assert rows_kernel.kernel_available()
+    assert not plan_and_program(qparams, 2)[0]
     assert not plan_and_program(qparams, 1)[0]
-    assert not plan_and_program(params, 2)[0]
-    assert Q.library_dots(qparams, 2) and not Q.library_dots(qparams, 1)
+    assert not plan_and_program(params, 33)[0]
+    assert Q.library_dots(qparams, 2, meshed=True) and not Q.library_dots(qparams, 1, True)
+    with rows_kernel.disabled():  # GENJAX_ROWS_KERNEL=0's state
+        assert Q.library_dots(qparams, 2)
 
 
 def test_unsupported_modes_and_double_quantization_raise(tiny, tmp_path):

@@ -318,7 +318,9 @@ def prepare(model, params: PyTree, input_ids, config, request: CallRequest) -> P
         bounds = jax.device_put(np.array([prompt_end, prompt_end + new_tokens], np.int32))
         resolved = resolved.replace(max_new_tokens=None, max_length=None)
     plan = _plan(model, resolved, mode, ids.shape, new_tokens, slots, layout, request)
-    plan = dataclasses.replace(plan, library_dots=library_dots(params, _decode_rows(plan, ids)))
+    meshed = layout is not None
+    dots = library_dots(params, _decode_rows(plan, ids), meshed)
+    plan = dataclasses.replace(plan, library_dots=dots)
     if plan.guidance:
         width = 1 if negative_ids is None else negative_ids.shape[1]
         plan = dataclasses.replace(plan, caches=plan.caches + (_guidance_cache(plan, width),))
@@ -407,7 +409,7 @@ def _prepare_encoder_decoder(model, params, input_ids, config, request) -> Prepa
     if states is not None:
         states = encoder_decoder.place_states(states, ids.shape[1])
     plan = _plan(model, resolved, mode, ids.shape, new_slots, None, layout, request)
-    rows = library_dots(params, _decode_rows(plan, ids))
+    rows = library_dots(params, _decode_rows(plan, ids), layout is not None)
     plan = dataclasses.replace(plan, caches=(), library_dots=rows)  # no memory check: its
     # sizes are a decoder-only model's caches
     if request.mesh is not None:  # concrete arrays only; inside a user's jit constraints place

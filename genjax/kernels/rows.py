@@ -89,13 +89,18 @@ def applies(x: Array, weight: Array, scale: Array | None, dtype) -> bool:
     else:
         typed = scale is None and kind == dtype and kind in _TARGETS
     rows = math.prod(x.shape[:-1])
+    return typed and weight.ndim == 2 and takes(kind, rows, x.shape[-1]) and not _automatic_mesh()
+
+
+def takes(kind, rows: int, width: int) -> bool:
+    """Whether products of ``rows`` activation rows with ``kind`` weights of input width
+    ``width`` run the kernel off a mesh (static; also asked on the host before tracing)."""
+    kind = jnp.dtype(kind)
     return (
-        typed
-        and _ALLOWED.get()
-        and weight.ndim == 2
+        kind in MAX_ROWS
         and 1 <= rows <= MAX_ROWS[kind]
-        and x.shape[-1] % INPUT_MULTIPLE == 0
-        and not _automatic_mesh()
+        and width % INPUT_MULTIPLE == 0
+        and _ALLOWED.get()
         and _kernel_registered()
     )
 

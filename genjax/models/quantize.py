@@ -51,6 +51,7 @@ import jax.numpy as jnp
 
 from genjax.errors import InputError, UnsupportedError
 from genjax.kernels import q4
+from genjax.kernels import rows as rows_kernel
 from genjax.models.gpt2 import GPT2Model
 from genjax.typing import Array, PyTree
 
@@ -127,16 +128,28 @@ int8-to-float conversion included, to XNNPACK's YNNPACK kernels, which convert t
 tiles as they pack it: exact (every int8 value is a float), and measured end to end at about 1.5x
 float32 at 8 and 32 rows (``bench/run.py --dtypes``; figures in ``bench/README.md``). They make
 the fused one-row int8 product slow, so ``generate`` compiles with them only when every product
-has several rows (:func:`library_dots`). XLA marks the option experimental: a future XLA may
-rename it, which ``tests/test_quantize.py`` would notice.
+has several rows and genjax's rows kernel does not take them (:func:`library_dots`). XLA marks
+the option experimental: a future XLA may rename it, which ``tests/test_quantize.py`` would
+notice.
 """
 
 
-def library_dots(params: PyTree, rows: int) -> bool:
+def library_dots(params: PyTree, rows: int, meshed: bool = False) -> bool:
     """True when a program over ``params`` whose decode steps multiply ``rows`` activation rows
     should compile with :data:`LIBRARY_DOT_OPTIONS`: int8 params, several rows, on the CPU
-    (other backends do not know the option)."""
-    return rows > 1 and jax.default_backend() == "cpu" and is_quantized(params)
+    (other backends do not know the option), unless genjax's own kernel
+    (:mod:`genjax.kernels.rows`) takes every int8 product of that many rows, as it does off a
+    mesh (``meshed`` False) up to 32 rows. Its products read int8 too, and YNNPACK's, which the
+    options give every product of the program, attention's included, made SmolLM's step slower:
+    greedy batch 8 on the Intel Xeon 31.6 ms per token with the options, 25.1 without
+    (float32 34.7); batch 32 91.8, 86.7 (float32 94.9)."""
+    if rows <= 1 or jax.default_backend() != "cpu" or not is_quantized(params):
+        return False
+    return meshed or not all(
+        rows_kernel.takes(jnp.int8, rows, leaf.shape[-1])
+        for leaf in jax.tree_util.tree_leaves(params)
+        if getattr(leaf, "dtype", None) == jnp.int8
+    )
 
 
 def is_quantized(params: PyTree) -> bool:

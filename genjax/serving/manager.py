@@ -89,14 +89,15 @@ class ContinuousBatchingManager:
         top = self.shape.max_top_logprobs
         # One prefill program, one decode program per decoded-row bucket (genjax.serving.step);
         # int8 params want library dots where products have several rows.
+        meshed = self._layout is not None
         self._steps = {
             bucket: compile_decode(
-                model, shape.max_steps, top, library_dots(params, bucket), self._layout
+                model, shape.max_steps, top, library_dots(params, bucket, meshed), self._layout
             )
             for bucket in self.shape.buckets
         }
         self._steps[PREFILL] = compile_prefill(
-            model, top, library_dots(params, shape.chunk), self._layout
+            model, top, library_dots(params, shape.chunk, meshed), self._layout
         )
         self._compiled: dict[Any, Any] = {}  # (B_k, M_s) or PREFILL -> its program (warmup)
         self._state = None

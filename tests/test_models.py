@@ -27,6 +27,7 @@ from genjax.models import (
     from_pretrained,
     layers,
 )
+from genjax.models import attention as attention_layer
 from genjax.models import loading as loading_module
 from genjax.models.rope import RopeConfig, inverse_frequencies
 from genjax.testing import tiny_config, write_random_checkpoint
@@ -716,8 +717,8 @@ def test_decode_attention_equals_the_prompt_path(kv_heads, groups, dtype):
     )
     keys = jnp.swapaxes(keys, 2, 3)  # the cache's [B, K, H, S]
     bias = jnp.asarray(np.where(rng.random((batch, 1, 1, slots)) < 0.3, -1e9, 0.0), jnp.float32)
-    one = layers.attention(queries, keys, values, bias, 0.25)
-    two = layers.attention(
+    one = attention_layer.attention(queries, keys, values, bias, 0.25)
+    two = attention_layer.attention(
         jnp.concatenate([queries, queries], 1), keys, values, jnp.concatenate([bias, bias], 2), 0.25
     )
     assert one.shape == (batch, 1, kv_heads * groups * head_dim) and one.dtype == dtype
@@ -756,7 +757,10 @@ def test_attention_matches_a_float64_reference(kv_heads, groups, dtype, upcast, 
     weights /= weights.sum(-1, keepdims=True)
     expected = np.einsum("bnts,bnsh->btnh", weights, v).reshape(batch, length, -1)
     tolerance = 1e-5 if dtype == jnp.float32 else 3e-2
-    for call in (layers.attention, jax.jit(layers.attention, static_argnums=(4, 5))):
+    for call in (
+        attention_layer.attention,
+        jax.jit(attention_layer.attention, static_argnums=(4, 5)),
+    ):
         out = call(queries, keys, values, bias, scale, upcast)
         assert out.shape == (batch, length, kv_heads * groups * head_dim) and out.dtype == dtype
         np.testing.assert_allclose(np.asarray(out, np.float64), expected, atol=tolerance)

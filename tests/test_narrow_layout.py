@@ -16,6 +16,7 @@ import pytest
 
 from genjax.cache.kv import KVCache
 from genjax.kernels import rows as rows_kernel
+from genjax.models import attention as attention_layer
 from genjax.models import layers
 
 pytestmark = pytest.mark.skipif(
@@ -104,7 +105,7 @@ def test_a_bfloat16_cache_write_does_not_widen_the_cache():
             cache, total = carry
             keys, values, cache = cache.update_layer(0, new * i, new * i)
             bias = jnp.zeros((batch, 1, 1, slots), jnp.float32)
-            out = layers.attention(new.astype(dtype), keys, values, bias, 0.25)
+            out = attention_layer.attention(new.astype(dtype), keys, values, bias, 0.25)
             return cache.replace(index=cache.index + 1), total + out.astype(jnp.float32)
 
         zeros = jnp.zeros((batch, 1, heads * head_dim), jnp.float32)

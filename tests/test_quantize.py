@@ -269,7 +269,7 @@ def test_several_rows_of_int8_compile_with_library_dots(tiny):
     assert not plan_and_program(qparams, 1)[0]
     assert not plan_and_program(params, 33)[0]
     assert Q.library_dots(qparams, 2, meshed=True) and not Q.library_dots(qparams, 1, True)
-    with rows_kernel.disabled():  # GENJAX_ROWS_KERNEL=0's state
+    with rows_kernel.disabled():  # GENJAX_KERNELS_OFF=rows's state
         assert Q.library_dots(qparams, 2)
 
 

@@ -8,7 +8,7 @@ once every layer has written.
 Keys are stored with the slots last, ``[B, K, H, S]``, so that both attention sums over the
 cache run along an axis that is not the minor one: the scores ``q . k`` sum over ``H`` of the
 keys ``[H, S]`` and the weighted sum over ``S`` of the values ``[S, H]``, each as a multiply and
-a sum that reads the block once, in place (:func:`genjax.models.layers.attention`). With keys
+a sum that reads the block once, in place (:func:`genjax.models.attention.attention`). With keys
 ``[B, K, S, H]`` the one-token scores are a product XLA:CPU takes with the slots minor, so at
 batch 1 it transposes every layer's keys and copies them on each decode step; that costs most
 where the model is small and the copies are a large share of a step (figures in

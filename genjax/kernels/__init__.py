@@ -1,8 +1,13 @@
-"""Native kernels for products XLA:CPU runs slowly: a few activation rows, and 4-bit weights.
+"""Native kernels for what XLA:CPU runs slowly: products of a few rows, decode attention, 4 bits.
 
 * :mod:`genjax.kernels.rows`: products of 1-32 activation rows with float32, bfloat16 or int8
   weights (decode steps, beams, speculative verification), reading each weight once: an XLA FFI
   custom call on the CPU, XLA's product elsewhere and on meshes.
+* :mod:`genjax.kernels.attention`: one-token attention's two sums over the KV cache, over each
+  row's unmasked slots only: an XLA FFI custom call on the CPU, XLA's sums elsewhere and on
+  meshes.
+* :mod:`genjax.kernels.gate`: where those two kernels run (CPU, no automatic mesh, not switched
+  off) and their shared library, ``decode_kernels.cc``.
 * :mod:`genjax.kernels.q4`: the 4-bit weight format (blocks of 32, llama.cpp's Q4_0 / Q4_1
   layout) and its product with float activations: an XLA FFI custom call on the CPU, an XLA
   product elsewhere.
@@ -12,6 +17,6 @@
 Floor 2: imports only :mod:`genjax.errors` and :mod:`genjax.typing`.
 """
 
-from genjax.kernels import q4, rows
+from genjax.kernels import attention, gate, q4, rows
 
-__all__ = ["q4", "rows"]
+__all__ = ["attention", "gate", "q4", "rows"]

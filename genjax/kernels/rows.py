@@ -4,7 +4,7 @@ int8 weights.
 ``matmul(x, weight, scale)`` is ``x @ weight.T`` (times ``scale`` per output for int8 weights) in
 float32, for x [R, I] and weight [O, I] in float32, bfloat16, or int8 with scale float32[O]. On
 the CPU, for 1 to ``MAX_ROWS[weight dtype]`` rows (decode steps, beams, speculative
-verification, short prompt chunks), it runs ``rows_matmul.cc`` as an XLA FFI custom call, which
+verification, short prompt chunks), it runs ``rows_matmul.h`` as an XLA FFI custom call, which
 reads each weight once from memory, widens narrow weights to float32 in registers (exactly), and
 multiplies it by every row while it is in the CPU's cache. XLA:CPU's products read the weights
 slower: its one-row product, and with several rows it packs the weight panel first (for int8,
@@ -19,15 +19,9 @@ sums along the inputs, then summed by halves; 8 without AVX-512), so a row's res
 bits alone or beside other rows: a request decoded in the serving engine's batch gets what
 ``generate`` gives it alone.
 
-When the kernel is not used (other backends; inputs not a multiple of 16; more rows; float16
-weights; a compiler missing, see :mod:`genjax.kernels.native`; under :func:`disabled`; or in a
-process started with ``GENJAX_ROWS_KERNEL=0``, for comparisons), callers take XLA's product.
-:func:`disabled` acts when a program is traced: a program JAX has already traced keeps its path.
-Not under a mesh either: XLA's SPMD partitioner knows no sharding rule for a custom call and
-would gather every operand onto each device, so programs traced while a mesh with automatic axes
-is set (``jax.set_mesh``, or genjax's own meshed ``generate`` and serving engine, through
-:func:`disabled`) use XLA's partitioned product. Inside ``shard_map`` each device's block runs
-the kernel.
+When the kernel is not used (inputs not a multiple of 16; more rows; float16 weights; or where
+:mod:`genjax.kernels.gate` stands every kernel aside: other backends, meshes with automatic
+axes, :func:`disabled`, ``GENJAX_KERNELS_OFF``), callers take XLA's product.
 
 Gradients: the product's derivative is taken through XLA's product (a custom JVP), so training
 code that calls the models' layers differentiates as before.
@@ -38,16 +32,13 @@ activations, weights and scales are traced.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import math
-import os
 
 import jax
 import jax.numpy as jnp
 
-from genjax.kernels import native
+from genjax.kernels import gate
 from genjax.typing import Array, vary_like
 
 MAX_ROWS = {jnp.dtype(jnp.float32): 32, jnp.dtype(jnp.bfloat16): 8, jnp.dtype(jnp.int8): 32}
@@ -63,20 +54,9 @@ _TARGETS = {
     jnp.dtype(jnp.bfloat16): ("genjax_rows_matmul_bf16", "GenjaxRowsMatmulBF16"),
     jnp.dtype(jnp.int8): ("genjax_rows_matmul_s8", "GenjaxRowsMatmulS8"),
 }
-_ALLOWED: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "genjax_rows_kernel", default=os.environ.get("GENJAX_ROWS_KERNEL", "1") != "0"
-)
-
-
-@contextlib.contextmanager
-def disabled(when: bool = True):
-    """Products traced inside the block take XLA's path (when ``when``): for meshes, and to
-    compare the two paths."""
-    token = _ALLOWED.set(_ALLOWED.get() and not when)
-    try:
-        yield
-    finally:
-        _ALLOWED.reset(token)
+disabled = gate.disabled
+"""``disabled(when=True, kernels=("rows", "attention"))``: programs traced inside take XLA's
+path (:func:`genjax.kernels.gate.disabled`)."""
 
 
 def applies(x: Array, weight: Array, scale: Array | None, dtype) -> bool:
@@ -89,7 +69,7 @@ def applies(x: Array, weight: Array, scale: Array | None, dtype) -> bool:
     else:
         typed = scale is None and kind == dtype and kind in _TARGETS
     rows = math.prod(x.shape[:-1])
-    return typed and weight.ndim == 2 and takes(kind, rows, x.shape[-1]) and not _automatic_mesh()
+    return typed and weight.ndim == 2 and takes(kind, rows, x.shape[-1]) and gate.allowed("rows")
 
 
 def takes(kind, rows: int, width: int) -> bool:
@@ -100,7 +80,7 @@ def takes(kind, rows: int, width: int) -> bool:
         kind in MAX_ROWS
         and 1 <= rows <= MAX_ROWS[kind]
         and width % INPUT_MULTIPLE == 0
-        and _ALLOWED.get()
+        and gate.enabled("rows")
         and _kernel_registered()
     )
 
@@ -162,26 +142,8 @@ def _scaled_product_jvp(primals, tangents):
     return y, _xla_scaled(dx, weight, scale) + _xla_product(x, weight) * dscale
 
 
-def _automatic_mesh() -> bool:
-    """Whether a mesh with automatic (not ``shard_map``-manual) axes is set while tracing."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return False
-    manual = set(getattr(mesh, "manual_axes", ()))
-    return any(name not in manual for name in mesh.axis_names)
-
-
 @functools.cache
 def _kernel_registered() -> bool:
-    """Builds, loads and registers the kernels once per process; False when they cannot be
-    built (:func:`genjax.kernels.native.problem` says why) or JAX's default backend is not the
-    CPU."""
-    if jax.default_backend() != "cpu":
-        return False
-    library = native.load("rows_matmul")
-    if library is None:
-        return False
-    for target, symbol in _TARGETS.values():
-        handler = jax.ffi.pycapsule(getattr(library, symbol))
-        jax.ffi.register_ffi_target(target, handler, platform="cpu")
-    return True
+    """Registers the kernels once per process; False without the library
+    (:func:`genjax.kernels.gate.library`)."""
+    return gate.register(dict(_TARGETS.values()))

@@ -24,7 +24,7 @@ Any object with these members plugs into ``genjax.generate``; nothing else about
     ``index + i - j < W`` with a sliding window ``W``): ``genjax.cache.attention_bias``.
   - Each layer writes its keys and values with ``cache.update_layer(layer, k, v)`` and attends
     over the returned blocks (keys ``[B, K, H, S]``, values ``[B, K, S, H]``, as
-    ``genjax.models.layers.attention`` takes them); after all layers the cache is
+    ``genjax.models.attention.attention`` takes them); after all layers the cache is
     ``advance(T)``-ed. A layer for which ``cache.ring_slots(layer)`` is an int ``R`` keeps a
     ring (``genjax.cache.ring``): its blocks have ``R`` (or ``R + T``) slots, masked by
     ``genjax.cache.ring_bias`` instead (the built-in decoder, ``genjax.models.decoder``, does

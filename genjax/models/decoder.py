@@ -61,11 +61,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from genjax.cache import KVCache, attention_bias, ring_bias, ring_to_slots
+from genjax.models.attention import attention
 from genjax.models.layers import (
     ACTIVATIONS,
     Embed,
     RMSNorm,
-    attention,
     dense,
     forward_outputs,
     keep_positions,

@@ -83,8 +83,9 @@ from genjax.cache import (
     unfold_rows,
 )
 from genjax.errors import InputError
+from genjax.models.attention import attention
 from genjax.models.base import ModelBase, _check_inputs
-from genjax.models.layers import attention, linear, take_rows
+from genjax.models.layers import linear, take_rows
 from genjax.typing import Array, PyTree
 
 _LEAF_TO_HF = {"kernel": "weight", "scale": "weight", "embedding": "weight"}
@@ -345,7 +346,7 @@ def full_attention(q: Array, k: Array, v: Array, bias: Array, scale: float, reco
 
 
 def attend(q, keys, values, bias, scale: float, record, name: str) -> Array:
-    """:func:`~genjax.models.layers.attention`, its weights handed to ``record`` (a
+    """:func:`~genjax.models.attention.attention`, its weights handed to ``record`` (a
     :class:`Recorder`, or None) as ``name`` when it records attentions."""
     if record is None or not record.attentions:
         return attention(q, keys, values, bias, scale)

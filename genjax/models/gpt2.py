@@ -40,12 +40,12 @@ import jax.numpy as jnp
 from genjax.cache import KVCache, attention_bias
 from genjax.errors import CheckpointError
 from genjax.models import _hf
+from genjax.models.attention import attention
 from genjax.models.base import ModelBase
 from genjax.models.layers import (
     ACTIVATIONS,
     Embed,
     LayerNorm,
-    attention,
     check_activation,
     dense,
     forward_outputs,

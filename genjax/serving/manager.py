@@ -86,10 +86,9 @@ class ContinuousBatchingManager:
         self._pool_bytes = check_pool_fits(
             model, shape.num_blocks, shape.block_size, shape.quantized, self._layout
         )
-        top = self.shape.max_top_logprobs
+        top, meshed = self.shape.max_top_logprobs, self._layout is not None
         # One prefill program, one decode program per decoded-row bucket (genjax.serving.step);
         # int8 params want library dots where products have several rows.
-        meshed = self._layout is not None
         self._steps = {
             bucket: compile_decode(
                 model, shape.max_steps, top, library_dots(params, bucket, meshed), self._layout

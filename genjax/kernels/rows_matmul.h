@@ -18,6 +18,8 @@
 //
 // Inputs must be a multiple of 16 (genjax.kernels.rows checks before calling).
 
+#pragma once
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -25,6 +27,7 @@
 #include <memory>
 
 #include "team.h"
+#include "vec.h"
 #include "xla/ffi/api/ffi.h"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -47,91 +50,15 @@ struct Problem {
   int64_t rows, outputs, inputs, chunk_rows;
 };
 
+using namespace genjax_kernels;
+
 #if defined(__AVX512F__)
-using Vec = __m512;
-constexpr int kLanes = 16;
-inline Vec Zero() { return _mm512_setzero_ps(); }
-inline Vec Load(const float* a) { return _mm512_loadu_ps(a); }
-inline Vec Fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline Vec Widen(const float* w) { return _mm512_loadu_ps(w); }
-inline Vec Widen(const uint16_t* w) {
-  const __m512i bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
-}
-inline Vec Widen(const int8_t* w) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
-}
-inline float Sum(Vec v) {
-  const __m256 eight = _mm256_add_ps(
-      _mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(eight), _mm256_extractf128_ps(eight, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 // Weight rows per tile and activation rows per register tile: 6 x 4 accumulators, 4 weight
 // vectors and one activation vector of the 32 registers.
 constexpr int kTile = 4;
 constexpr int kRegisterRows = 6;
-#elif defined(__AVX2__) && defined(__FMA__)
-using Vec = __m256;
-constexpr int kLanes = 8;
-inline Vec Zero() { return _mm256_setzero_ps(); }
-inline Vec Load(const float* a) { return _mm256_loadu_ps(a); }
-inline Vec Fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline Vec Widen(const float* w) { return _mm256_loadu_ps(w); }
-inline Vec Widen(const uint16_t* w) {
-  const __m256i bits = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
-}
-inline Vec Widen(const int8_t* w) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w))));
-}
-inline float Sum(Vec v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-constexpr int kTile = 2;  // 4 x 2 accumulators of the 16 registers
-constexpr int kRegisterRows = 4;
 #else
-// Portable: the same partial sums, one float at a time.
-struct Vec {
-  float v[8];
-};
-constexpr int kLanes = 8;
-inline Vec Zero() { return Vec{}; }
-inline Vec Load(const float* a) {
-  Vec r;
-  for (int i = 0; i < kLanes; ++i) r.v[i] = a[i];
-  return r;
-}
-inline Vec Fma(Vec a, Vec b, Vec c) {
-  for (int i = 0; i < kLanes; ++i) c.v[i] = std::fma(a.v[i], b.v[i], c.v[i]);
-  return c;
-}
-inline float WidenOne(float w) { return w; }
-inline float WidenOne(int8_t w) { return w; }
-inline float WidenOne(uint16_t w) {
-  const uint32_t bits = static_cast<uint32_t>(w) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-template <typename W>
-inline Vec Widen(const W* w) {
-  Vec r;
-  for (int i = 0; i < kLanes; ++i) r.v[i] = WidenOne(w[i]);
-  return r;
-}
-inline float Sum(Vec v) {
-  for (int width = kLanes / 2; width >= 1; width /= 2) {
-    for (int i = 0; i < width; ++i) v.v[i] += v.v[i + width];
-  }
-  return v.v[0];
-}
-constexpr int kTile = 2;
+constexpr int kTile = 2;  // 4 x 2 accumulators of the 16 registers
 constexpr int kRegisterRows = 4;
 #endif
 

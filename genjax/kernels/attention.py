@@ -1,0 +1,139 @@
+"""One-token attention's two sums over the KV cache, on the CPU through genjax's kernel.
+
+A decode step's attention reads the whole cache twice per layer: the scores ``q . k`` over the
+keys and the weighted sum over the values. XLA:CPU runs both (as a multiply and a sum over the
+cache, or as batched products) well below the speed at which it reads memory elsewhere, and it
+reads every slot of the cache buffer, the ones no token has reached yet included. On the 2-core
+Intel Xeon, SmolLM's shape at batch 32 spent about 30 ms of an 80 ms float32 step there
+(``bench/run.py``; figures in ``bench/README.md``).
+
+:func:`scores` and :func:`weighted_values` run ``decode_attention.h`` as XLA FFI custom calls:
+each (row, KV head) block streams its keys and values once, and only over the row's span of
+unmasked slots (from the first to the last slot whose bias is above ``-1e30``; outside it every
+softmax weight is exactly 0, so nothing changes but the work). The softmax between the two sums
+stays in XLA, with its roundings (:func:`genjax.models.attention.attention`). Each output's sum runs
+in one fixed order, independent of the other rows, of the cache buffer's length and of where the
+span starts.
+
+Where it runs: on the CPU, keys and values in float32 or bfloat16 (both the same), a head width
+that is a multiple of 16, where :mod:`genjax.kernels.gate` allows (not on meshes with automatic
+axes, not under ``disabled(kernels=("attention",))``, not with ``GENJAX_KERNELS_OFF=attention``).
+Elsewhere the callers take XLA's sums.
+
+Gradients: a custom JVP takes the tangents through XLA's sums over every slot.
+
+Static or traced: the choice of path is static (backend, dtypes, shapes, context); queries,
+keys, values, weights and the bias are traced.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from genjax.kernels import gate
+from genjax.typing import Array, vary_like
+
+HEAD_MULTIPLE = 16
+"""The head width must be a multiple of this (the kernel's vector width, in floats)."""
+
+_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+_SUFFIX = {jnp.dtype(jnp.float32): "F32", jnp.dtype(jnp.bfloat16): "BF16"}
+_TARGETS = {
+    f"genjax_attention_{part.lower()}_{suffix.lower()}": f"GenjaxAttention{part}{suffix}"
+    for part in ("Scores", "Values")
+    for suffix in _SUFFIX.values()
+}
+
+
+def applies(keys: Array, values: Array) -> bool:
+    """Whether a decode step over ``keys`` [B, K, H, S] and ``values`` [B, K, S, H] runs the
+    kernel (static)."""
+    dtype = jnp.dtype(keys.dtype)
+    return (
+        dtype in _DTYPES
+        and jnp.dtype(values.dtype) == dtype
+        and keys.ndim == 4
+        and keys.shape[2] % HEAD_MULTIPLE == 0
+        and gate.allowed("attention")
+        and _kernel_registered()
+    )
+
+
+def scores(queries: Array, keys: Array, bias: Array) -> Array:
+    """float32[B, K, G, S]: ``sum_h queries[b, k, g, h] * keys[b, k, h, s]`` over each row's span
+    of unmasked slots, 0 outside it (where ``bias`` masks the slot anyway).
+
+    Args:
+        queries: float[B, K, G, H] (taken in float32).
+        keys: float32 or bfloat16[B, K, H, S].
+        bias: float[B, S], the additive mask (``<= -1e30``: masked).
+    """
+    q, b = queries.astype(jnp.float32), bias.astype(jnp.float32)
+    return jax.lax.platform_dependent(q, keys, b, cpu=_scores, default=_xla_scores)
+
+
+def weighted_values(weights: Array, values: Array, bias: Array) -> Array:
+    """float32[B, K, G, H]: ``sum_s weights[b, k, g, s] * values[b, k, s, h]`` over each row's
+    span of unmasked slots (the weights outside it are 0).
+
+    Args:
+        weights: float[B, K, G, S], the softmax weights (taken in float32).
+        values: float32 or bfloat16[B, K, S, H].
+        bias: float[B, S], the same bias the weights were computed with.
+    """
+    w, b = weights.astype(jnp.float32), bias.astype(jnp.float32)
+    return jax.lax.platform_dependent(
+        w, values, b, cpu=_weighted_values, default=_xla_weighted_values
+    )
+
+
+def kernel_available() -> bool:
+    """Whether this CPU can run the kernel (building it on first call)."""
+    return _kernel_registered()
+
+
+def _call(part: str, rows: Array, cache: Array, bias: Array, shape: tuple) -> Array:
+    target = f"genjax_attention_{part}_{_SUFFIX[jnp.dtype(cache.dtype)].lower()}"
+    out = jax.ShapeDtypeStruct(shape, jnp.float32)
+    y = jax.ffi.ffi_call(target, out, vmap_method="sequential")(rows, cache, bias)
+    return vary_like(y, (rows, cache, bias))  # in shard_map: typed as XLA's sums would be
+
+
+def _xla_scores(q: Array, keys: Array, bias: Array) -> Array:
+    return jnp.einsum("bkgh,bkhs->bkgs", q, keys.astype(jnp.float32))
+
+
+def _xla_weighted_values(w: Array, values: Array, bias: Array) -> Array:
+    return jnp.einsum("bkgs,bksh->bkgh", w, values.astype(jnp.float32))
+
+
+@jax.custom_jvp
+def _scores(q: Array, keys: Array, bias: Array) -> Array:
+    batch, kv_heads, groups, _ = q.shape
+    return _call("scores", q, keys, bias, (batch, kv_heads, groups, keys.shape[3]))
+
+
+@_scores.defjvp
+def _scores_jvp(primals, tangents):
+    return _scores(*primals), jax.jvp(_xla_scores, primals, tangents)[1]
+
+
+@jax.custom_jvp
+def _weighted_values(w: Array, values: Array, bias: Array) -> Array:
+    batch, kv_heads, groups, _ = w.shape
+    return _call("values", w, values, bias, (batch, kv_heads, groups, values.shape[3]))
+
+
+@_weighted_values.defjvp
+def _weighted_values_jvp(primals, tangents):
+    return _weighted_values(*primals), jax.jvp(_xla_weighted_values, primals, tangents)[1]
+
+
+@functools.cache
+def _kernel_registered() -> bool:
+    """Registers the kernels once per process; False without the library
+    (:func:`genjax.kernels.gate.library`)."""
+    return gate.register(_TARGETS)

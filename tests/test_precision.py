@@ -15,18 +15,23 @@ from genjax import cli
 from genjax.errors import InputError
 from genjax.models import precision
 from genjax.models import quantize as Q
-from genjax.models.precision import CPU_FLOAT32_FROM_ROWS, auto_precision
+from genjax.models.precision import CPU_FLOAT32_FROM_ROWS, CPU_INT8_KERNEL_ROWS, auto_precision
 
 pytestmark = pytest.mark.usefixtures("fast_compiles")
 
 
+@pytest.mark.parametrize("kernel", [False, True], ids=["no-kernel", "kernel"])
 @pytest.mark.parametrize("amx", [False, True], ids=["no-amx", "amx"])
-def test_the_choice_per_backend_and_batch_size(amx, monkeypatch):
+def test_the_choice_per_backend_and_batch_size(amx, kernel, monkeypatch):
     monkeypatch.setattr(precision, "cpu_has_amx", lambda: amx)
+    monkeypatch.setattr(precision, "int8_kernel_takes", lambda rows: kernel and rows <= 32)
     assert auto_precision(None, "cpu") == ("float32", "int8")
     assert auto_precision(CPU_FLOAT32_FROM_ROWS - 1, "cpu") == ("float32", "int8")
     many = ("bfloat16" if amx else "float32", None)
-    assert auto_precision(CPU_FLOAT32_FROM_ROWS, "cpu") == auto_precision(64, "cpu") == many
+    assert auto_precision(CPU_INT8_KERNEL_ROWS + 1, "cpu") == auto_precision(64, "cpu") == many
+    middle = ("float32", "int8") if kernel else many  # int8 where the row kernel takes it
+    assert auto_precision(CPU_FLOAT32_FROM_ROWS, "cpu") == middle
+    assert auto_precision(CPU_INT8_KERNEL_ROWS, "cpu") == middle
     assert auto_precision(1, "gpu") == auto_precision(64, "tpu") == ("bfloat16", None)
     assert auto_precision() == ("float32", "int8")  # these tests run on the CPU backend
 

@@ -110,26 +110,23 @@ def _xla_weighted_values(w: Array, values: Array, bias: Array) -> Array:
     return jnp.einsum("bkgs,bksh->bkgh", w, values.astype(jnp.float32))
 
 
-@jax.custom_jvp
-def _scores(q: Array, keys: Array, bias: Array) -> Array:
-    batch, kv_heads, groups, _ = q.shape
-    return _call("scores", q, keys, bias, (batch, kv_heads, groups, keys.shape[3]))
+def _kernel_sum(part: str, xla_sum):
+    """The kernel's ``part`` ("scores" or "values") as a function of (rows [B, K, G, X], cache
+    [B, K, X, Y], bias [B, S]) -> float32[B, K, G, Y], its tangents taken through ``xla_sum``."""
+
+    @jax.custom_jvp
+    def kernel_sum(rows: Array, cache: Array, bias: Array) -> Array:
+        return _call(part, rows, cache, bias, (*rows.shape[:3], cache.shape[3]))
+
+    @kernel_sum.defjvp
+    def kernel_sum_jvp(primals, tangents):
+        return kernel_sum(*primals), jax.jvp(xla_sum, primals, tangents)[1]
+
+    return kernel_sum
 
 
-@_scores.defjvp
-def _scores_jvp(primals, tangents):
-    return _scores(*primals), jax.jvp(_xla_scores, primals, tangents)[1]
-
-
-@jax.custom_jvp
-def _weighted_values(w: Array, values: Array, bias: Array) -> Array:
-    batch, kv_heads, groups, _ = w.shape
-    return _call("values", w, values, bias, (batch, kv_heads, groups, values.shape[3]))
-
-
-@_weighted_values.defjvp
-def _weighted_values_jvp(primals, tangents):
-    return _weighted_values(*primals), jax.jvp(_xla_weighted_values, primals, tangents)[1]
+_scores = _kernel_sum("scores", _xla_scores)
+_weighted_values = _kernel_sum("values", _xla_weighted_values)
 
 
 @functools.cache

@@ -20,7 +20,7 @@
 // multiply-add each, vectorized across the other axis), so a row's result does not depend on the
 // other rows, on the buffer's length or on where its span starts.
 //
-// Work: the (row, KV head) blocks are shared out between the threads (genjax_kernels::Team).
+// Work: the (row, KV head) blocks are shared out between the threads (team.h).
 // H must be a multiple of 16 (genjax.kernels.attention checks before calling).
 
 #pragma once
@@ -147,7 +147,7 @@ ffi::Error Run(ffi::ThreadPool pool, const float* rows, ffi::Span<const int64_t>
   auto job = std::make_shared<BlocksJob<C, kScores>>();
   job->p = Problem<C>{rows, cache, bias, out, rd[1], rd[2], H, S};
   job->chunks = rd[0] * rd[1];
-  TeamFor(pool.num_threads()).Run(job);
+  genjax_kernels::Run(pool, job);
   return ffi::Error::Success();
 }
 

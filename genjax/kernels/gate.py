@@ -2,8 +2,8 @@
 
 The kernels (:mod:`genjax.kernels.rows`: products of a few activation rows;
 :mod:`genjax.kernels.attention`: one-token attention's sums over the KV cache) live in one
-library, ``decode_kernels.cc``, so that they share one team of helper threads. Each kernel module
-asks :func:`allowed` while tracing. A kernel stands aside:
+library, ``decode_kernels.cc``, built once per machine. Each kernel module asks :func:`allowed`
+while tracing. A kernel stands aside:
 
 * inside :func:`disabled` (for the kernels it names; all by default). genjax's own meshed
   ``generate`` and serving engine trace under it, and tests and benchmarks use it to compare the

@@ -14,8 +14,8 @@
 // (q4_matmul_rounded.h). Exact products (prompts) dequantize panels of weight rows to float32
 // and run a register-tiled FMA product over the activation rows (q4_matmul_exact.h). Each
 // kernel fixes the order of its float operations per output, so a row's result does not depend
-// on the other rows of the call. Ranges of output rows are shared by the calling thread and a
-// team of helper threads (team.h).
+// on the other rows of the call. Ranges of output rows are shared by the calling thread and the
+// threads of XLA's intra-op pool (team.h).
 //
 // The integer block dot follows the method of llama.cpp's ggml_vec_dot_q4_1_q8_1; the code is
 // genjax's own.
@@ -111,7 +111,7 @@ void GroupActivations(const int8_t* xq, const float* dx, const float* sums, int6
   }
 }
 
-// One product's work: chunks of weight rows, shared by the calling thread and the helper team
+// One product's work: chunks of weight rows, shared by the calling thread and XLA's pool
 // (team.h), with the rounded activations it reads.
 struct Job : genjax_kernels::Job {
   Problem problem;
@@ -171,10 +171,9 @@ ffi::Error Q4MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     }
   }
   // Ranges are whole multiples of the kernels' tiles of weight rows (kMinChunkRows).
-  genjax_kernels::Team& team = genjax_kernels::TeamFor(pool.num_threads());
-  p.chunk_rows = genjax_kernels::ChunkRows(outputs, team.size() + 1, kMinChunkRows);
+  p.chunk_rows = genjax_kernels::ChunkRows(outputs, pool.num_threads(), kMinChunkRows);
   job->chunks = (outputs + p.chunk_rows - 1) / p.chunk_rows;
-  team.Run(job);
+  genjax_kernels::Run(pool, job);
   return ffi::Error::Success();
 }
 

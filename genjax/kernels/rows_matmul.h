@@ -8,7 +8,7 @@
 // rows it packs the weights (or, for int8, writes a float copy) before multiplying. Times over a
 // SmolLM-shaped stack of matrices: bench/matmul_stack.py and bench/README.md.
 //
-// Work: each thread takes one contiguous range of weight rows (genjax_kernels::Team). Within it,
+// Work: each thread takes one contiguous range of weight rows (team.h). Within it,
 // a tile of kTile weight rows is multiplied by every register tile of activation rows in turn,
 // so the weight tile comes from memory once and from L1 for the later register tiles. Each
 // output's arithmetic is fixed whatever the number of rows and threads: kLanes partial sums over
@@ -127,10 +127,9 @@ ffi::Error Run(ffi::ThreadPool pool, const float* x, ffi::Span<const int64_t> xd
   }
   auto job = std::make_shared<RowsJob<W>>();
   job->p = Problem<W>{x, w, scale, y, xd[0], wd[0], xd[1], 0};
-  genjax_kernels::Team& team = genjax_kernels::TeamFor(pool.num_threads());
-  job->p.chunk_rows = genjax_kernels::ChunkRows(job->p.outputs, team.size() + 1, kMinChunkRows);
+  job->p.chunk_rows = genjax_kernels::ChunkRows(job->p.outputs, pool.num_threads(), kMinChunkRows);
   job->chunks = (job->p.outputs + job->p.chunk_rows - 1) / job->p.chunk_rows;
-  team.Run(job);
+  genjax_kernels::Run(pool, job);
   return ffi::Error::Success();
 }
 

@@ -17,10 +17,20 @@ SmolLM2-135M-Instruct, one decode step against float32's
 | 16 | 0.95x | 0.81x | 0.73x |
 | 32 | 1.30x | 0.99x | 0.59x |
 
-* CPU, fewer than :data:`CPU_FLOAT32_FROM_ROWS` rows (one user): float32 activations with int8
-  weights (``quantize="int8"``), the one large and steady gain (and 1.09x llama.cpp end to end
-  on the Q4_1 file, ``2026-12-02-cpu-amd-epyc-four-bit.txt``, where int4's slower prompts make
-  it 1.04x).
+With genjax's row kernel (:mod:`genjax.kernels.rows`) int8 products of up to 32 rows read the
+int8 weights directly, and int8 became the fastest format up to 16 rows. On the 2-core Intel
+Xeon (AMX), SmolLM's shape, greedy, ms per step float32 / bfloat16 / int8 (same run,
+``bench/results/2026-12-02-cpu-intel-xeon-decode-attention.txt``): 1 row 19.2 / 13.0 / 7.2;
+8 rows 31.0 / 30.1 / 20.1; 32 rows 81.6 / 60.9 / 76.7; the model's products alone at 16 rows
+33.1 / 27.3 / 22.1 (``bench/matmul_stack.py``). Not re-measured on the AMD kind with the kernel:
+the choice there follows these figures (the kernel's gain is reading a quarter of float32's
+bytes, which both CPUs share).
+
+* CPU, fewer than :data:`CPU_FLOAT32_FROM_ROWS` rows (one user), or up to
+  :data:`CPU_INT8_KERNEL_ROWS` rows where the row kernel takes int8 products: float32
+  activations with int8 weights (``quantize="int8"``), the one large and steady gain (and 1.09x
+  llama.cpp end to end on the Q4_1 file, ``2026-12-02-cpu-amd-epyc-four-bit.txt``, where int4's
+  slower prompts make it 1.04x).
 * CPU, more rows: float32. The narrow formats move by -40% to +64% there, differently at each
   batch size and between runs: products of several rows are bound by arithmetic more than by
   reading weights, so no narrow format wins reliably. Except on a CPU with AMX bfloat16 tiles
@@ -44,14 +54,20 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 
 from genjax.errors import InputError
+from genjax.kernels import rows as rows_kernel
 
 AUTO = "auto"
 
 CPU_FLOAT32_FROM_ROWS = 4
-"""On a CPU, decoding this many rows or more picks float32 (bfloat16 with AMX) over int8
-weights."""
+"""On a CPU without genjax's row kernel, decoding this many rows or more picks float32
+(bfloat16 with AMX) over int8 weights."""
+
+CPU_INT8_KERNEL_ROWS = 16
+"""On a CPU where genjax's row kernel takes int8 products (:mod:`genjax.kernels.rows`), int8
+weights are picked up to this many rows."""
 
 
 def auto_precision(batch_size: int | None = None, backend: str | None = None):
@@ -64,8 +80,8 @@ def auto_precision(batch_size: int | None = None, backend: str | None = None):
 
     Returns:
         ``("float32", "int8")``, ``("float32", None)`` or ``("bfloat16", None)`` (see the
-        module docstring; on a CPU with AMX, :func:`cpu_has_amx`, ``("bfloat16", None)`` from
-        :data:`CPU_FLOAT32_FROM_ROWS` rows).
+        module docstring; on a CPU with AMX, :func:`cpu_has_amx`, ``("bfloat16", None)`` where
+        int8 is not picked).
 
     Raises:
         InputError: ``batch_size`` is not a positive integer.
@@ -73,7 +89,7 @@ def auto_precision(batch_size: int | None = None, backend: str | None = None):
     Example:
         >>> auto_precision(1, "cpu"), auto_precision(8, "gpu")
         (('float32', 'int8'), ('bfloat16', None))
-        >>> auto_precision(8, "cpu") == (("bfloat16" if cpu_has_amx() else "float32"), None)
+        >>> auto_precision(64, "cpu") == (("bfloat16" if cpu_has_amx() else "float32"), None)
         True
     """
     if batch_size is not None and (
@@ -83,9 +99,15 @@ def auto_precision(batch_size: int | None = None, backend: str | None = None):
     backend = backend or jax.default_backend()
     if backend != "cpu":
         return "bfloat16", None
-    if batch_size is not None and batch_size >= CPU_FLOAT32_FROM_ROWS:
-        return ("bfloat16", None) if cpu_has_amx() else ("float32", None)
-    return "float32", "int8"
+    few = batch_size is None or batch_size < CPU_FLOAT32_FROM_ROWS
+    if few or (batch_size <= CPU_INT8_KERNEL_ROWS and int8_kernel_takes(batch_size)):
+        return "float32", "int8"
+    return ("bfloat16", None) if cpu_has_amx() else ("float32", None)
+
+
+def int8_kernel_takes(rows: int) -> bool:
+    """Whether genjax's row kernel runs int8 products of ``rows`` rows in this process."""
+    return rows_kernel.takes(jnp.int8, rows, rows_kernel.INPUT_MULTIPLE)
 
 
 @functools.cache

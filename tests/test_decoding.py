@@ -13,6 +13,7 @@ from genjax.decoding.sampling import (
     _inverse_cdf,
     decode,
     greedy_chooser,
+    highest,
     sample,
     sampling_chooser,
 )
@@ -65,6 +66,29 @@ def test_greedy_follows_the_table():
     # One model call per token after the first (which comes from the prefill logits).
     assert int(state.cache.index) == 2 + 3
     assert int(state.length) == 6
+
+
+def test_highest_is_argmax_on_ties_infinities_nans_and_signed_zeros():
+    rng = np.random.default_rng(0)
+    ties = rng.integers(0, 3, (50, 20)).astype(np.float32)  # many equal maxima per row
+    odd = np.full((7, 9), -np.inf, np.float32)  # row 0: every score -inf
+    odd[1, 3] = np.nan
+    odd[2, [2, 5]] = np.inf
+    odd[3, [4, 7]] = np.nan
+    odd[3, 0] = np.inf
+    odd[4, :] = np.nan
+    odd[5, :3] = [-0.0, 0.0, -0.0]
+    odd[6, [1, 8]] = [np.nan, np.inf]
+    for scores in (
+        ties,
+        odd,
+        rng.standard_normal((2, 3, 11)).astype(jnp.bfloat16),
+        rng.standard_normal((4, 49152)).astype(np.float32),
+    ):
+        got = jax.jit(highest)(jnp.asarray(scores))
+        assert got.dtype == jnp.int32
+        np.testing.assert_array_equal(got, jnp.argmax(jnp.asarray(scores), axis=-1))
+    assert np.asarray(jax.jit(highest)(jnp.asarray(odd))).tolist() == [0, 3, 2, 4, 0, 0, 1]
 
 
 def test_finished_rows_get_pad_and_loop_stops_when_all_finish():

@@ -12,7 +12,8 @@ of a float cache, kept as rings of ``W`` slots (written modulo ``W``) instead of
 and paged caches keep every layer in the full layout (windows are applied by the mask there).
 
 Layer:
-    Floor 2. Imports only :mod:`genjax.errors` and :mod:`genjax.typing`.
+    Floor 2. Imports only :mod:`genjax.errors`, :mod:`genjax.typing` and :mod:`genjax.kernels`
+    (in-place writes into 16-bit caches).
 
 Static or traced:
     Cache shapes (``B``, ``K``, ``S``, ``H``, dtype, layer count) are static; the contents and the

@@ -49,6 +49,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from genjax.cache.ring import relayout, ring_size, ring_update
+from genjax.kernels import cache_writes
 from genjax.typing import Array
 
 
@@ -141,8 +142,8 @@ class KVCache:
         new_keys = slots_last(new_keys).astype(keys.dtype)
         new_values = heads_first(new_values).astype(values.dtype)
         if self.ring_slots(layer) is None:
-            keys = write_slots(keys, new_keys, (0, 0, 0, self.index))
-            values = write_slots(values, new_values, (0, 0, self.index, 0))
+            keys = write_slots(keys, new_keys, self.index, axis=3)
+            values = write_slots(values, new_values, self.index, axis=2)
             read_keys, read_values = keys, values
         else:
             read_keys, keys = ring_update(keys, new_keys, self.index, axis=3)
@@ -234,17 +235,21 @@ def grow_slots(block: Array, length: int, axis: int = 2) -> Array:
     return jnp.pad(block, widths)
 
 
-def write_slots(block: Array, new: Array, starts: tuple) -> Array:
-    """``dynamic_update_slice(block, new, starts)``, 16-bit float blocks written as their bits.
+def write_slots(block: Array, new: Array, index: Array, axis: int) -> Array:
+    """``block`` with ``new`` written at slot ``index`` of ``axis`` (static), as
+    ``dynamic_update_slice`` writes it (the index clamped so that ``new`` fits).
 
     XLA:CPU computes a bfloat16 or float16 update in float32: it widens the whole block,
-    writes the slots and narrows it back, and a second widened copy feeds the attention that
-    reads the block: four passes over each layer's cache per decode step, where float32
-    writes the slots in place. The 16-bit integer bits are written as they are; XLA:CPU
-    still copies the block once to do it, but never widens it. Same values.
+    writes the slots and narrows it back, four passes over each layer's cache per decode step
+    where float32 writes in place. On the CPU genjax's kernel writes 16-bit blocks in place
+    (:mod:`genjax.kernels.cache_writes`); elsewhere the 16-bit integer bits are written, which
+    XLA copies once but never widens. Same values on every path.
     """
+    if cache_writes.applies(block):
+        return cache_writes.write_slots(block, new, index, axis)
+    starts = tuple(index if d == axis else 0 for d in range(block.ndim))
     if not jnp.issubdtype(block.dtype, jnp.floating) or jnp.finfo(block.dtype).bits != 16:
-        return jax.lax.dynamic_update_slice(block, new, starts)
+        return jax.lax.dynamic_update_slice(block, new.astype(block.dtype), starts)
     bits = jax.lax.bitcast_convert_type(block, jnp.uint16)
     new_bits = jax.lax.bitcast_convert_type(new.astype(block.dtype), jnp.uint16)
     bits = jax.lax.dynamic_update_slice(bits, new_bits, starts)

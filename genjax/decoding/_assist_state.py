@@ -14,7 +14,7 @@ from flax import struct
 
 from genjax.cache import KVCache
 from genjax.config import TRACED_FIELDS
-from genjax.decoding.sampling import sample
+from genjax.decoding.sampling import highest, sample
 from genjax.processors import LogitsContext, from_config
 from genjax.stopping import StoppingRules, finished_rows
 from genjax.typing import Array, PyTree
@@ -294,7 +294,7 @@ def choose(rules: AssistRules, scores: Array, key: Array) -> Array:
     """int32[...]: argmax, or a sample from ``softmax(scores)`` when sampling."""
     if rules.do_sample:
         return sample(key, scores)
-    return jnp.argmax(scores, axis=-1).astype(jnp.int32)
+    return highest(scores)
 
 
 def running_rows(state: AssistState, rules: AssistRules) -> Array:

@@ -116,7 +116,21 @@ class DecodeRules:
 
 def greedy_chooser() -> TokenChooser:
     """Chooses the highest score (the first one on ties, as ``torch.argmax``)."""
-    return lambda scores, key: jnp.argmax(scores, axis=-1).astype(jnp.int32)
+    return lambda scores, key: highest(scores)
+
+
+def highest(scores: Array) -> Array:
+    """int32[...]: ``jnp.argmax(scores, axis=-1)`` for float scores [..., V]: the first index of
+    the largest score, or of the first NaN where a row holds one (as ``torch.argmax``).
+
+    Computed as the maximum, then the smallest index that holds it: XLA:CPU runs argmax's
+    reduction over (value, index) pairs about 3x slower than these two plain reductions (at
+    SmolLM's vocabulary of 49152 and batch 32 on the 2-core Intel Xeon, 5.6 against 1.9 ms).
+    """
+    top = jnp.max(scores, axis=-1, keepdims=True)  # NaN where the row holds one
+    hits = jnp.where(jnp.isnan(top), jnp.isnan(scores), scores == top)
+    index = jax.lax.broadcasted_iota(jnp.int32, scores.shape, scores.ndim - 1)
+    return jnp.min(jnp.where(hits, index, scores.shape[-1]), axis=-1)
 
 
 def sampling_chooser() -> TokenChooser:

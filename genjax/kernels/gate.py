@@ -1,7 +1,8 @@
 """When genjax's decode-step CPU kernels run, and the library that holds them.
 
 The kernels (:mod:`genjax.kernels.rows`: products of a few activation rows;
-:mod:`genjax.kernels.attention`: one-token attention's sums over the KV cache) live in one
+:mod:`genjax.kernels.attention`: one-token attention's sums over the KV cache;
+:mod:`genjax.kernels.cache_writes`: new slots written into 16-bit caches in place) live in one
 library, ``decode_kernels.cc``, built once per machine. Each kernel module asks :func:`allowed`
 while tracing. A kernel stands aside:
 
@@ -10,7 +11,7 @@ while tracing. A kernel stands aside:
   kernel with XLA's path. It acts when a program is traced: one JAX has already traced keeps its
   path;
 * in a process started with ``GENJAX_KERNELS_OFF`` naming it (comma-separated: ``rows``,
-  ``attention``, or ``all``), for comparisons from the command line;
+  ``attention``, ``cache_writes``, or ``all``), for comparisons from the command line;
 * under a mesh with automatic axes (``jax.set_mesh``): XLA's SPMD partitioner knows no sharding
   rule for a custom call and would gather every operand onto each device. Inside ``shard_map``
   each device's block runs the kernel;
@@ -32,7 +33,7 @@ import jax
 from genjax.errors import InputError
 from genjax.kernels import native
 
-KERNELS = ("rows", "attention")
+KERNELS = ("rows", "attention", "cache_writes")
 LIBRARY = "decode_kernels"
 
 

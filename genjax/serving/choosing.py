@@ -43,7 +43,7 @@ from flax import struct
 
 from genjax.constraints import CompressedTable
 from genjax.decoding.automaton import advance_rows, mask_scores
-from genjax.decoding.sampling import sample_row
+from genjax.decoding.sampling import highest, sample_row
 from genjax.processors import (
     LogitsContext,
     chain,
@@ -241,7 +241,7 @@ def choose_tokens(
         settings.seed, num_new
     )
     drawn = jax.vmap(sample_row)(keys, warped, settings.sample_row)
-    greedy = jnp.argmax(scores, axis=-1).astype(jnp.int32)
+    greedy = highest(scores)
     return jnp.where(settings.do_sample, drawn, greedy)
 
 

@@ -200,6 +200,28 @@ def test_scheduler_holds_a_request_until_its_automaton_has_room():
     assert pool.acquire(constraint_key(_schema(COLOUR)), _schema(COLOUR)) is not None
 
 
+def test_scheduler_runs_k_iterations_while_a_request_waits_only_for_a_slot():
+    model, _, tok = _bundled()
+    shape = CB.engine_shape()
+    scheduler = Scheduler(shape, tok)
+    requests = [
+        build_request(str(i), _ids(i), GREEDY, shape, model.vocab_size, seed=0, streaming=False)
+        for i in range(5)  # prompts of one chunk each; 4 slots
+    ]
+    for request in requests:
+        scheduler.add(request)
+    for request in requests[:4]:
+        work = scheduler.plan()  # each prefill step decodes the other rows once
+        assert int(work.num_steps) == 1 and int(work.prefill_slot) == request.slot
+        scheduler.absorb(_first_token(shape, 7))
+    work = scheduler.plan()  # every slot decodes; the fifth request waits for one to finish
+    assert list(scheduler.waiting) == [requests[4]] and int(work.prefill_slot) == -1
+    assert int(work.num_steps) == shape.max_steps == 4
+    scheduler.finish(requests[0], RequestStatus.FINISHED, "stop")
+    work = scheduler.plan()  # the freed slot admits it: one iteration beside its prefill
+    assert int(work.num_steps) == 1 and int(work.prefill_slot) == requests[4].slot
+
+
 def _first_token(shape, token):
     """A step output that gives the prefilled request ``token`` and nothing else."""
     rows, steps = shape.max_batch_size, shape.max_steps

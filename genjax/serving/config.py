@@ -59,7 +59,8 @@ class ContinuousBatchingConfig:
             powers of 4 below ``max_length`` (256, 1024, then ``max_length``: at most 3 programs
             per bucket to ``max_length`` 4096); ``()``: ``max_length`` alone (fewest programs,
             fastest warmup).
-        max_decode_steps: ``K``, decode steps per host round trip when nothing waits.
+        max_decode_steps: ``K``, decode steps per host round trip while no prompt is being
+            prefilled (the round trip ends early once a row finishes).
         max_eos_tokens: the most EOS ids per request.
         max_logit_bias: ``L_b``, the most entries of a request's bias table: its
             ``sequence_bias`` sequences (OpenAI's ``logit_bias``), ``suppress_tokens``,

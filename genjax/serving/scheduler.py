@@ -10,7 +10,9 @@ Policy:
 * FIFO admission: the oldest waiting request takes a free slot when no other prompt is being
   prefilled; its prompt then runs ``C`` tokens per step beside the decoding rows.
 * Blocks are allocated as requests grow, just before the step that writes them; a step runs
-  ``K`` decode iterations only when nothing waits for a slot or a prefill is in progress, else one.
+  one decode iteration while a prompt is being prefilled, else up to ``K`` (the device loop
+  returns after an iteration in which a row finished, so a waiting request's slot frees as
+  soon as with one iteration per step).
 * When blocks run out, the newest running request is preempted: its blocks are freed, its slot
   released, and it goes back to the front of the queue; readmitted, it prefills its prompt and
   the tokens it already generated (recomputation, as vLLM's default preemption) and continues.
@@ -313,7 +315,12 @@ class Scheduler:
     def plan(self) -> StepInput | None:
         """The next step's input, or None when nothing runs or waits."""
         self._admit()
-        steps = 1 if self.prefilling is not None or self.waiting else self.shape.max_steps
+        # One iteration while a prompt is prefilled (its next chunk comes next step). A request
+        # still waiting here waits for a row to finish (no free slot, or no room in the
+        # constraint pool), and the decode loop returns after the iteration in which one does:
+        # running K iterations does not delay it, and a step of one iteration would pay the
+        # rows' gather and scatter for a single token.
+        steps = 1 if self.prefilling is not None else self.shape.max_steps
         while not self._allocate(steps):
             if steps > 1:
                 steps = 1

@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 
 import genjax
+from genjax.cache import PagedBlocks
 from genjax.errors import InputError
 from genjax.generation.entry import lower_program
 from genjax.generation.plan import CallRequest, prepare
-from genjax.kernels import attention, gate
+from genjax.kernels import attention, block_gather, gate
 from genjax.models import attention as attention_layer
 from genjax.sharding import make_mesh
 
@@ -99,6 +100,48 @@ def test_a_rows_bits_do_not_depend_on_padding_buffer_length_or_other_rows(dtype)
     np.testing.assert_array_equal(wider_out[rows], out[rows])
     alone = attention.weighted_values(weights[3:], values[3:], bias[3:])
     np.testing.assert_array_equal(alone, out[3:])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("block_size", [40, 20, 8, 5])  # S = 40: vectors and scalar tails
+def test_paged_sums_equal_the_sums_over_blocks_gathered_first(dtype, block_size):
+    q, _, _, bias = _blocks(dtype, seed=4)
+    blocks = S // block_size
+    rng = np.random.default_rng(5)
+    pool_keys = jnp.asarray(rng.standard_normal((11, K, H, block_size)), dtype)
+    pool_values = jnp.asarray(rng.standard_normal((11, K, block_size, H)), dtype)
+    tables = jnp.asarray(rng.integers(0, 11, (B, blocks)), jnp.int32)
+    keys = PagedBlocks(pool_keys, tables, True)
+    values = PagedBlocks(pool_values, tables, False)
+    assert keys.shape == (B, K, H, S) and values.shape == (B, K, S, H)
+    logical_keys, logical_values = keys.logical(), values.logical()
+    for row in range(B):  # the gather itself, against numpy
+        for m in range(blocks):
+            part = slice(m * block_size, (m + 1) * block_size)
+            want_k = np.asarray(pool_keys[int(tables[row, m])])
+            np.testing.assert_array_equal(np.asarray(logical_keys[row, :, :, part]), want_k)
+            want_v = np.asarray(pool_values[int(tables[row, m])])
+            np.testing.assert_array_equal(np.asarray(logical_values[row, :, part]), want_v)
+    scores = jax.jit(attention.paged_scores)(q, pool_keys, tables, bias)
+    np.testing.assert_array_equal(scores, jax.jit(attention.scores)(q, logical_keys, bias))
+    weights = jax.nn.softmax(scores + bias[:, None, None, :], axis=-1)
+    out = jax.jit(attention.paged_weighted_values)(weights, pool_values, tables, bias)
+    expected = jax.jit(attention.weighted_values)(weights, logical_values, bias)
+    np.testing.assert_array_equal(out, expected)
+
+
+def test_block_gather_copies_what_xlas_gather_does():
+    rng = np.random.default_rng(6)
+    tables = jnp.asarray(rng.integers(-14, 14, (3, 4)), jnp.int32)  # wraps and clamps as XLA
+    for dtype in (jnp.float32, jnp.bfloat16, jnp.float16):
+        pool = jnp.asarray(rng.standard_normal((9, 6, 16)), dtype)
+        assert block_gather.applies()
+        assert "genjax_block_gather" in jax.jit(block_gather.gather).lower(pool, tables).as_text()
+        got = jax.jit(block_gather.gather)(pool, tables)
+        expected = jax.jit(lambda p, t: p[t].transpose(0, 2, 1, 3))(pool, tables)
+        np.testing.assert_array_equal(
+            np.asarray(got).view(np.uint16), np.asarray(expected).view(np.uint16)
+        )
 
 
 def _decode(q, keys, values, bias):

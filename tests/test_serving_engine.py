@@ -42,6 +42,7 @@ from genjax.serving.blocks import block_hashes
 from genjax.serving.choosing import ban_repeated_ngrams
 from genjax.serving.config import attention_spans
 from genjax.serving.options import build_request
+from genjax.serving.step import reads_pool_in_place
 from genjax.testing import count_compiles as compiles
 from genjax.testing import write_random_checkpoint
 
@@ -150,13 +151,28 @@ def test_paged_cache_runs_the_model_like_the_contiguous_cache():
     assert isinstance(dense, KVCache)
 
 
-@pytest.mark.parametrize("quantized", [False, True], ids=["float", "int8"])
-def test_gathered_blocks_decode_like_the_pool_and_scatter_back_only_the_slots_written(quantized):
-    model, params = _model()
+@functools.cache
+def _bundled():
+    """The bundled model: head width 64, so the CPU attention kernel reads paged pools."""
+    model, params = genjax.models.from_pretrained(genjax.io.bundled.path())
+    return model.with_generation_config(None), params
+
+
+@pytest.mark.parametrize(
+    "quantized, heads_of_64", [(False, False), (True, False), (False, True)],
+    ids=["float", "int8", "float-in-place"],
+)  # fmt: skip
+def test_gathered_blocks_decode_like_the_pool_and_scatter_back_only_the_slots_written(
+    quantized, heads_of_64
+):
+    """The pool's own decode (read in place by the CPU kernel where the head width allows, else
+    gathered per layer) equals the gathered view's, bit for bit."""
+    model, params = _bundled() if heads_of_64 else _model()
     ids = jnp.asarray([_prompt(1, 6), _prompt(2, 6)], jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(6, dtype=jnp.int32), (2, 6))
+    layers = model.config.num_layers
     paged = PagedKVCache.create(
-        2, 8, 4, 3, 2, model.num_kv_heads, model.head_dim, quantized=quantized
+        layers, 8, 4, 3, 2, model.num_kv_heads, model.head_dim, quantized=quantized
     )
     paged = paged.replace(block_tables=jnp.asarray([[5, 2, 7], [1, 6, 0]], jnp.int32))
     mask = jnp.ones((2, 12), jnp.int32)
@@ -165,6 +181,9 @@ def test_gathered_blocks_decode_like_the_pool_and_scatter_back_only_the_slots_wr
     start, gathered = paged, paged.gather()
     assert isinstance(gathered, GatheredKVCache) and gathered.length == 12
     tokens = jnp.asarray([[7], [9]], jnp.int32)
+    paged_text = jax.jit(model.apply).lower(params, tokens, paged.index[:, None], paged, mask)
+    in_place = "genjax_pagedattention_scores" in paged_text.as_text()
+    assert in_place == heads_of_64 == reads_pool_in_place(paged)
     for _ in range(3):  # an int8 pool's view requantizes the slot before each call's
         fed = paged.index[:, None]
         want, paged = model.apply(params, tokens, fed, paged, mask)

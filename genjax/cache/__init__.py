@@ -6,7 +6,8 @@ compiled program serve many prompt and output lengths (``max_cache_len``); ``mem
 cache before it is allocated; ``encoder_decoder`` the decoder-plus-cross-attention cache of
 T5/BART-style models; ``paged`` the block pool of the serving engine (rows of
 different lengths in fixed-size blocks, per-row write indices; in the model's dtype or as int8
-codes with scales, the ``quantized`` code) and ``gathered`` a few of its rows copied into
+codes with scales, the ``quantized`` code), ``paged_blocks`` one layer of it as a one-token
+attention reads it in place and ``gathered`` a few of its rows copied into
 logical order for a run of decode steps; ``ring`` the sliding-window layers
 of a float cache, kept as rings of ``W`` slots (written modulo ``W``) instead of ``S``. The int8
 and paged caches keep every layer in the full layout (windows are applied by the mask there).
@@ -41,6 +42,7 @@ from genjax.cache.memory import (
     paged_block_bytes,
 )
 from genjax.cache.paged import SCRATCH_BLOCK, PagedKVCache
+from genjax.cache.paged_blocks import PagedBlocks
 from genjax.cache.quantized import (
     QuantizedKVCache,
     check_cache_options,
@@ -54,6 +56,7 @@ __all__ = [
     "CacheRequest",
     "EncoderDecoderCache",
     "GatheredKVCache",
+    "PagedBlocks",
     "KVCache",
     "PagedKVCache",
     "QuantizedKVCache",

@@ -56,7 +56,9 @@ from flax import struct
 
 from genjax.cache.gathered import GatheredKVCache
 from genjax.cache.kv import replace_layer
+from genjax.cache.paged_blocks import PagedBlocks
 from genjax.cache.quantized import dequantize, quantize
+from genjax.kernels import attention as attention_kernel
 from genjax.typing import Array
 
 SCRATCH_BLOCK = 0
@@ -205,7 +207,11 @@ class PagedKVCache:
             flat_v = new_values.reshape(batch * count, heads, dim).astype(self.dtype)
             pool_k = self.keys[layer].at[block, :, :, offset].set(flat_k)  # [B*T, K, H] at
             pool_v = self.values[layer].at[block, :, offset, :].set(flat_v)  # (block, :, :, off)
-            keys, values = self._gather(pool_k, pool_v)
+            if count == 1 and attention_kernel.applies(pool_k, pool_v):  # read in place
+                tables = self.block_tables
+                keys, values = PagedBlocks(pool_k, tables, True), PagedBlocks(pool_v, tables, False)
+            else:
+                keys, values = self._gather(pool_k, pool_v)
             cache = self.replace(
                 keys=replace_layer(self.keys, layer, pool_k),
                 values=replace_layer(self.values, layer, pool_v),
@@ -271,6 +277,11 @@ class PagedKVCache:
     def _gather(self, pool_k, pool_v, key_scales=None, value_scales=None) -> tuple[Array, Array]:
         """Every row's blocks in logical order: keys float[B, K, H, S] and values
         float[B, K, S, H] (codes times their scales when scales are given)."""
+        if key_scales is None:
+            tables = self.block_tables
+            return PagedBlocks(pool_k, tables, True).logical(), PagedBlocks(
+                pool_v, tables, False
+            ).logical()
         batch, heads, dim = self.batch, pool_v.shape[1], pool_v.shape[3]
         keys = pool_k[self.block_tables]  # [B, M, K, H, bs]
         values = pool_v[self.block_tables]  # [B, M, K, bs, H]

@@ -42,7 +42,10 @@ HEAD_MULTIPLE = 16
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 _SUFFIX = {jnp.dtype(jnp.float32): "F32", jnp.dtype(jnp.bfloat16): "BF16"}
 _TARGETS = {
-    f"genjax_attention_{part.lower()}_{suffix.lower()}": f"GenjaxAttention{part}{suffix}"
+    f"genjax_{kind.lower()}attention_{part.lower()}_{suffix.lower()}": (
+        f"Genjax{kind}Attention{part}{suffix}"
+    )
+    for kind in ("", "Paged")
     for part in ("Scores", "Values")
     for suffix in _SUFFIX.values()
 }
@@ -90,6 +93,36 @@ def weighted_values(weights: Array, values: Array, bias: Array) -> Array:
     )
 
 
+def applies_paged(pool_keys: Array, pool_values: Array) -> bool:
+    """Whether a decode step over a paged pool's keys [N, K, H, bs] and values [N, K, bs, H]
+    runs the kernel in place (static)."""
+    return applies(pool_keys, pool_values)
+
+
+def paged_scores(queries: Array, pool_keys: Array, tables: Array, bias: Array) -> Array:
+    """:func:`scores` over a paged pool: row ``b``'s slot ``s`` is at offset ``s % bs`` of
+    block ``tables[b, s // bs]``. The same bits as :func:`scores` over the rows' blocks
+    gathered into logical order (:meth:`genjax.cache.PagedKVCache.gather`), without the copy.
+
+    Args:
+        queries: float[B, K, G, H] (taken in float32).
+        pool_keys: float32 or bfloat16[N, K, H, bs].
+        tables: int32[B, M], ``M * bs = S``.
+        bias: float[B, S].
+    """
+    q, b = queries.astype(jnp.float32), bias.astype(jnp.float32)
+    operands = (q, pool_keys, tables.astype(jnp.int32), b)
+    return jax.lax.platform_dependent(*operands, cpu=_paged_scores, default=_xla_paged_scores)
+
+
+def paged_weighted_values(weights: Array, pool_values: Array, tables: Array, bias: Array) -> Array:
+    """:func:`weighted_values` over a paged pool's values [N, K, bs, H] (as
+    :func:`paged_scores`); weights float[B, K, G, S]."""
+    w, b = weights.astype(jnp.float32), bias.astype(jnp.float32)
+    operands = (w, pool_values, tables.astype(jnp.int32), b)
+    return jax.lax.platform_dependent(*operands, cpu=_paged_values, default=_xla_paged_values)
+
+
 def kernel_available() -> bool:
     """Whether this CPU can run the kernel (building it on first call)."""
     return _kernel_registered()
@@ -127,6 +160,59 @@ def _kernel_sum(part: str, xla_sum):
 
 _scores = _kernel_sum("scores", _xla_scores)
 _weighted_values = _kernel_sum("values", _xla_weighted_values)
+
+
+def _logical_keys(pool_keys: Array, tables: Array) -> Array:
+    """[B, K, H, S] from a pool [N, K, H, bs] (XLA's gather)."""
+    batch, blocks = tables.shape
+    heads, dim, size = pool_keys.shape[1:]
+    return pool_keys[tables].transpose(0, 2, 3, 1, 4).reshape(batch, heads, dim, blocks * size)
+
+
+def _logical_values(pool_values: Array, tables: Array) -> Array:
+    """[B, K, S, H] from a pool [N, K, bs, H] (XLA's gather)."""
+    batch, blocks = tables.shape
+    heads, size, dim = pool_values.shape[1:]
+    return pool_values[tables].transpose(0, 2, 1, 3, 4).reshape(batch, heads, blocks * size, dim)
+
+
+def _xla_paged_scores(q: Array, pool_keys: Array, tables: Array, bias: Array) -> Array:
+    return _xla_scores(q, _logical_keys(pool_keys, tables), bias)
+
+
+def _xla_paged_values(w: Array, pool_values: Array, tables: Array, bias: Array) -> Array:
+    return _xla_weighted_values(w, _logical_values(pool_values, tables), bias)
+
+
+def _paged_sum(part: str, xla_sum):
+    """The paged kernel's ``part`` as a function of (rows [B, K, G, X], pool, tables [B, M],
+    bias [B, S]), its tangents taken through ``xla_sum``."""
+
+    @jax.custom_jvp
+    def paged_sum(rows: Array, pool: Array, tables: Array, bias: Array) -> Array:
+        dtype = _SUFFIX[jnp.dtype(pool.dtype)].lower()
+        target = f"genjax_pagedattention_{part}_{dtype}"
+        width = pool.shape[2] if part == "scores" else pool.shape[3]  # H (keys) or H (values)
+        slots = tables.shape[1] * (pool.shape[3] if part == "scores" else pool.shape[2])
+        shape = (*rows.shape[:3], slots if part == "scores" else width)
+        out = jax.ShapeDtypeStruct(shape, jnp.float32)
+        y = jax.ffi.ffi_call(target, out, vmap_method="sequential")(rows, pool, tables, bias)
+        return vary_like(y, (rows, pool, tables, bias))
+
+    @paged_sum.defjvp
+    def paged_sum_jvp(primals, tangents):
+        rows, pool, tables, bias = primals
+        d_rows, d_pool, _, d_bias = tangents
+        tangent = jax.jvp(
+            lambda r, p, b: xla_sum(r, p, tables, b), (rows, pool, bias), (d_rows, d_pool, d_bias)
+        )[1]
+        return paged_sum(*primals), tangent
+
+    return paged_sum
+
+
+_paged_scores = _paged_sum("scores", _xla_paged_scores)
+_paged_values = _paged_sum("values", _xla_paged_values)
 
 
 @functools.cache

@@ -2,7 +2,8 @@
 
 The kernels (:mod:`genjax.kernels.rows`: products of a few activation rows;
 :mod:`genjax.kernels.attention`: one-token attention's sums over the KV cache;
-:mod:`genjax.kernels.cache_writes`: new slots written into 16-bit caches in place) live in one
+:mod:`genjax.kernels.cache_writes`: new slots written into 16-bit caches in place;
+:mod:`genjax.kernels.block_gather`: a paged pool's blocks copied into logical order) live in one
 library, ``decode_kernels.cc``, built once per machine. Each kernel module asks :func:`allowed`
 while tracing. A kernel stands aside:
 
@@ -11,7 +12,8 @@ while tracing. A kernel stands aside:
   kernel with XLA's path. It acts when a program is traced: one JAX has already traced keeps its
   path;
 * in a process started with ``GENJAX_KERNELS_OFF`` naming it (comma-separated: ``rows``,
-  ``attention``, ``cache_writes``, or ``all``), for comparisons from the command line;
+  ``attention``, ``cache_writes``, ``block_gather``, or ``all``), for comparisons from the
+  command line;
 * under a mesh with automatic axes (``jax.set_mesh``): XLA's SPMD partitioner knows no sharding
   rule for a custom call and would gather every operand onto each device. Inside ``shard_map``
   each device's block runs the kernel;
@@ -33,7 +35,7 @@ import jax
 from genjax.errors import InputError
 from genjax.kernels import native
 
-KERNELS = ("rows", "attention", "cache_writes")
+KERNELS = ("rows", "attention", "cache_writes", "block_gather")
 LIBRARY = "decode_kernels"
 
 

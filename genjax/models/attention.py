@@ -14,6 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from genjax.cache.paged_blocks import PagedBlocks
 from genjax.kernels import attention as attention_kernel
 from genjax.typing import Array
 
@@ -49,8 +50,10 @@ def attention(
 
     Args:
         queries: dtype[B, T, N, H].
-        keys: dtype[B, K, H, S], the cache's axis order (slots last, see :mod:`genjax.cache`).
-        values: dtype[B, K, S, H].
+        keys: dtype[B, K, H, S], the cache's axis order (slots last, see :mod:`genjax.cache`),
+            or a paged pool's :class:`~genjax.cache.paged_blocks.PagedBlocks` standing for it
+            (read in place by the CPU kernel for one query token, gathered otherwise).
+        values: dtype[B, K, S, H], or :class:`~genjax.cache.paged_blocks.PagedBlocks`.
         bias: float32[B, 1, T, S], from :func:`genjax.cache.attention_bias`.
         scale: the score multiplier (static), usually ``H ** -0.5``.
         upcast_scores: compute ``Q K^T`` in float32 (GPT-2's ``reorder_and_upcast_attn``).
@@ -69,6 +72,8 @@ def attention(
     num_kv_heads = keys.shape[1]
     groups = num_heads // num_kv_heads
     grouped = queries.reshape(batch, length, num_kv_heads, groups, head_dim)
+    if isinstance(keys, PagedBlocks) and (length > 1 or upcast_scores):
+        keys, values = keys.logical(), values.logical()
     if upcast_scores:
         grouped, keys = grouped.astype(jnp.float32), keys.astype(jnp.float32)
     if length > 1:
@@ -128,24 +133,32 @@ def _decode_attention(
         return block if groups == 1 else block[..., None, :, :]
 
     kernel = wide == jnp.float32 and attention_kernel.applies(keys, values)
-    q = grouped.astype(wide).reshape(*queries, head_dim)
-    k = keys.astype(wide).reshape(*heads, head_dim, slots)
-    v = values.astype(wide).reshape(*heads, slots, head_dim)
-    if kernel:  # on the CPU: genjax's kernel, over the unmasked slots only
-        scores = attention_kernel.scores(grouped, keys, bias[:, 0]).reshape(*queries, slots)
-    else:
+    if isinstance(keys, PagedBlocks) and not kernel:
+        keys, values = keys.logical(), values.logical()
+    if not kernel:
+        q = grouped.astype(wide).reshape(*queries, head_dim)
+        k = keys.astype(wide).reshape(*heads, head_dim, slots)
+        v = values.astype(wide).reshape(*heads, slots, head_dim)
         scores = jnp.sum(q[..., None] * per_query(k), axis=-2)  # [.., S]
-    scores = _rounded(scores, grouped.dtype)
+    elif isinstance(keys, PagedBlocks):  # the kernel reads the pool in place (bits as gathered)
+        scores = attention_kernel.paged_scores(grouped, keys.pool, keys.tables, bias[:, 0])
+    else:  # on the CPU: genjax's kernel, over the unmasked slots only
+        scores = attention_kernel.scores(grouped, keys, bias[:, 0])
+    scores = _rounded(scores.reshape(*queries, slots), grouped.dtype)
     scores = _rounded(scores * jnp.asarray(scale, grouped.dtype).astype(wide), grouped.dtype)
     scores = _capped(scores, softcap, grouped.dtype)
     scores = scores.astype(jnp.float32).reshape(batch, num_kv_heads, groups, slots)
     weights = jax.nn.softmax(scores + bias[:, :, None], axis=-1)
     weights = _rounded(weights, values.dtype)
-    if kernel:
-        out = attention_kernel.weighted_values(weights, values, bias[:, 0])
-    else:
+    if not kernel:
         flat = weights.astype(wide).reshape(*queries, slots)
         out = jnp.sum(flat[..., None] * per_query(v), axis=-2)  # [..., H]
+    elif isinstance(values, PagedBlocks):
+        out = attention_kernel.paged_weighted_values(
+            weights, values.pool, values.tables, bias[:, 0]
+        )
+    else:
+        out = attention_kernel.weighted_values(weights, values, bias[:, 0])
     return out.reshape(batch, num_kv_heads, groups, head_dim).astype(values.dtype), weights
 
 

@@ -51,6 +51,25 @@ def test_writes_equal_dynamic_update_slice(dtype, shape, axis, count):
         np.testing.assert_array_equal(_bits(write(block, new, jnp.int32(index))), _bits(expected))
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("keys", [True, False], ids=["keys", "values"])
+def test_page_writes_equal_xlas_scatter(dtype, keys):
+    rng = np.random.default_rng(2)
+    shape = (9, 3, 16, 4) if keys else (9, 3, 4, 16)  # [N, K, H, bs] or [N, K, bs, H]
+    pool = jnp.asarray(rng.standard_normal(shape), dtype)
+    new = jnp.asarray(rng.standard_normal((6, 3, 16)), jnp.float32)
+    blocks = jnp.asarray([4, 0, -2, 8, 9, 2], jnp.int32)  # -2: block 7; 9: past the pool
+    offsets = jnp.asarray([1, 3, 0, -1, 2, 7], jnp.int32)  # -1: the last; 7: past the block
+    assert cache_writes.applies(pool)
+    write = jax.jit(lambda p, n, b, o: cache_writes.write_pages(p, n, b, o, keys=keys))
+    assert "genjax_write_pages_16" in write.lower(pool, new, blocks, offsets).as_text()
+    if keys:
+        expected = pool.at[blocks, :, :, offsets].set(new.astype(dtype))
+    else:
+        expected = pool.at[blocks, :, offsets, :].set(new.astype(dtype))
+    np.testing.assert_array_equal(_bits(write(pool, new, blocks, offsets)), _bits(expected))
+
+
 def test_other_blocks_and_places_take_xlas_write():
     block, new = jnp.zeros((2, 8, 4), jnp.float32), jnp.ones((2, 1, 4), jnp.float32)
     assert not cache_writes.applies(block)  # float32: XLA writes it in place already

@@ -152,27 +152,30 @@ def test_paged_cache_runs_the_model_like_the_contiguous_cache():
 
 
 @functools.cache
-def _bundled():
+def _bundled(dtype: str = "float32"):
     """The bundled model: head width 64, so the CPU attention kernel reads paged pools."""
-    model, params = genjax.models.from_pretrained(genjax.io.bundled.path())
+    model, params = genjax.models.from_pretrained(genjax.io.bundled.path(), dtype=dtype)
     return model.with_generation_config(None), params
 
 
 @pytest.mark.parametrize(
-    "quantized, heads_of_64", [(False, False), (True, False), (False, True)],
-    ids=["float", "int8", "float-in-place"],
+    "quantized, in_place_dtype",
+    [(False, None), (True, None), (False, "float32"), (False, "bfloat16")],
+    ids=["float", "int8", "float32-in-place", "bfloat16-in-place"],
 )  # fmt: skip
 def test_gathered_blocks_decode_like_the_pool_and_scatter_back_only_the_slots_written(
-    quantized, heads_of_64
+    quantized, in_place_dtype
 ):
     """The pool's own decode (read in place by the CPU kernel where the head width allows, else
     gathered per layer) equals the gathered view's, bit for bit."""
-    model, params = _bundled() if heads_of_64 else _model()
+    model, params = _bundled(in_place_dtype) if in_place_dtype else _model()
+    heads_of_64 = in_place_dtype is not None
     ids = jnp.asarray([_prompt(1, 6), _prompt(2, 6)], jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(6, dtype=jnp.int32), (2, 6))
     layers = model.config.num_layers
+    dtype = jnp.dtype(model.config.dtype)
     paged = PagedKVCache.create(
-        layers, 8, 4, 3, 2, model.num_kv_heads, model.head_dim, quantized=quantized
+        layers, 8, 4, 3, 2, model.num_kv_heads, model.head_dim, dtype, quantized=quantized
     )
     paged = paged.replace(block_tables=jnp.asarray([[5, 2, 7], [1, 6, 0]], jnp.int32))
     mask = jnp.ones((2, 12), jnp.int32)
@@ -182,8 +185,9 @@ def test_gathered_blocks_decode_like_the_pool_and_scatter_back_only_the_slots_wr
     assert isinstance(gathered, GatheredKVCache) and gathered.length == 12
     tokens = jnp.asarray([[7], [9]], jnp.int32)
     paged_text = jax.jit(model.apply).lower(params, tokens, paged.index[:, None], paged, mask)
-    in_place = "genjax_pagedattention_scores" in paged_text.as_text()
-    assert in_place == heads_of_64 == reads_pool_in_place(paged)
+    text = paged_text.as_text()
+    assert ("genjax_pagedattention_scores" in text) == heads_of_64 == reads_pool_in_place(paged)
+    assert ("genjax_write_pages_16" in text) == (in_place_dtype == "bfloat16")  # pool in place
     for _ in range(3):  # an int8 pool's view requantizes the slot before each call's
         fed = paged.index[:, None]
         want, paged = model.apply(params, tokens, fed, paged, mask)

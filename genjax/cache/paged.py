@@ -59,6 +59,7 @@ from genjax.cache.kv import replace_layer
 from genjax.cache.paged_blocks import PagedBlocks
 from genjax.cache.quantized import dequantize, quantize
 from genjax.kernels import attention as attention_kernel
+from genjax.kernels import cache_writes
 from genjax.typing import Array
 
 SCRATCH_BLOCK = 0
@@ -205,8 +206,13 @@ class PagedKVCache:
             block, offset = self._write_slots(count)
             flat_k = new_keys.reshape(batch * count, heads, dim).astype(self.dtype)
             flat_v = new_values.reshape(batch * count, heads, dim).astype(self.dtype)
-            pool_k = self.keys[layer].at[block, :, :, offset].set(flat_k)  # [B*T, K, H] at
-            pool_v = self.values[layer].at[block, :, offset, :].set(flat_v)  # (block, :, :, off)
+            pool_k, pool_v = self.keys[layer], self.values[layer]
+            if cache_writes.applies(pool_k):  # 16-bit: in place (XLA:CPU copies the pool)
+                pool_k = cache_writes.write_pages(pool_k, flat_k, block, offset, keys=True)
+                pool_v = cache_writes.write_pages(pool_v, flat_v, block, offset, keys=False)
+            else:
+                pool_k = pool_k.at[block, :, :, offset].set(flat_k)  # [B*T, K, H] at
+                pool_v = pool_v.at[block, :, offset, :].set(flat_v)  # (block, :, :, off)
             if count == 1 and attention_kernel.applies(pool_k, pool_v):  # read in place
                 tables = self.block_tables
                 keys, values = PagedBlocks(pool_k, tables, True), PagedBlocks(pool_v, tables, False)

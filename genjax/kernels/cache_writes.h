@@ -67,6 +67,51 @@ inline ffi::Error WriteSlots(ffi::AnyBuffer block, ffi::AnyBuffer update,
   return ffi::Error::Success();
 }
 
+// Writes R new slots into one layer's 16-bit paged pool, in place:
+//
+//   keys pool [N, K, H, bs]:   pool[block[r], k, h, offset[r]] = update[r, k, h]
+//   values pool [N, K, bs, H]: pool[block[r], k, offset[r], h] = update[r, k, h]
+//
+// as `pool.at[block, :, :, offset].set(update)` (keys) or `.at[block, :, offset, :]` (values)
+// writes them: a negative index counts from the end first, a write whose block or offset is
+// still out of range is dropped, and later rows win where two write the same slot.
+inline ffi::Error WritePages(ffi::AnyBuffer pool, ffi::AnyBuffer update,
+                             ffi::Buffer<ffi::S32> blocks, ffi::Buffer<ffi::S32> offsets,
+                             ffi::Result<ffi::AnyBuffer> out, bool keys) {
+  const auto pd = pool.dimensions();
+  const auto ud = update.dimensions();
+  if (pool.element_type() != update.element_type() || out->element_type() != pool.element_type() ||
+      ffi::ByteWidth(pool.element_type()) != 2 || pd.size() != 4 || ud.size() != 3 ||
+      blocks.element_count() != ud[0] || offsets.element_count() != ud[0] || ud[1] != pd[1] ||
+      ud[2] != (keys ? pd[2] : pd[3])) {
+    return ffi::Error::InvalidArgument(
+        "cache_writes: a 16-bit pool [N, K, H, bs] (keys) or [N, K, bs, H] (values), an update "
+        "[R, K, H] of its type and R int32 blocks and offsets expected");
+  }
+  auto* target = static_cast<uint16_t*>(out->untyped_data());
+  if (target != static_cast<const uint16_t*>(pool.untyped_data())) {
+    std::memcpy(target, pool.untyped_data(), pool.size_bytes());  // not aliased after all
+  }
+  const auto* source = static_cast<const uint16_t*>(update.untyped_data());
+  const int64_t N = pd[0], K = pd[1], H = ud[2], bs = keys ? pd[3] : pd[2];
+  for (int64_t r = 0; r < ud[0]; ++r) {
+    int64_t block = blocks.typed_data()[r], offset = offsets.typed_data()[r];
+    if (block < 0) block += N;
+    if (offset < 0) offset += bs;
+    if (block < 0 || block >= N || offset < 0 || offset >= bs) continue;
+    const uint16_t* row = source + r * K * H;
+    for (int64_t k = 0; k < K; ++k) {
+      uint16_t* head = target + (block * K + k) * H * bs;
+      if (keys) {
+        for (int64_t h = 0; h < H; ++h) head[h * bs + offset] = row[k * H + h];
+      } else {
+        std::memcpy(head + offset * H, row + k * H, H * sizeof(uint16_t));
+      }
+    }
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace genjax_cache_writes
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GenjaxWriteSlots16, genjax_cache_writes::WriteSlots,
@@ -76,3 +121,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GenjaxWriteSlots16, genjax_cache_writes::WriteSlot
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("axis"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GenjaxWritePages16, genjax_cache_writes::WritePages,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<bool>("keys"));

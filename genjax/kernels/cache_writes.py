@@ -10,7 +10,8 @@ at batch 32 (``bench/README.md``).
 :func:`write_slots` runs ``cache_writes.h`` as an XLA FFI custom call whose result aliases the
 block (``input_output_aliases``), so XLA passes the block's own buffer and the kernel copies only
 the new slots' bits: the same values as ``jax.lax.dynamic_update_slice``, its start index
-wrapped and clamped the same way.
+wrapped and clamped the same way. :func:`write_pages` does the same for the serving engine's
+16-bit paged pools (a scatter of one slot per row, which XLA:CPU also widens and copies).
 
 Where it runs: on the CPU, 16-bit float blocks, where :mod:`genjax.kernels.gate` allows the
 ``cache_writes`` kernel. Elsewhere :func:`genjax.cache.kv.write_slots` writes through XLA.
@@ -33,6 +34,7 @@ from genjax.kernels import gate
 from genjax.typing import Array, vary_like
 
 _TARGET = "genjax_write_slots_16"
+_PAGES_TARGET = "genjax_write_pages_16"
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
@@ -61,6 +63,51 @@ def write_slots(block: Array, new: Array, index: Array, axis: int) -> Array:
     return jax.lax.platform_dependent(block, new, index, cpu=write, default=xla)
 
 
+def write_pages(pool: Array, new: Array, blocks: Array, offsets: Array, keys: bool) -> Array:
+    """``pool`` with ``new`` written at slots ``(blocks[r], offsets[r])``, as
+    ``pool.at[blocks, :, :, offsets].set(new)`` (``keys``: a pool [N, K, H, bs]) or
+    ``pool.at[blocks, :, offsets, :].set(new)`` (values: [N, K, bs, H]) writes it (out-of-range
+    writes dropped); call only where :func:`applies`.
+
+    Args:
+        pool: bfloat16 or float16, one layer's paged pool.
+        new: [R, K, H] (cast to the pool's dtype).
+        blocks, offsets: int32[R].
+        keys: static, the pool's layout.
+    """
+    new = new.astype(pool.dtype)
+    blocks, offsets = blocks.astype(jnp.int32), offsets.astype(jnp.int32)
+    write = functools.partial(_write_pages, keys=keys)
+    xla = functools.partial(_xla_write_pages, keys=keys)
+    return jax.lax.platform_dependent(pool, new, blocks, offsets, cpu=write, default=xla)
+
+
+def _xla_write_pages(pool, new, blocks, offsets, keys: bool) -> Array:
+    if keys:
+        return pool.at[blocks, :, :, offsets].set(new)
+    return pool.at[blocks, :, offsets, :].set(new)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(4,))
+def _write_pages(pool, new, blocks, offsets, keys: bool) -> Array:
+    call = jax.ffi.ffi_call(
+        _PAGES_TARGET,
+        jax.ShapeDtypeStruct(pool.shape, pool.dtype),
+        vmap_method="sequential",
+        input_output_aliases={0: 0},
+    )
+    operands = (pool, new, blocks, offsets)
+    return vary_like(call(*operands, keys=keys), operands)
+
+
+@_write_pages.defjvp
+def _write_pages_jvp(keys, primals, tangents):
+    pool, new, blocks, offsets = primals
+    d_pool, d_new = tangents[:2]
+    tangent = _xla_write_pages(d_pool, d_new, blocks, offsets, keys)
+    return _write_pages(pool, new, blocks, offsets, keys), tangent
+
+
 def _xla_write(block: Array, new: Array, index: Array, axis: int) -> Array:
     starts = tuple(index if d == axis else 0 for d in range(block.ndim))
     return jax.lax.dynamic_update_slice(block, new, starts)
@@ -87,4 +134,4 @@ def _write_jvp(axis, primals, tangents):
 @functools.cache
 def _kernel_registered() -> bool:
     """Registers the kernel once per process; False without the library."""
-    return gate.register({_TARGET: "GenjaxWriteSlots16"})
+    return gate.register({_TARGET: "GenjaxWriteSlots16", _PAGES_TARGET: "GenjaxWritePages16"})

@@ -35,6 +35,7 @@ from genjax.cache import PagedKVCache
 from genjax.constraints import CompressedTable
 from genjax.generation.prefill import accepts_logits_to_keep
 from genjax.kernels import attention as attention_kernel
+from genjax.kernels import cache_writes
 from genjax.kernels import rows as rows_kernel
 from genjax.models.quantize import LIBRARY_DOT_OPTIONS
 from genjax.serving.choosing import Scored, choose_rows, no_scores
@@ -356,11 +357,13 @@ def engine_decode(
 
 
 def reads_pool_in_place(cache) -> bool:
-    """Whether the decode loop runs on the paged pool itself (static): a float32 pool whose
-    one-token attention genjax's CPU kernel reads in place (:mod:`genjax.cache.paged_blocks`),
-    each new slot written into the pool where it lies. Otherwise (an int8 or 16-bit pool, off
-    the CPU, on a mesh) the rows' blocks are gathered once per call into contiguous slots
-    (:mod:`genjax.cache.gathered`) and the new slots scattered back after the loop.
+    """Whether the decode loop runs on the paged pool itself (static): a float32 or bfloat16
+    pool whose one-token attention genjax's CPU kernel reads in place
+    (:mod:`genjax.cache.paged_blocks`), each new slot written into the pool where it lies (a
+    bfloat16 pool through :func:`genjax.kernels.cache_writes.write_pages`). Otherwise (an int8
+    or float16 pool, off the CPU, on a mesh) the rows' blocks are gathered once per call into
+    contiguous slots (:mod:`genjax.cache.gathered`) and the new slots scattered back after the
+    loop.
 
     Why: the gathered copy of every layer (about 260 MB for SmolLM-135M's 8 rows of 44 blocks)
     is a buffer XLA allocates afresh, and the OS maps in afresh, on every call: on the 2-core
@@ -369,8 +372,8 @@ def reads_pool_in_place(cache) -> bool:
     return (
         isinstance(cache, PagedKVCache)
         and not cache.quantized
-        and jnp.dtype(cache.dtype) == jnp.float32
         and attention_kernel.applies(cache.keys[0], cache.values[0])
+        and (jnp.dtype(cache.dtype) == jnp.float32 or cache_writes.applies(cache.keys[0]))
     )
 
 

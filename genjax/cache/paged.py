@@ -215,7 +215,8 @@ class PagedKVCache:
                 pool_v = pool_v.at[block, :, offset, :].set(flat_v)  # (block, :, :, off)
             if count == 1 and attention_kernel.applies(pool_k, pool_v):  # read in place
                 tables = self.block_tables
-                keys, values = PagedBlocks(pool_k, tables, True), PagedBlocks(pool_v, tables, False)
+                keys = PagedBlocks(pool_k, tables, keys=True)
+                values = PagedBlocks(pool_v, tables, keys=False)
             else:
                 keys, values = self._gather(pool_k, pool_v)
             cache = self.replace(
@@ -285,9 +286,8 @@ class PagedKVCache:
         float[B, K, S, H] (codes times their scales when scales are given)."""
         if key_scales is None:
             tables = self.block_tables
-            return PagedBlocks(pool_k, tables, True).logical(), PagedBlocks(
-                pool_v, tables, False
-            ).logical()
+            keys = PagedBlocks(pool_k, tables, keys=True).logical()
+            return keys, PagedBlocks(pool_v, tables, keys=False).logical()
         batch, heads, dim = self.batch, pool_v.shape[1], pool_v.shape[3]
         keys = pool_k[self.block_tables]  # [B, M, K, H, bs]
         values = pool_v[self.block_tables]  # [B, M, K, bs, H]

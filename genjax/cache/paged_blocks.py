@@ -50,13 +50,4 @@ class PagedBlocks:
 
     def logical(self) -> Array:
         """The rows' blocks copied into logical order (keys [B, K, H, S] or values [B, K, S, H])."""
-        blocks, heads = self.pool.shape[:2]
-        if self.keys:  # runs of bs slots: [N, K*H, bs]
-            runs = self.pool.reshape(blocks, heads * self.pool.shape[2], -1)
-        else:  # runs of bs*H values: [N, K, bs*H]
-            runs = self.pool.reshape(blocks, heads, -1)
-        if block_gather.applies():
-            out = block_gather.gather(runs, self.tables)  # [B, P, M, R]
-        else:
-            out = runs[self.tables].transpose(0, 2, 1, 3)
-        return out.reshape(self.shape)
+        return block_gather.logical(self.pool, self.tables, self.keys)

@@ -33,7 +33,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from genjax.kernels import gate
+from genjax.kernels import block_gather, gate
 from genjax.typing import Array, vary_like
 
 HEAD_MULTIPLE = 16
@@ -93,12 +93,6 @@ def weighted_values(weights: Array, values: Array, bias: Array) -> Array:
     )
 
 
-def applies_paged(pool_keys: Array, pool_values: Array) -> bool:
-    """Whether a decode step over a paged pool's keys [N, K, H, bs] and values [N, K, bs, H]
-    runs the kernel in place (static)."""
-    return applies(pool_keys, pool_values)
-
-
 def paged_scores(queries: Array, pool_keys: Array, tables: Array, bias: Array) -> Array:
     """:func:`scores` over a paged pool: row ``b``'s slot ``s`` is at offset ``s % bs`` of
     block ``tables[b, s // bs]``. The same bits as :func:`scores` over the rows' blocks
@@ -128,11 +122,10 @@ def kernel_available() -> bool:
     return _kernel_registered()
 
 
-def _call(part: str, rows: Array, cache: Array, bias: Array, shape: tuple) -> Array:
-    target = f"genjax_attention_{part}_{_SUFFIX[jnp.dtype(cache.dtype)].lower()}"
+def _call(target: str, shape: tuple, *operands: Array) -> Array:
     out = jax.ShapeDtypeStruct(shape, jnp.float32)
-    y = jax.ffi.ffi_call(target, out, vmap_method="sequential")(rows, cache, bias)
-    return vary_like(y, (rows, cache, bias))  # in shard_map: typed as XLA's sums would be
+    y = jax.ffi.ffi_call(target, out, vmap_method="sequential")(*operands)
+    return vary_like(y, operands)  # in shard_map: typed as XLA's sums would be
 
 
 def _xla_scores(q: Array, keys: Array, bias: Array) -> Array:
@@ -149,7 +142,8 @@ def _kernel_sum(part: str, xla_sum):
 
     @jax.custom_jvp
     def kernel_sum(rows: Array, cache: Array, bias: Array) -> Array:
-        return _call(part, rows, cache, bias, (*rows.shape[:3], cache.shape[3]))
+        target = f"genjax_attention_{part}_{_SUFFIX[jnp.dtype(cache.dtype)].lower()}"
+        return _call(target, (*rows.shape[:3], cache.shape[3]), rows, cache, bias)
 
     @kernel_sum.defjvp
     def kernel_sum_jvp(primals, tangents):
@@ -162,26 +156,12 @@ _scores = _kernel_sum("scores", _xla_scores)
 _weighted_values = _kernel_sum("values", _xla_weighted_values)
 
 
-def _logical_keys(pool_keys: Array, tables: Array) -> Array:
-    """[B, K, H, S] from a pool [N, K, H, bs] (XLA's gather)."""
-    batch, blocks = tables.shape
-    heads, dim, size = pool_keys.shape[1:]
-    return pool_keys[tables].transpose(0, 2, 3, 1, 4).reshape(batch, heads, dim, blocks * size)
-
-
-def _logical_values(pool_values: Array, tables: Array) -> Array:
-    """[B, K, S, H] from a pool [N, K, bs, H] (XLA's gather)."""
-    batch, blocks = tables.shape
-    heads, size, dim = pool_values.shape[1:]
-    return pool_values[tables].transpose(0, 2, 1, 3, 4).reshape(batch, heads, blocks * size, dim)
-
-
 def _xla_paged_scores(q: Array, pool_keys: Array, tables: Array, bias: Array) -> Array:
-    return _xla_scores(q, _logical_keys(pool_keys, tables), bias)
+    return _xla_scores(q, block_gather.logical(pool_keys, tables, keys=True), bias)
 
 
 def _xla_paged_values(w: Array, pool_values: Array, tables: Array, bias: Array) -> Array:
-    return _xla_weighted_values(w, _logical_values(pool_values, tables), bias)
+    return _xla_weighted_values(w, block_gather.logical(pool_values, tables, keys=False), bias)
 
 
 def _paged_sum(part: str, xla_sum):
@@ -190,14 +170,10 @@ def _paged_sum(part: str, xla_sum):
 
     @jax.custom_jvp
     def paged_sum(rows: Array, pool: Array, tables: Array, bias: Array) -> Array:
-        dtype = _SUFFIX[jnp.dtype(pool.dtype)].lower()
-        target = f"genjax_pagedattention_{part}_{dtype}"
-        width = pool.shape[2] if part == "scores" else pool.shape[3]  # H (keys) or H (values)
-        slots = tables.shape[1] * (pool.shape[3] if part == "scores" else pool.shape[2])
-        shape = (*rows.shape[:3], slots if part == "scores" else width)
-        out = jax.ShapeDtypeStruct(shape, jnp.float32)
-        y = jax.ffi.ffi_call(target, out, vmap_method="sequential")(rows, pool, tables, bias)
-        return vary_like(y, (rows, pool, tables, bias))
+        target = f"genjax_pagedattention_{part}_{_SUFFIX[jnp.dtype(pool.dtype)].lower()}"
+        # scores: S = M * bs of a keys pool [N, K, H, bs]; values: H of [N, K, bs, H]
+        last = tables.shape[1] * pool.shape[3] if part == "scores" else pool.shape[3]
+        return _call(target, (*rows.shape[:3], last), rows, pool, tables, bias)
 
     @paged_sum.defjvp
     def paged_sum_jvp(primals, tangents):

@@ -39,6 +39,20 @@ def gather(pool: Array, tables: Array) -> Array:
     return jax.lax.platform_dependent(pool, tables, cpu=_gather, default=_xla_gather)
 
 
+def logical(pool: Array, tables: Array, keys: bool) -> Array:
+    """A paged pool's rows in logical slot order: keys ``[B, K, H, S]`` from a keys pool
+    ``[N, K, H, bs]`` (``keys``), else values ``[B, K, S, H]`` from ``[N, K, bs, H]``;
+    ``S = M * bs`` for tables int32 ``[B, M]``. Through the kernel where it :func:`applies`,
+    else XLA's gather."""
+    blocks, heads, a, b = pool.shape
+    batch, per_row = tables.shape
+    # keys: runs of bs slots [N, K*H, bs]; values: runs of bs*H values [N, K, bs*H]
+    runs = pool.reshape(blocks, heads * a, b) if keys else pool.reshape(blocks, heads, a * b)
+    out = gather(runs, tables) if applies() else _xla_gather(runs, tables)  # [B, P, M, R]
+    shape = (batch, heads, a, per_row * b) if keys else (batch, heads, per_row * a, b)
+    return out.reshape(shape)
+
+
 def _xla_gather(pool: Array, tables: Array) -> Array:
     return pool[tables].transpose(0, 2, 1, 3)  # [B, M, P, R] -> [B, P, M, R]
 

@@ -30,15 +30,16 @@ MASKED = float(jnp.finfo(jnp.float32).min)
 B, K, G, H, S = 4, 3, 3, 64, 40
 
 
-def _blocks(dtype, seed=0):
-    """queries [B, K, G, H], keys [B, K, H, S], values [B, K, S, H], and a bias [B, S] whose rows
-    mask: a prefix (left padding), a suffix (slots not written yet), every slot, two inner slots."""
+def _blocks(dtype, seed=0, slots=S):
+    """queries [B, K, G, H], keys [B, K, H, slots], values [B, K, slots, H], and a bias
+    [B, slots] whose rows mask: a prefix (left padding), a suffix (slots not written yet), every
+    slot, two inner slots."""
     rng = np.random.default_rng(seed)
     q = jnp.asarray(rng.standard_normal((B, K, G, H)), jnp.float32)
-    keys = jnp.asarray(rng.standard_normal((B, K, H, S)), dtype)
-    values = jnp.asarray(rng.standard_normal((B, K, S, H)), dtype)
-    allowed = np.ones((B, S), bool)
-    allowed[0, :5] = allowed[1, 30:] = allowed[2, :] = allowed[3, 10:12] = False
+    keys = jnp.asarray(rng.standard_normal((B, K, H, slots)), dtype)
+    values = jnp.asarray(rng.standard_normal((B, K, slots, H)), dtype)
+    allowed = np.ones((B, slots), bool)
+    allowed[0, :5] = allowed[1, slots - 10 :] = allowed[2, :] = allowed[3, 10:12] = False
     bias = jnp.where(jnp.asarray(allowed), 0.0, MASKED)
     return q, keys, values, bias
 
@@ -103,17 +104,22 @@ def test_a_rows_bits_do_not_depend_on_padding_buffer_length_or_other_rows(dtype)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("block_size", [40, 20, 8, 5])  # S = 40: vectors and scalar tails
-def test_paged_sums_equal_the_sums_over_blocks_gathered_first(dtype, block_size):
-    q, _, _, bias = _blocks(dtype, seed=4)
-    blocks = S // block_size
+@pytest.mark.parametrize(
+    "slots, block_size",
+    # 40 slots: vectors and scalar tails; 160: also the tiles of several vectors, whose bits a
+    # block of 5 (scalar sums only) must give too.
+    [(40, 40), (40, 20), (40, 8), (40, 5), (160, 160), (160, 32), (160, 5)],
+)
+def test_paged_sums_equal_the_sums_over_blocks_gathered_first(dtype, slots, block_size):
+    q, _, _, bias = _blocks(dtype, seed=4, slots=slots)
+    blocks = slots // block_size
     rng = np.random.default_rng(5)
     pool_keys = jnp.asarray(rng.standard_normal((11, K, H, block_size)), dtype)
     pool_values = jnp.asarray(rng.standard_normal((11, K, block_size, H)), dtype)
     tables = jnp.asarray(rng.integers(0, 11, (B, blocks)), jnp.int32)
     keys = PagedBlocks(pool_keys, tables, True)
     values = PagedBlocks(pool_values, tables, False)
-    assert keys.shape == (B, K, H, S) and values.shape == (B, K, S, H)
+    assert keys.shape == (B, K, H, slots) and values.shape == (B, K, slots, H)
     logical_keys, logical_values = keys.logical(), values.logical()
     with gate.disabled(kernels=("block_gather",)):  # XLA's gather: the same arrays
         np.testing.assert_array_equal(keys.logical(), logical_keys)

@@ -71,21 +71,49 @@ struct Problem {
 // fused multiply-add each, so the bits are those of the plain loops.
 constexpr int kTile = 4;  // queries (G) per tile
 
+// Prefetch distances: the values' slot s + kValuesAhead is asked for while slot s is summed; a
+// paged block's next block as a whole, as it starts (genjax.cache.paged blocks lie 4 KB apart
+// in no order, which the hardware prefetcher cannot guess).
+constexpr int64_t kValuesAhead = 8;    // slots
+
 // out[t * out_stride + i] = sum_h q[t * H + h] * keys[h * h_stride + i], i < count, t < T.
+// V vectors of slots at a time: the sums over h are chains of dependent multiply-adds, and with
+// T * V of them side by side the core overlaps their latency (T = 3 alone, as SmolLM's 3 queries
+// per KV head, ran at half the values' speed).
+constexpr int64_t kBand = 8;  // key rows per band; H is a multiple of it
+
+template <int T, int V, typename C>
+int64_t ScoresVectors(const float* q, int64_t H, const C* keys, int64_t h_stride, int64_t begin,
+                      int64_t count, float* out, int64_t out_stride) {
+  const int64_t end = begin + (count - begin) / (V * kLanes) * (V * kLanes);
+  for (int64_t h0 = 0; h0 < H; h0 += kBand) {
+    for (int64_t i = begin; i < end; i += V * kLanes) {
+      Vec acc[V][T];
+      for (int v = 0; v < V; ++v)
+        for (int t = 0; t < T; ++t)
+          acc[v][t] = h0 ? Load(out + t * out_stride + i + v * kLanes) : Zero();
+      for (int64_t h = h0; h < h0 + kBand; ++h) {
+        Vec key[V];  // widened once for the T queries
+        for (int v = 0; v < V; ++v) key[v] = Widen(keys + h * h_stride + i + v * kLanes);
+        for (int t = 0; t < T; ++t) {
+          const Vec query = Splat(q[t * H + h]);
+          for (int v = 0; v < V; ++v) acc[v][t] = Fma(query, key[v], acc[v][t]);
+        }
+      }
+      for (int v = 0; v < V; ++v)
+        for (int t = 0; t < T; ++t) Store(out + t * out_stride + i + v * kLanes, acc[v][t]);
+    }
+  }
+  return end;
+}
+
+constexpr int kScoreVectors = kLanes == 16 ? 4 : 2;  // AVX2 has half the registers
+
 template <int T, typename C>
 void ScoresTile(const float* q, int64_t H, const C* keys, int64_t h_stride, int64_t count,
                 float* out, int64_t out_stride) {
-  const int64_t vector_count = count / kLanes * kLanes;
-  int64_t i = 0;
-  for (; i < vector_count; i += kLanes) {
-    Vec acc[T];
-    for (int t = 0; t < T; ++t) acc[t] = Zero();
-    for (int64_t h = 0; h < H; ++h) {
-      const Vec key = Widen(keys + h * h_stride + i);  // widened once for the T queries
-      for (int t = 0; t < T; ++t) acc[t] = Fma(Splat(q[t * H + h]), key, acc[t]);
-    }
-    for (int t = 0; t < T; ++t) Store(out + t * out_stride + i, acc[t]);
-  }
+  int64_t i = ScoresVectors<T, kScoreVectors>(q, H, keys, h_stride, 0, count, out, out_stride);
+  i = ScoresVectors<T, 1>(q, H, keys, h_stride, i, count, out, out_stride);
   for (; i < count; ++i) {
     float acc[T] = {};
     for (int64_t h = 0; h < H; ++h) {
@@ -124,6 +152,9 @@ void ValuesTile(const float* w, int64_t S, Span span, RowAt row_at, int64_t H, f
       for (int t = 0; t < T; ++t) acc[v][t] = Zero();
     for (int64_t s = span.begin; s < span.end; ++s) {
       const C* row = row_at(s) + h0;
+      if (s + kValuesAhead < span.end) {
+        PrefetchBytes(row_at(s + kValuesAhead) + h0, vectors * kLanes * sizeof(C));
+      }
       Vec weight[T];
       for (int t = 0; t < T; ++t) weight[t] = Splat(w[t * S + s]);
       for (int v = 0; v < vectors; ++v) {
@@ -205,6 +236,10 @@ void PagedScoresBlock(const Problem<C>& p, const Pages& pages, int64_t block) {
   }
   for (int64_t m = span.begin / bs; m * bs < span.end; ++m) {
     const C* keys = p.cache + (pages.Block(b, m) * p.kv_heads + k) * H * bs;  // [H, bs]
+    if ((m + 1) * bs < span.end) {
+      PrefetchBytes(p.cache + (pages.Block(b, m + 1) * p.kv_heads + k) * H * bs,
+                    H * bs * sizeof(C));
+    }
     const int64_t first = std::max(span.begin, m * bs), last = std::min(span.end, (m + 1) * bs);
     Scores(q, G, H, keys + (first - m * bs), bs, last - first, scores + first, S);
   }

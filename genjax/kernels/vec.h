@@ -14,6 +14,17 @@
 
 namespace genjax_kernels {
 
+constexpr int64_t kLineBytes = 64;  // a cache line
+
+// Asks for the cache line holding `p` ahead of its use (never faults, even past an array's end).
+inline void Prefetch(const void* p) { __builtin_prefetch(p, 0, 3); }
+
+// Prefetch for each cache line of [p, p + bytes).
+inline void PrefetchBytes(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < bytes; i += kLineBytes) Prefetch(c + i);
+}
+
 // One value widened to float32, as Widen does a vector of them.
 inline float WidenOne(float w) { return w; }
 inline float WidenOne(int8_t w) { return w; }

@@ -219,30 +219,36 @@ def choose_tokens(
     penalties = count_penalties(settings.presence_penalty, settings.frequency_penalty)
     active = jnp.any((settings.presence_penalty != 0) | (settings.frequency_penalty != 0))
     scores = jax.lax.cond(active, lambda s: penalties(s, context), lambda s: s, scores)
-    warp = chain(
-        temperature(settings.temperature),
-        top_k(settings.top_k),
-        top_p(settings.top_p),
-        min_p(settings.min_p),
-    )
-    warped = warp(scores, context)
-    # The truncation warpers after min_p, in transformers' order, only on steps where some row
-    # uses one: each costs a softmax over V (typical_p also a partial sort).
-    truncate = chain(
-        typical_p(settings.typical_p),
-        epsilon_cutoff(settings.epsilon_cutoff),
-        eta_cutoff(settings.eta_cutoff),
-    )
-    truncating = jnp.any(
-        (settings.typical_p < 1) | (settings.epsilon_cutoff > 0) | (settings.eta_cutoff > 0)
-    )
-    warped = jax.lax.cond(truncating, lambda s: truncate(s, context), lambda s: s, warped)
-    keys = jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.key(seed), i))(
-        settings.seed, num_new
-    )
-    drawn = jax.vmap(sample_row)(keys, warped, settings.sample_row)
     greedy = highest(scores)
-    return jnp.where(settings.do_sample, drawn, greedy)
+
+    def draw(scores):
+        warp = chain(
+            temperature(settings.temperature),
+            top_k(settings.top_k),
+            top_p(settings.top_p),
+            min_p(settings.min_p),
+        )
+        warped = warp(scores, context)
+        # The truncation warpers after min_p, in transformers' order, only on steps where some
+        # row uses one: each costs a softmax over V (typical_p also a partial sort).
+        truncate = chain(
+            typical_p(settings.typical_p),
+            epsilon_cutoff(settings.epsilon_cutoff),
+            eta_cutoff(settings.eta_cutoff),
+        )
+        truncating = jnp.any(
+            (settings.typical_p < 1) | (settings.epsilon_cutoff > 0) | (settings.eta_cutoff > 0)
+        )
+        warped = jax.lax.cond(truncating, lambda s: truncate(s, context), lambda s: s, warped)
+        keys = jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.key(seed), i))(
+            settings.seed, num_new
+        )
+        drawn = jax.vmap(sample_row)(keys, warped, settings.sample_row)
+        return jnp.where(settings.do_sample, drawn, greedy)
+
+    # The warpers and the draw (top-k and top-p sort the vocabulary: about 2.5 ms a step at
+    # [8, 49152]) only on steps where some row samples.
+    return jax.lax.cond(jnp.any(settings.do_sample), draw, lambda _: greedy, scores)
 
 
 def sequence_biases(

@@ -260,6 +260,7 @@ def test_step_alone_prefills_chooses_and_decodes_a_hand_checked_request():
         prefill_tokens=chunk,
         prefill_count=np.asarray(3, np.int32),
         prefill_last=np.asarray(True),
+        prefill_table=tables[1, :2],  # span 2 blocks: the chunk's C = 8 slots
         prompt_length=np.asarray(3, np.int32),
         row=row,
         admit=np.asarray(True),
@@ -329,9 +330,16 @@ def test_engine_greedy_equals_generate_alone_across_a_mixed_workload(manager):
             pairs = zip(prompts[1:], specs[1:], strict=True)
             ids.extend(manager.add_request(p, **s) for p, s in pairs)
 
-    spans = []  # the attention span (blocks) of every step's decode loop
+    spans, chunk_spans = [], []  # the attention spans (blocks) of the decode loops and chunks
     step = manager._step
-    manager._step = lambda work: (spans.append(work.decode_tables.shape[1]), step(work))[1]
+
+    def recorded(work):
+        spans.append(work.decode_tables.shape[1])
+        if work.prefill_slot >= 0:
+            chunk_spans.append(work.prefill_table.shape[0])
+        return step(work)
+
+    manager._step = recorded
     manager.register_result_handler(arrive_while_the_first_decodes)
     try:
         manager.add_request(prompts[0], request_id="mixed-0", streaming=True, **specs[0])
@@ -340,8 +348,10 @@ def test_engine_greedy_equals_generate_alone_across_a_mixed_workload(manager):
         outputs = [first_out] + [manager.get_result(i, timeout=300) for i in ids[1:]]
     finally:
         del manager._step  # the class's again
-    # Steps whose rows held at most 4 blocks read those alone; the others the whole table.
+    # Steps whose rows held at most 4 blocks read those alone; the others the whole table. So
+    # did the prompt chunks (the preempted requests' recomputed ones end past 16 slots).
     assert set(spans) == {4, 12}, sorted(set(spans))
+    assert set(chunk_spans) == {4, 12}, sorted(set(chunk_spans))
     for prompt, spec, extra, out in zip(prompts, specs, extras, outputs, strict=True):
         eos_ids = tuple(spec.get("eos_token_id", ())) or None
         if "logprobs" in spec:  # plain greedy: each token is its raw distribution's argmax

@@ -50,7 +50,13 @@ from genjax.serving.options import EngineOptions, build_request, request_config
 from genjax.serving.output import GenerationOutput, output_of
 from genjax.serving.programs import compile_buckets
 from genjax.serving.scheduler import RequestState, RequestStatus, Scheduler
-from genjax.serving.step import PrefillOutput, compile_decode, compile_prefill, prefill_input
+from genjax.serving.step import (
+    PrefillOutput,
+    compile_decode,
+    compile_prefill,
+    decode_input,
+    prefill_input,
+)
 
 __all__ = [
     "ContinuousBatchingConfig",
@@ -98,7 +104,7 @@ class ContinuousBatchingManager:
         self._steps[PREFILL] = compile_prefill(
             model, top, library_dots(params, shape.chunk, meshed), self._layout
         )
-        self._compiled: dict[Any, Any] = {}  # (B_k, M_s) or PREFILL -> its program (warmup)
+        self._compiled: dict[Any, Any] = {}  # (B_k, M_s) or (PREFILL, M_p) -> its program
         self._state = None
         self._constraints = None  # the constraint pool's host copy (none: no constraints)
         if self.shape.constraint_states:
@@ -144,22 +150,23 @@ class ContinuousBatchingManager:
 
     # ---- lifecycle ----------------------------------------------------------------------
     def warmup(self) -> None:
-        """Compiles the engine's programs (a step program per decoded-row bucket and attention
-        span, and the state's allocation) now, so that serving compiles nothing
-        (:func:`~genjax.serving.programs.compile_buckets`: programs another manager of the same
-        model and sizes compiled are reused)."""
+        """Compiles the engine's programs (a decode program per decoded-row bucket and attention
+        span, a prefill program per span, and the state's allocation) now, so that serving
+        compiles nothing (:func:`~genjax.serving.programs.compile_buckets`: programs another
+        manager of the same model and sizes compiled are reused)."""
         if self._state is None:
             self._state = init_state(self.model, self.shape, layout=self._layout)
         plans = Scheduler(self.shape)
-        work = {(b, m): plans._step_input(1, b, m) for b, m in self.shape.programs}
+        work = {(b, m): decode_input(plans._step_input(1, b, m)) for b, m in self.shape.programs}
         steps = {(b, m): self._steps[b] for b, m in self.shape.programs}
-        steps[PREFILL] = self._steps[PREFILL]
+        for span in self.shape.prefill_spans:
+            steps[PREFILL, span] = self._steps[PREFILL]
         prefilled = PrefillOutput.empty(self.shape.max_top_logprobs, self._layout)
 
         def arguments(program):
-            if program == PREFILL:
-                first = work[self.shape.programs[0]]
-                return self.params, self._state, prefill_input(first), self._pool()
+            if program[0] == PREFILL:
+                chunk = plans._step_input(1, *self.shape.programs[0], prefill_span=program[1])
+                return self.params, self._state, prefill_input(chunk), self._pool()
             return self.params, self._state, work[program], prefilled, self._pool()
 
         self._compiled = compile_buckets(steps, arguments)
@@ -169,10 +176,10 @@ class ContinuousBatchingManager:
         the current state (donated), with the constraint pool (uploaded again when an
         automaton was installed)."""
         pool = self._pool()
-        prefill = self._compiled[PREFILL]
+        prefill = self._compiled[PREFILL, work.prefill_table.shape[0]]
         state, prefilled = prefill(self.params, self._state, prefill_input(work), pool)
         decode = self._compiled[work.decode_tables.shape]
-        return decode(self.params, state, work, prefilled, pool)
+        return decode(self.params, state, decode_input(work), prefilled, pool)
 
     def _pool(self):
         """The constraint pool on the device, or None when the engine has none."""

@@ -358,10 +358,14 @@ class Scheduler:
         ]
 
     def _step_input(
-        self, steps: int, bucket: int | None = None, span: int | None = None
+        self,
+        steps: int,
+        bucket: int | None = None,
+        span: int | None = None,
+        prefill_span: int | None = None,
     ) -> StepInput:
-        """The step's input; ``bucket`` and ``span`` force the decoded-row count and the
-        attention span (warm-up compiles each pair)."""
+        """The step's input; ``bucket`` and ``span`` force the decoded-row count and the decode
+        loop's attention span, ``prefill_span`` the prompt chunk's (warm-up compiles each)."""
         chunk = np.zeros((self.shape.chunk,), np.int32)
         history = np.zeros((self.shape.max_length,), np.int32)
         request = self.prefilling
@@ -381,6 +385,12 @@ class Scheduler:
             request.admitted = True
             self._chunk = (count, last)
         rows = self.decode_rows(last, bucket)
+        if prefill_span is None:  # the shortest span holding the chunk's tokens
+            blocks = -(-(start + count) // shape.block_size) if request is not None else 0
+            prefill_span = next(s for s in shape.prefill_spans if s >= blocks)
+        prefill_table = np.zeros((prefill_span,), np.int32)
+        if request is not None:
+            prefill_table[:] = self.tables[slot, :prefill_span]
         work = StepInput(
             block_tables=self.tables.copy(),
             release=self.release.copy(),
@@ -390,6 +400,7 @@ class Scheduler:
             prefill_tokens=chunk,
             prefill_count=np.asarray(count, np.int32),
             prefill_last=np.asarray(last, bool),
+            prefill_table=prefill_table,
             prompt_length=np.asarray(prompt_length, np.int32),
             row=row,
             admit=np.asarray(admit, bool),

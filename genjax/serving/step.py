@@ -5,8 +5,8 @@ jitted, pure programs over the donated :class:`~genjax.serving.engine.EngineStat
 
 * :func:`engine_prefill` applies the host's block tables, releases the rows it stopped, admits
   a new request's settings and runs one prompt chunk of ``C`` tokens for one slot (skipped with
-  ``lax.cond`` when there is none), choosing the slot's first new token after the prompt's last
-  chunk. Its shapes depend only on the engine's sizes: the engine compiles it once.
+  ``lax.cond`` when there is none) over the first ``M_p`` blocks of its table, choosing the
+  slot's first new token after the prompt's last chunk: one program per span ``M_p``.
 * :func:`engine_decode` decodes the ``B_k`` rows the host names, over the first ``M_s`` blocks
   of their tables, up to ``num_steps`` times: one program per ``(B_k, M_s)`` pair.
 
@@ -20,7 +20,9 @@ one program, for tests and benchmarks that drive a single step).
 
 Static or traced: as :mod:`genjax.serving.engine` lists; the prefill program takes the step
 input without ``decode_rows`` and ``decode_tables`` (:func:`prefill_input`), so that its shape
-does not depend on the bucket or span.
+does not depend on the bucket or decode span, and the decode program takes it without
+``prefill_table`` (:func:`decode_input`), so that its shape does not depend on the prefill
+span.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ __all__ = [
     "compile_decode",
     "compile_prefill",
     "compile_step",
+    "decode_input",
     "engine_decode",
     "engine_prefill",
     "engine_step",
@@ -73,8 +76,14 @@ class PrefillOutput:
 
 def prefill_input(work: StepInput) -> StepInput:
     """``work`` without the decode rows and their tables: the prefill program's input, whose
-    shapes are the same for every bucket and span."""
+    shapes are the same for every bucket and decode span."""
     return work.replace(decode_rows=(), decode_tables=())
+
+
+def decode_input(work: StepInput) -> StepInput:
+    """``work`` without the prompt chunk's table: the decode program's input, whose shapes are
+    the same for every prefill span."""
+    return work.replace(prefill_table=())
 
 
 def _constrain(layout: Layout | None, state: EngineState) -> EngineState:
@@ -139,7 +148,9 @@ def _prefill(model, params, state: EngineState, work: StepInput, pool, top: int)
     chunk = work.prefill_tokens.shape[0]
     slot = work.prefill_slot[None]  # [1]
     start, count = work.prefill_start, work.prefill_count
-    part = state.cache.select_rows(slot).replace(index=start[None])
+    # Slots past the span are later than the chunk's tokens: causally masked for all of them.
+    part = state.cache.select_rows(slot)
+    part = part.replace(block_tables=work.prefill_table[None], index=start[None])
     positions = (start + jnp.arange(chunk, dtype=jnp.int32))[None]  # [1, C]
     mask = jnp.ones((1, part.length), jnp.int32)
     # Only the last real token's logits are used (after the prompt's last chunk): computing
@@ -244,7 +255,8 @@ def engine_prefill(
         params: its parameters (traced).
         state: the :class:`~genjax.serving.engine.EngineState` (traced, donated).
         work: the step's :class:`~genjax.serving.engine.StepInput`; its ``decode_rows`` and
-            ``decode_tables`` are not read (:func:`prefill_input` drops them).
+            ``decode_tables`` are not read (:func:`prefill_input` drops them); the shape of its
+            ``prefill_table`` is the chunk's span ``M_p``.
         pool: the constraint pool (:mod:`genjax.serving.constraint_pool`; traced, not
             donated), or None for an engine without one (static: nothing of it compiles).
         max_top_logprobs: ``L`` (static), the top log-probabilities returned per token.

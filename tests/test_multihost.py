@@ -1,4 +1,6 @@
-"""Two processes on localhost, one global 8-device mesh, the single-process tokens.
+"""Two processes on localhost, one global 8-device mesh, the single-process tokens: a
+decoder-only model with the ``model`` axis across the processes, and an encoder-decoder one with
+the ``data`` axis across them.
 
 Starts ``examples/multihost.py`` twice (process 0 and 1, 4 virtual CPU devices each, joined by
 ``jax.distributed.initialize`` with gloo collectives) on a ``(1, 8)`` mesh: the ``model`` axis
@@ -47,7 +49,7 @@ def _log(path: Path) -> str:
     return "\n".join(line for line in lines if not line.startswith("[Gloo]"))[-3000:]
 
 
-def _run_two_processes(checkpoint: Path, folder: Path) -> list[dict]:
+def _run_two_processes(checkpoint: Path, folder: Path, args: list[str]) -> list[dict]:
     """Runs the example as processes 0 and 1 and returns their JSON outputs.
 
     Fails (with both processes' stderr) as soon as one exits with an error, killing the other,
@@ -65,7 +67,7 @@ def _run_two_processes(checkpoint: Path, folder: Path) -> list[dict]:
         command = [
             sys.executable, str(ROOT / "examples" / "multihost.py"),
             "--process-id", str(rank), "--num-processes", "2", "--coordinator", coordinator,
-            "--checkpoint", str(checkpoint), "--out", str(folder / f"out{rank}.json"), *ARGS,
+            "--checkpoint", str(checkpoint), "--out", str(folder / f"out{rank}.json"), *args,
         ]  # fmt: skip
         with open(logs[rank], "w") as err:
             procs.append(subprocess.Popen(command, env=env, stdout=err, stderr=err))
@@ -118,22 +120,49 @@ def checkpoint(tmp_path_factory) -> Path:
     return folder
 
 
-def test_two_processes_get_the_single_process_tokens(checkpoint, tmp_path):
-    results = _run_two_processes(checkpoint, tmp_path)
-
-    args = multihost.parse_args(["--checkpoint", str(checkpoint), "--out", "-", *ARGS])
-    ids, mask = multihost.prompts(args)
+def _single_process(checkpoint: Path, args: list[str]):
+    """What one process' ``genjax.generate`` gives for the example's prompts and config."""
+    parsed = multihost.parse_args(["--checkpoint", str(checkpoint), "--out", "-", *args])
+    ids, mask = multihost.prompts(parsed)
     model, params = genjax.models.from_pretrained(checkpoint)
     config = genjax.GenerationConfig(
-        max_new_tokens=args.max_new_tokens, pad_token_id=args.pad_token_id, output_scores=True
+        max_new_tokens=parsed.max_new_tokens, pad_token_id=parsed.pad_token_id, output_scores=True
     )
-    expected = genjax.generate(model, params, ids, config, attention_mask=mask)
+    return genjax.generate(model, params, ids, config, attention_mask=mask)
+
+
+def _assert_same(results: list[dict], expected, mesh: dict, processes: list) -> None:
     for rank, result in enumerate(results):
         assert result["process_id"] == rank
         assert (result["num_processes"], result["local_devices"]) == (2, 4)
-        assert result["mesh"] == {"data": 1, "model": 8}
-        assert result["mesh_processes"] == [[0, 0, 0, 0, 1, 1, 1, 1]]  # "model" spans both
+        assert result["mesh"] == mesh
+        assert result["mesh_processes"] == processes
         np.testing.assert_array_equal(result["greedy"]["sequences"], expected.sequences)
         np.testing.assert_allclose(
             result["greedy"]["scores"], expected.scores, atol=1e-5, rtol=1e-5
         )
+
+
+def test_two_processes_get_the_single_process_tokens(checkpoint, tmp_path):
+    results = _run_two_processes(checkpoint, tmp_path, ARGS)
+    expected = _single_process(checkpoint, ARGS)
+    # "model" spans both processes
+    _assert_same(results, expected, {"data": 1, "model": 8}, [[0, 0, 0, 0, 1, 1, 1, 1]])
+
+
+def test_two_processes_run_an_encoder_decoder_model_as_one(tmp_path):
+    """T5 v1.1 (relative position bias, gated feed-forward; tests/fixtures/encdec) on a (2, 4)
+    mesh: each process holds one ``data`` row of the source batch, its 4 heads split over
+    ``model``; the encoder runs once and the decoder reads its cross-attention cache, the tokens
+    and scores those of one process."""
+    checkpoint = ROOT / "tests" / "fixtures" / "encdec" / "t5_v1_1"
+    rng = np.random.default_rng(3)
+    sources = [rng.integers(2, 64, n).tolist() for n in rng.integers(2, 7, 8)]  # vocabulary 64
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(sources))
+    args = ["--mesh", "2,4", "--strategies", "greedy", "--output-scores"]
+    args += ["--prompts", str(prompts), "--max-new-tokens", "5"]
+    results = _run_two_processes(checkpoint, tmp_path, args)
+    expected = _single_process(checkpoint, args)
+    assert expected.sequences.shape == (8, 6)  # the decoder start token, then 5 new tokens
+    _assert_same(results, expected, {"data": 2, "model": 4}, [[0, 0, 0, 0], [1, 1, 1, 1]])

@@ -188,14 +188,16 @@ def test_scheduler_holds_a_request_until_its_automaton_has_room():
     scheduler.add(colour)
     scheduler.add(tags)
     work = scheduler.plan()
-    assert bool(work.admit) and int(work.constraint_state) == colour.constraint_state == 0
+    assert work.admit.tolist() == [True]  # one lane: this engine prefills one prompt a step
+    assert work.constraint_state.tolist() == [colour.constraint_state] == [0]
     scheduler.absorb(_first_token(shape, tok.encode("{")[0]))
     work = scheduler.plan()  # tags' automaton does not fit beside colour's (44 + 41 > 80)
-    assert list(scheduler.waiting) == [tags] and int(work.prefill_slot) == -1
+    assert list(scheduler.waiting) == [tags] and work.prefill_slot.tolist() == [-1]
     scheduler.finish(colour, RequestStatus.FINISHED, "stop")
     work = scheduler.plan()  # colour's automaton, unused now, is evicted
     assert tags.slot is not None and pool.num_installed == 1
-    assert int(work.constraint_state) == walk(_schema(TAGS), brace) > 0
+    state = walk(_schema(TAGS), brace)
+    assert work.constraint_state.tolist() == [state] and state > 0
     scheduler.finish(tags, RequestStatus.CANCELLED, "cancelled")
     assert pool.acquire(constraint_key(_schema(COLOUR)), _schema(COLOUR)) is not None
 
@@ -212,14 +214,14 @@ def test_scheduler_runs_k_iterations_while_a_request_waits_only_for_a_slot():
         scheduler.add(request)
     for request in requests[:4]:
         work = scheduler.plan()  # each prefill step decodes the other rows once
-        assert int(work.num_steps) == 1 and int(work.prefill_slot) == request.slot
+        assert int(work.num_steps) == 1 and work.prefill_slot.tolist() == [request.slot]
         scheduler.absorb(_first_token(shape, 7))
     work = scheduler.plan()  # every slot decodes; the fifth request waits for one to finish
-    assert list(scheduler.waiting) == [requests[4]] and int(work.prefill_slot) == -1
+    assert list(scheduler.waiting) == [requests[4]] and work.prefill_slot.tolist() == [-1]
     assert int(work.num_steps) == shape.max_steps == 4
     scheduler.finish(requests[0], RequestStatus.FINISHED, "stop")
     work = scheduler.plan()  # the freed slot admits it: one iteration beside its prefill
-    assert int(work.num_steps) == 1 and int(work.prefill_slot) == requests[4].slot
+    assert int(work.num_steps) == 1 and work.prefill_slot.tolist() == [requests[4].slot]
 
 
 def _first_token(shape, token):
@@ -228,7 +230,7 @@ def _first_token(shape, token):
     empty = np.zeros((1, 0))
     return StepOutput(
         tokens=np.full((steps, rows), -1, np.int32),
-        first_token=np.asarray(token, np.int32),
+        first_token=np.asarray([token], np.int32),  # one lane
         finished=np.zeros((rows,), bool),
         steps=np.asarray(0, np.int32),
         logprobs=np.zeros((steps, rows), np.float32),

@@ -56,6 +56,7 @@ CB = ContinuousBatchingConfig(
     max_length=48,
     num_blocks=14,
     prefill_chunk_size=8,
+    max_prefill_requests=3,  # requests arriving together prefill together (lanes 1, 2, 3)
     attention_spans=(16,),  # steps whose rows hold at most 4 blocks attend over those alone
     max_decode_steps=4,
     max_constraint_states=0,  # constraints: tests/test_serving_constraints.py
@@ -249,30 +250,30 @@ def test_step_alone_prefills_chooses_and_decodes_a_hand_checked_request():
     tables[1, :2] = [9, 4]  # slot 1 holds positions 0..7 in blocks 9 and 4
     row = RowSettings.empty(1, shape)
     row = row.replace(max_new_tokens=np.asarray([4], np.int32))
-    chunk = np.zeros((shape.chunk,), np.int32)
-    chunk[:3] = prompt
+    chunk = np.zeros((1, shape.chunk), np.int32)  # one lane: one prompt prefilled
+    chunk[0, :3] = prompt
     work = StepInput(
         block_tables=tables,
         release=np.zeros((3,), bool),
         num_steps=np.asarray(2, np.int32),
-        prefill_slot=np.asarray(1, np.int32),
-        prefill_start=np.asarray(0, np.int32),
+        prefill_slot=np.asarray([1], np.int32),
+        prefill_start=np.asarray([0], np.int32),
         prefill_tokens=chunk,
-        prefill_count=np.asarray(3, np.int32),
-        prefill_last=np.asarray(True),
-        prefill_table=tables[1, :2],  # span 2 blocks: the chunk's C = 8 slots
-        prompt_length=np.asarray(3, np.int32),
+        prefill_count=np.asarray([3], np.int32),
+        prefill_last=np.asarray([True]),
+        prefill_table=tables[[1], :2],  # span 2 blocks: the chunk's C = 8 slots
+        prompt_length=np.asarray([3], np.int32),
         row=row,
-        admit=np.asarray(True),
-        constraint_state=np.asarray(-1, np.int32),  # unconstrained
-        history=np.zeros((shape.max_length,), np.int32),
+        admit=np.asarray([True]),
+        constraint_state=np.asarray([-1], np.int32),  # unconstrained
+        history=np.zeros((1, shape.max_length), np.int32),
         decode_rows=np.asarray([1], np.int32),  # bucket 1: slot 1 alone goes through the model
         decode_tables=tables[[1], :2],  # span 2 blocks: the decode loop reads only those
     )
     state, out = step(params, state, work)
     want = _reference(tuple(prompt))
     # The chunk's last prompt logits give the first token; two decode steps give two more.
-    assert int(out.first_token) == want[0] and int(out.steps) == 2
+    assert out.first_token.tolist() == [want[0]] and int(out.steps) == 2
     np.testing.assert_array_equal(out.tokens[:2, 1], want[1:3])
     np.testing.assert_array_equal(out.tokens[:, [0, 2]], -1)  # free slots chose nothing
     np.testing.assert_array_equal(out.tokens[2:], -1)
@@ -331,12 +332,14 @@ def test_engine_greedy_equals_generate_alone_across_a_mixed_workload(manager):
             ids.extend(manager.add_request(p, **s) for p, s in pairs)
 
     spans, chunk_spans = [], []  # the attention spans (blocks) of the decode loops and chunks
+    lanes = []  # prompts prefilled together, per step with a chunk
     step = manager._step
 
     def recorded(work):
         spans.append(work.decode_tables.shape[1])
-        if work.prefill_slot >= 0:
-            chunk_spans.append(work.prefill_table.shape[0])
+        if (work.prefill_slot >= 0).any():
+            chunk_spans.append(work.prefill_table.shape[1])
+            lanes.append(int((work.prefill_slot >= 0).sum()))
         return step(work)
 
     manager._step = recorded
@@ -352,6 +355,7 @@ def test_engine_greedy_equals_generate_alone_across_a_mixed_workload(manager):
     # did the prompt chunks (the preempted requests' recomputed ones end past 16 slots).
     assert set(spans) == {4, 12}, sorted(set(spans))
     assert set(chunk_spans) == {4, 12}, sorted(set(chunk_spans))
+    assert max(lanes) >= 2, lanes  # the two free slots' requests started in the same step
     for prompt, spec, extra, out in zip(prompts, specs, extras, outputs, strict=True):
         eos_ids = tuple(spec.get("eos_token_id", ())) or None
         if "logprobs" in spec:  # plain greedy: each token is its raw distribution's argmax

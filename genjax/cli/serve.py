@@ -4,7 +4,7 @@ Usage::
 
     genjax serve [--model PATH_OR_HUB_ID] [--host H] [--port P] [--api-key KEY]
                  [--served-model-name NAME] [--dtype D] [--quantize M] [--max-batch-size N]
-                 [--max-waiting N]
+                 [--max-waiting N] [--max-prefill-requests N]
                  [--max-length N] [--max-constraint-states N] [--max-constraint-edges N]
                  [--kv-cache-dtype {auto,int8}] [--kv-cache-memory-bytes N]
                  [--shutdown-timeout S] [--log-level L]
@@ -50,6 +50,12 @@ def add_parser(commands) -> None:
         default=64,
         metavar="N",
         help="requests queued beyond the batch before new ones get 429 (default 64)",
+    )
+    serve.add_argument(
+        "--max-prefill-requests",
+        type=options.positive,
+        metavar="N",
+        help="prompts prefilled together in one step (default: 4, at most --max-batch-size)",
     )
     serve.add_argument("--max-length", type=options.positive, metavar="N", help="tokens/request")
     serve.add_argument(

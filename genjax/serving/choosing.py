@@ -18,9 +18,10 @@ constrained row's automaton state then follows its token; a token the automaton 
 removed every allowed one) becomes the constraint's EOS id
 (:func:`genjax.decoding.automaton.advance_rows`).
 
-The mask and the automaton step, the bias, OpenAI's penalties, the truncation warpers and the
-log-probabilities each run under a ``lax.cond`` that skips them in steps where no row uses them,
-so requests that do not use an option pay one ``any`` reduction for it.
+The mask and the automaton step, the bias, OpenAI's penalties, the warpers and the draw, the
+truncation warpers and the log-probabilities each run under a ``lax.cond`` that skips them in
+steps where no row uses them, so requests that do not use an option pay one ``any`` reduction for
+it.
 
 Log-probabilities (rows with ``settings.logprobs >= 0``): the chosen token's log-probability
 under the model's raw distribution, ``log_softmax(logits)`` before any processor (vLLM's default
@@ -35,6 +36,8 @@ Static or traced:
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -104,6 +107,12 @@ class RowSettings:
     constraint_eos: Array  # int32[R]: the EOS id of the request's constraint (-1: none)
     no_repeat_ngram_size: Array  # int32[R]: 0 = off; at most max_ngram
     max_ngram: int = struct.field(pytree_node=False, default=0)  # N (static)
+
+    @classmethod
+    def stack(cls, rows: Sequence[RowSettings]) -> RowSettings:
+        """The settings of ``rows`` (numpy, each its own rows) one after the other; no
+        compilation."""
+        return jax.tree.map(lambda *values: np.concatenate(values), *rows)
 
     @classmethod
     def empty(cls, rows: int, shape) -> RowSettings:

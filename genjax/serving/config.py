@@ -50,11 +50,18 @@ class ContinuousBatchingConfig:
             chunks to keep it; the README's "The int8 KV pool" says what preemption and
             rounding change). The engine's choice for every request: a request asking
             ``cache_implementation="quantized"`` runs only on an int8 pool.
-        prefill_chunk_size: ``C``, prompt tokens prefilled per step.
+        prefill_chunk_size: ``C``, prompt tokens prefilled per step and request.
+        max_prefill_requests: ``P``, the most requests whose prompt chunks run in one step
+            (one model call of ``P_k`` rows of ``C`` tokens, ``P_k`` the smallest power of two
+            up to ``P`` holding them): requests that arrive together start together rather
+            than one a step. Each ``P_k`` is a compiled prefill program per span; a call costs
+            ``P_k`` chunks whatever their lengths.
         attention_spans: the lengths (tokens, each rounded up to whole blocks) the decode loop
-            may attend over; every one is a compiled program per decoded-row bucket, and a step
-            attends over the shortest that holds its decoding rows' blocks, so short requests
-            do not pay for ``max_length`` (:func:`~genjax.serving.config.attention_spans`).
+            and the prompt chunks may attend over; every one is a compiled decode program per
+            decoded-row bucket and a prefill program (when it holds a whole chunk), and a step
+            attends over the shortest that holds its decoding rows' blocks, a chunk over the
+            shortest that holds its tokens, so short requests do not pay for ``max_length``
+            (:func:`~genjax.serving.config.attention_spans`).
             ``max_length`` is always one. None: :data:`SHORTEST_SPAN` (256) tokens times the
             powers of 4 below ``max_length`` (256, 1024, then ``max_length``: at most 3 programs
             per bucket to ``max_length`` 4096); ``()``: ``max_length`` alone (fewest programs,
@@ -95,6 +102,7 @@ class ContinuousBatchingConfig:
     max_length: int = 512
     num_blocks: int | None = None
     prefill_chunk_size: int = 32
+    max_prefill_requests: int = 1
     attention_spans: tuple[int, ...] | None = None
     max_decode_steps: int = 8
     max_eos_tokens: int = 4
@@ -117,9 +125,21 @@ class ContinuousBatchingConfig:
             InputError: a size below 1, an unknown ``kv_cache_dtype``, both ``num_blocks`` and
                 ``kv_cache_memory_bytes``, or a pool that cannot hold one whole request.
         """
-        for name in ("max_batch_size", "block_size", "max_length", "prefill_chunk_size"):
+        for name in (
+            "max_batch_size",
+            "block_size",
+            "max_length",
+            "prefill_chunk_size",
+            "max_prefill_requests",
+        ):
             if getattr(self, name) < 1:
                 raise InputError(f"ContinuousBatchingConfig.{name} must be >= 1.")
+        if self.max_prefill_requests > self.max_batch_size:
+            raise InputError(
+                f"ContinuousBatchingConfig.max_prefill_requests={self.max_prefill_requests} "
+                f"exceeds max_batch_size={self.max_batch_size}: at most every slot can prefill "
+                f"at once; lower it to {self.max_batch_size} or less."
+            )
         if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise InputError(
                 f"ContinuousBatchingConfig.kv_cache_dtype={self.kv_cache_dtype!r} is not "
@@ -163,6 +183,7 @@ class ContinuousBatchingConfig:
             constraint_edges=edges if states else 0,
             kv_cache_dtype=self.kv_cache_dtype,
             span_blocks=self._span_blocks(),
+            prefill_lanes=self.max_prefill_requests,
         )
 
     def _span_blocks(self) -> tuple[int, ...]:

@@ -59,7 +59,7 @@ step one ``any`` reduction.
 Static or traced:
     Static (the shape of a compiled program): the model, ``R`` (``max_batch_size``), the rows
     decoded ``B_k`` and their attention span ``M_s`` blocks (one program per pair), the prompt
-    chunk's span ``M_p`` blocks (one prefill program each), the pool
+    chunks' count ``P_k`` and span ``M_p`` blocks (one prefill program per pair), the pool
     (``num_blocks``, ``block_size``, ``max_blocks_per_row``, and ``kv_cache_dtype``: the
     model's dtype or int8 codes with scales), the chunk ``C``, the most decode steps per call
     ``K``, the most EOS ids per request ``E``, the most biased tokens per request ``L_b`` and
@@ -121,6 +121,7 @@ class EngineShape:
     kv_cache_dtype: str = "auto"  # the pool: "auto" (the model's dtype) or "int8" (codes+scales)
     span_blocks: tuple[int, ...] = ()  # the decode loop's attention spans, in blocks (empty:
     #   the whole table only); see `spans`
+    prefill_lanes: int = 1  # P: the most prompts prefilled in one step, a chunk of C each
 
     @property
     def spans(self) -> tuple[int, ...]:
@@ -136,6 +137,13 @@ class EngineShape:
         through the model, the padding too), and ``max_blocks_per_row``."""
         fits = (s for s in self.spans if s * self.block_size >= self.chunk)
         return tuple(sorted({*fits, self.max_blocks_per_row}))
+
+    @property
+    def lane_buckets(self) -> tuple[int, ...]:
+        """The prompt counts ``P_k`` a prefill program runs (one program per count and span):
+        the powers of two below ``prefill_lanes``, then ``prefill_lanes``
+        (:func:`decode_buckets`)."""
+        return decode_buckets(self.prefill_lanes)
 
     @property
     def programs(self) -> tuple[tuple[int, int], ...]:
@@ -195,20 +203,21 @@ class StepInput:
     block_tables: Array  # int32[R, M]: the host's block tables (0: scratch)
     release: Array  # bool[R]: rows to stop decoding before anything else
     num_steps: Array  # int32[]: decode iterations to run, 1..K
-    prefill_slot: Array  # int32[]: the slot whose prompt chunk runs; -1: none
-    prefill_start: Array  # int32[]: the chunk's first position
-    prefill_tokens: Array  # int32[C]: the chunk (tokens past prefill_count are ignored)
-    prefill_count: Array  # int32[]: real tokens in the chunk, 1..C
-    prefill_last: Array  # bool[]: the chunk ends the prompt: choose the first new token
-    prefill_table: Array  # int32[M_p]: the prefilling slot's block table cut to the span its
-    #   chunk attends over (M_p from EngineShape.spans: the chunk's tokens fit; any when none)
-    prompt_length: Array  # int32[]: the request's own prompt length (for a recomputed one,
-    #   shorter than the tokens prefilled)
-    row: RowSettings  # [1]: the prefilling request's settings, written on its first chunk
-    admit: Array  # bool[]: first chunk of a request: write `row`, `prompt_length`, `history`,
-    #   `constraint_state`
-    constraint_state: Array  # int32[]: on admission, the request's automaton state (-1: none)
-    history: Array  # int32[S]: on admission, the tokens before `prefill_start` (a cached
+    # The prompt chunks: one lane per prefilling request, P_k lanes (EngineShape.lane_buckets).
+    prefill_slot: Array  # int32[P_k]: the slot whose prompt chunk each lane runs; -1: none
+    prefill_start: Array  # int32[P_k]: the chunk's first position
+    prefill_tokens: Array  # int32[P_k, C]: the chunk (tokens past prefill_count are ignored)
+    prefill_count: Array  # int32[P_k]: real tokens in the chunk, 1..C
+    prefill_last: Array  # bool[P_k]: the chunk ends the prompt: choose the first new token
+    prefill_table: Array  # int32[P_k, M_p]: the lanes' block tables cut to the span their
+    #   chunks attend over (M_p from EngineShape.prefill_spans: every chunk's tokens fit)
+    prompt_length: Array  # int32[P_k]: the request's own prompt length (for a recomputed
+    #   one, shorter than the tokens prefilled)
+    row: RowSettings  # [P_k]: the prefilling requests' settings, written on their first chunk
+    admit: Array  # bool[P_k]: first chunk of a request: write `row`, `prompt_length`,
+    #   `history`, `constraint_state`
+    constraint_state: Array  # int32[P_k]: on admission, the automaton state (-1: none)
+    history: Array  # int32[P_k, S]: on admission, the tokens before `prefill_start` (a cached
     #   prefix, whose blocks are shared and not prefilled again); later tokens are ignored
     decode_rows: Array  # int32[B_k]: distinct slots, every decoding one (the prefilled slot
     #   too when its chunk is the last); the others fill the bucket and decode nothing
@@ -221,14 +230,14 @@ class StepOutput:
     """What one step returns to the host."""
 
     tokens: Array  # int32[K, R]: the token each decode iteration chose per row; -1: none
-    first_token: Array  # int32[]: the prefilled slot's first new token; -1: none
+    first_token: Array  # int32[P_k]: each lane's first new token; -1: none
     finished: Array  # bool[R]: rows that hit EOS or max_new_tokens during this step
     steps: Array  # int32[]: decode iterations run
     # Log-probabilities, meaningful for rows with settings.logprobs >= 0 (else 0):
     logprobs: Array  # float32[K, R]: of each token in `tokens`
     top_ids: Array  # int32[K, R, L]: the L most likely tokens, most likely first
     top_logprobs: Array  # float32[K, R, L]: their log-probabilities
-    first: Scored  # [1]: the first token's, as above
+    first: Scored  # [P_k]: the first tokens', as above
 
 
 def init_state(model, shape: EngineShape, dtype=None, layout: Layout | None = None) -> EngineState:

@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 from genjax.cache.memory import check_pool_fits
 from genjax.config import GenerationConfig
@@ -51,11 +52,11 @@ from genjax.serving.output import GenerationOutput, output_of
 from genjax.serving.programs import compile_buckets
 from genjax.serving.scheduler import RequestState, RequestStatus, Scheduler
 from genjax.serving.step import (
-    PrefillOutput,
     compile_decode,
     compile_prefill,
     decode_input,
     prefill_input,
+    with_first,
 )
 
 __all__ = [
@@ -103,8 +104,8 @@ class ContinuousBatchingManager:
         }
         self._steps[PREFILL] = compile_prefill(
             model, top, library_dots(params, shape.chunk, meshed), self._layout
-        )
-        self._compiled: dict[Any, Any] = {}  # (B_k, M_s) or (PREFILL, M_p) -> its program
+        )  # a chunk has C rows (each lane its own product rows: library dots either way)
+        self._compiled: dict[Any, Any] = {}  # (B_k, M_s) or (PREFILL, P_k, M_p) -> program
         self._state = None
         self._constraints = None  # the constraint pool's host copy (none: no constraints)
         if self.shape.constraint_states:
@@ -159,15 +160,20 @@ class ContinuousBatchingManager:
         plans = Scheduler(self.shape)
         work = {(b, m): decode_input(plans._step_input(1, b, m)) for b, m in self.shape.programs}
         steps = {(b, m): self._steps[b] for b, m in self.shape.programs}
-        for span in self.shape.prefill_spans:
-            steps[PREFILL, span] = self._steps[PREFILL]
-        prefilled = PrefillOutput.empty(self.shape.max_top_logprobs, self._layout)
+        for lanes in self.shape.lane_buckets:
+            for span in self.shape.prefill_spans:
+                steps[PREFILL, lanes, span] = self._steps[PREFILL]
+        ended = np.zeros((self.shape.max_batch_size,), bool)
+        if self._layout is not None:
+            ended = jax.device_put(ended, self._layout.sharding())
 
         def arguments(program):
+            first = self.shape.programs[0]
             if program[0] == PREFILL:
-                chunk = plans._step_input(1, *self.shape.programs[0], prefill_span=program[1])
+                _, lanes, span = program
+                chunk = plans._step_input(1, *first, prefill_span=span, lanes=lanes)
                 return self.params, self._state, prefill_input(chunk), self._pool()
-            return self.params, self._state, work[program], prefilled, self._pool()
+            return self.params, self._state, work[program], ended, self._pool()
 
         self._compiled = compile_buckets(steps, arguments)
 
@@ -176,10 +182,11 @@ class ContinuousBatchingManager:
         the current state (donated), with the constraint pool (uploaded again when an
         automaton was installed)."""
         pool = self._pool()
-        prefill = self._compiled[PREFILL, work.prefill_table.shape[0]]
+        prefill = self._compiled[(PREFILL, *work.prefill_table.shape)]
         state, prefilled = prefill(self.params, self._state, prefill_input(work), pool)
         decode = self._compiled[work.decode_tables.shape]
-        return decode(self.params, state, decode_input(work), prefilled, pool)
+        state, output = decode(self.params, state, decode_input(work), prefilled.ended, pool)
+        return state, with_first(output, prefilled)
 
     def _pool(self):
         """The constraint pool on the device, or None when the engine has none."""

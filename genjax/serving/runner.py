@@ -20,6 +20,12 @@ import time
 __all__ = ["ServeOptions", "serve"]
 
 
+DEFAULT_PREFILL_REQUESTS = 4
+"""``genjax serve``'s prompts prefilled together: clients arriving together (a burst, or the
+closed loop of ``bench/serve_load.py``) start together rather than one per step, at the cost of
+up to 4 chunks of compute per prefill step and 3 more compiled prefill programs per span."""
+
+
 @dataclasses.dataclass(frozen=True)
 class ServeOptions:
     """What ``genjax serve`` runs.
@@ -37,6 +43,9 @@ class ServeOptions:
             (``from_pretrained``'s ``quantize``).
         max_batch_size: requests decoded together (the engine's slots).
         max_waiting: requests that may wait for a slot before new ones get 429.
+        max_prefill_requests: prompts prefilled together in one step
+            (``ContinuousBatchingConfig.max_prefill_requests``); None:
+            :data:`DEFAULT_PREFILL_REQUESTS`; at most ``max_batch_size``.
         max_length: tokens (prompt plus completion) of one request; None: the model's
             ``max_position_embeddings``, at most 4096.
         max_constraint_states, max_constraint_edges: the structured-output pool's sizes
@@ -59,6 +68,7 @@ class ServeOptions:
     quantize: str | None = None
     max_batch_size: int = 8
     max_waiting: int = 64
+    max_prefill_requests: int | None = None
     max_length: int | None = None
     max_constraint_states: int | None = None
     max_constraint_edges: int | None = None
@@ -104,6 +114,9 @@ def engine_sizes(options: ServeOptions, model):
     }
     return ContinuousBatchingConfig(
         max_batch_size=options.max_batch_size,
+        max_prefill_requests=min(
+            options.max_prefill_requests or DEFAULT_PREFILL_REQUESTS, options.max_batch_size
+        ),
         max_length=max_length,
         kv_cache_dtype=options.kv_cache_dtype,
         kv_cache_memory_bytes=options.kv_cache_memory_bytes,

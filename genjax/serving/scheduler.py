@@ -7,8 +7,11 @@ owns the block tables and the slot of each running request; each round trip it b
 
 Policy:
 
-* FIFO admission: the oldest waiting request takes a free slot when no other prompt is being
-  prefilled; its prompt then runs ``C`` tokens per step beside the decoding rows.
+* FIFO admission: the oldest waiting requests take free slots while fewer than ``P``
+  (``max_prefill_requests``) prompts are being prefilled; each prompt then runs ``C`` tokens
+  per step beside the decoding rows, the prefilling prompts' chunks in one model call. (Requests
+  sharing leading blocks with a prompt being prefilled, such as the records of one request's
+  ``num_return_sequences``, wait until it has filled them, and find them in the prefix cache.)
 * Blocks are allocated as requests grow, just before the step that writes them; a step runs
   one decode iteration while a prompt is being prefilled, else up to ``K`` (the device loop
   returns after an iteration in which a row finished, so a waiting request's slot frees as
@@ -183,7 +186,7 @@ class Scheduler:
         self.allocator = BlockAllocator(shape.num_blocks)
         self.slots: list[RequestState | None] = [None] * shape.max_batch_size
         self.waiting: collections.deque[RequestState] = collections.deque()
-        self.prefilling: RequestState | None = None
+        self.prefilling: list[RequestState] = []  # admission order: the lanes' order
         self.tables = np.zeros((shape.max_batch_size, shape.max_blocks_per_row), np.int32)
         self.release = np.zeros((shape.max_batch_size,), bool)
         self.num_preemptions = 0
@@ -191,7 +194,8 @@ class Scheduler:
         self.prefix_query_tokens = 0  # tokens admitted requests looked up in the prefix cache
         self.prefix_hit_tokens = 0  # of those, tokens found (their prefill skipped)
         self._admissions = 0
-        self._chunk: tuple[int, bool] | None = None  # (count, last) of the planned chunk
+        self._chunks: list[tuple[RequestState, int, bool]] = []  # (request, count, last) of
+        #   each lane the planned step runs
         # Cached prefixes are taken in runs of this many blocks: 1, or with an int8 pool the
         # blocks of lcm(block_size, C) tokens (chunks then start at multiples of C).
         run = math.lcm(shape.block_size, shape.chunk) // shape.block_size
@@ -224,8 +228,8 @@ class Scheduler:
         if request.constraint_state >= 0:
             self.constraints.release(request.constraint_key)
             request.constraint_state = -1
-        if self.prefilling is request:
-            self.prefilling = None
+        if request in self.prefilling:
+            self.prefilling.remove(request)
 
     def finish(self, request: RequestState, status: RequestStatus, reason: str, error=None):
         """Ends a request: frees what it holds and records its final status."""
@@ -243,13 +247,20 @@ class Scheduler:
 
     # ---- planning a step ----------------------------------------------------------------
     def _admit(self) -> None:
-        if self.prefilling is not None or not self.waiting or None not in self.slots:
-            return
+        while len(self.prefilling) < self.shape.prefill_lanes and self._admit_one():
+            pass
+
+    def _admit_one(self) -> bool:
+        """Admits the oldest waiting request; False when none can start now."""
+        if not self.waiting or None not in self.slots:
+            return False
         request = self.waiting[0]
+        if self._waits_for_a_prefix(request):
+            return False
         if request.constraint is not None:
             start = self.constraints.acquire(request.constraint_key, request.constraint)
             if start is None:  # no room in the pool until running requests end
-                return
+                return False
             request.constraint_state = start + walk(request.constraint, request.generated)
         self.waiting.popleft()
         request.slot = self.slots.index(None)
@@ -262,7 +273,28 @@ class Scheduler:
         request.status = RequestStatus.PREFILLING
         self._admissions += 1
         request.order = self._admissions
-        self.prefilling = request
+        self.prefilling.append(request)
+        return True
+
+    def _waits_for_a_prefix(self, request: RequestState) -> bool:
+        """True when a prompt being prefilled shares whole leading blocks with the request's
+        and has not filled them all yet: admitted once it has, the request finds them in the
+        prefix cache rather than prefilling them again (a burst of chats with one system
+        prompt; a request's ``num_return_sequences`` records)."""
+        if not self.prefix_caching:
+            return False
+        size = self.shape.block_size
+        tokens = request.prompt + request.generated
+        for other in self.prefilling:
+            shared = 0
+            while (shared + 1) * size < len(tokens) and (shared + 1) * size <= len(other.pending):
+                block = slice(shared * size, (shared + 1) * size)
+                if tokens[block] != other.pending[block]:
+                    break
+                shared += 1
+            if other.named < shared:
+                return True
+        return False
 
     def _take_cached_prefix(self, request: RequestState) -> None:
         """Gives the request the cached blocks of its longest known prefix, leaving at least
@@ -288,7 +320,7 @@ class Scheduler:
     def _slots_needed(self, request: RequestState, steps: int) -> int:
         """Cache slots the request writes in a step of ``steps`` decode iterations."""
         cap = len(request.prompt) + request.max_new_tokens - 1  # the last token is never fed
-        if request is self.prefilling:
+        if request in self.prefilling:
             count = min(self.shape.chunk, len(request.pending) - request.prefilled)
             end = request.prefilled + count
             if end < len(request.pending):
@@ -320,7 +352,7 @@ class Scheduler:
         # constraint pool), and the decode loop returns after the iteration in which one does:
         # running K iterations does not delay it, and a step of one iteration would pay the
         # rows' gather and scatter for a single token.
-        steps = 1 if self.prefilling is not None else self.shape.max_steps
+        steps = 1 if self.prefilling else self.shape.max_steps
         while not self._allocate(steps):
             if steps > 1:
                 steps = 1
@@ -330,31 +362,32 @@ class Scheduler:
             return None
         return self._step_input(steps)
 
-    def decode_rows(self, last_chunk: bool, bucket: int | None = None) -> np.ndarray:
+    def decode_rows(self, ending=(), bucket: int | None = None) -> np.ndarray:
         """int32[B_k]: the slots the step decodes: every running request's but the prefilling
-        one's (unless ``last_chunk``: its first token comes this step), then free slots up to
-        the smallest bucket that holds them (or ``bucket``)."""
-        active = [request.slot for request in self._decoding(last_chunk)]
+        ones' (except those in ``ending``, whose last chunk runs: their first token comes this
+        step), then free slots up to the smallest bucket that holds them (or ``bucket``)."""
+        active = [request.slot for request in self._decoding(ending)]
         if bucket is None:
             bucket = next(b for b in self.shape.buckets if b >= len(active))
         chosen = set(active)
         fill = [slot for slot in range(self.shape.max_batch_size) if slot not in chosen]
         return np.asarray(active + fill[: bucket - len(active)], np.int32)
 
-    def span(self, last_chunk: bool) -> int:
+    def span(self, ending=()) -> int:
         """``M_s``: the shortest of :attr:`EngineShape.spans` holding the blocks of every
         request the step decodes (:meth:`decode_rows`; a request's blocks cover what the step
         writes: :meth:`_allocate`)."""
-        longest = max((len(r.blocks) for r in self._decoding(last_chunk)), default=0)
+        longest = max((len(r.blocks) for r in self._decoding(ending)), default=0)
         return next(s for s in self.shape.spans if s >= longest)
 
-    def _decoding(self, last_chunk: bool) -> list[RequestState]:
-        """The requests a step decodes: every running one but the prefilling one (unless
-        ``last_chunk``: its first token comes this step)."""
+    def _decoding(self, ending=()) -> list[RequestState]:
+        """The requests a step decodes: every running one but the prefilling ones, except
+        those in ``ending`` (their first token comes this step)."""
         return [
             request
             for request in self.slots
-            if request is not None and (request is not self.prefilling or last_chunk)
+            if request is not None
+            and (request not in self.prefilling or any(request is r for r in ending))
         ]
 
     def _step_input(
@@ -363,51 +396,59 @@ class Scheduler:
         bucket: int | None = None,
         span: int | None = None,
         prefill_span: int | None = None,
+        lanes: int | None = None,
     ) -> StepInput:
         """The step's input; ``bucket`` and ``span`` force the decoded-row count and the decode
-        loop's attention span, ``prefill_span`` the prompt chunk's (warm-up compiles each)."""
-        chunk = np.zeros((self.shape.chunk,), np.int32)
-        history = np.zeros((self.shape.max_length,), np.int32)
-        request = self.prefilling
-        slot, start, count, last, admit = -1, 0, 1, False, False
+        loop's attention span, ``lanes`` and ``prefill_span`` the prompt chunks' count and
+        span (warm-up compiles each)."""
         shape = self.shape
-        row = RowSettings.empty(1, shape)
-        prompt_length, automaton = 0, -1
-        if request is not None:
-            slot, start = request.slot, request.prefilled
-            count = min(self.shape.chunk, len(request.pending) - start)
-            last = start + count == len(request.pending)
-            chunk[:count] = request.pending[start : start + count]
-            admit, row, prompt_length = not request.admitted, request.row, len(request.prompt)
-            automaton = request.constraint_state
-            if admit:  # the cached prefix's tokens, which no chunk carries
-                history[:start] = request.pending[:start]
+        if lanes is None:
+            lanes = next(p for p in shape.lane_buckets if p >= len(self.prefilling))
+        chunk = np.zeros((lanes, shape.chunk), np.int32)
+        history = np.zeros((lanes, shape.max_length), np.int32)
+        slot = np.full((lanes,), -1, np.int32)
+        start, count = np.zeros((lanes,), np.int32), np.ones((lanes,), np.int32)
+        last, admit = np.zeros((lanes,), bool), np.zeros((lanes,), bool)
+        prompt_length = np.zeros((lanes,), np.int32)
+        automaton = np.full((lanes,), -1, np.int32)
+        rows = [RowSettings.empty(1, shape)] * lanes
+        self._chunks = []
+        for i, request in enumerate(self.prefilling):
+            slot[i], start[i] = request.slot, request.prefilled
+            count[i] = min(shape.chunk, len(request.pending) - request.prefilled)
+            last[i] = request.prefilled + count[i] == len(request.pending)
+            chunk[i, : count[i]] = request.pending[start[i] : start[i] + count[i]]
+            admit[i], prompt_length[i] = not request.admitted, len(request.prompt)
+            automaton[i] = request.constraint_state
+            if admit[i]:  # the cached prefix's tokens, which no chunk carries
+                history[i, : start[i]] = request.pending[: start[i]]
+                rows[i] = request.row
             request.admitted = True
-            self._chunk = (count, last)
-        rows = self.decode_rows(last, bucket)
-        if prefill_span is None:  # the shortest span holding the chunk's tokens
-            blocks = -(-(start + count) // shape.block_size) if request is not None else 0
+            self._chunks.append((request, int(count[i]), bool(last[i])))
+        if prefill_span is None:  # the shortest span holding every chunk's tokens
+            blocks = -(-int((start + count)[slot >= 0].max(initial=0)) // shape.block_size)
             prefill_span = next(s for s in shape.prefill_spans if s >= blocks)
-        prefill_table = np.zeros((prefill_span,), np.int32)
-        if request is not None:
-            prefill_table[:] = self.tables[slot, :prefill_span]
+        prefill_table = np.zeros((lanes, prefill_span), np.int32)
+        prefill_table[slot >= 0] = self.tables[slot[slot >= 0], :prefill_span]
+        ending = [request for request, _, ends in self._chunks if ends]
+        decode_rows = self.decode_rows(ending, bucket)
         work = StepInput(
             block_tables=self.tables.copy(),
             release=self.release.copy(),
             num_steps=np.asarray(steps, np.int32),
-            prefill_slot=np.asarray(slot, np.int32),
-            prefill_start=np.asarray(start, np.int32),
+            prefill_slot=slot,
+            prefill_start=start,
             prefill_tokens=chunk,
-            prefill_count=np.asarray(count, np.int32),
-            prefill_last=np.asarray(last, bool),
+            prefill_count=count,
+            prefill_last=last,
             prefill_table=prefill_table,
-            prompt_length=np.asarray(prompt_length, np.int32),
-            row=row,
-            admit=np.asarray(admit, bool),
-            constraint_state=np.asarray(automaton, np.int32),
+            prompt_length=prompt_length,
+            row=RowSettings.stack(rows),
+            admit=admit,
+            constraint_state=automaton,
             history=history,
-            decode_rows=rows,
-            decode_tables=self.tables[rows, : span or self.span(last)],
+            decode_rows=decode_rows,
+            decode_tables=self.tables[decode_rows, : span or self.span(ending)],
         )
         self.release[:] = False
         return work
@@ -440,21 +481,19 @@ class Scheduler:
             updates[id(request)] = (request, count + 1)
             self._check_end(request, token)
 
-        request = self.prefilling
-        if request is not None and self._chunk is not None:
-            count, last = self._chunk
+        first = (out.first.logprobs, out.first.top_ids, out.first.top_logprobs)
+        for lane, (request, count, last) in enumerate(self._chunks):
+            if request not in self.prefilling:
+                continue  # ended meanwhile (cancelled)
             request.prefilled += count
             self.prefill_tokens += count
             if self.prefix_caching:
                 self._name_prefilled_blocks(request)
             if last:
-                self.prefilling = None
+                self.prefilling.remove(request)
                 request.status = RequestStatus.DECODING
-                first = out.first
-                add(
-                    request, out.first_token, (first.logprobs, first.top_ids, first.top_logprobs), 0
-                )
-        self._chunk = None
+                add(request, out.first_token[lane], first, lane)
+        self._chunks = []
         scored = (out.logprobs, out.top_ids, out.top_logprobs)
         for i in range(int(out.steps)):
             for slot, token in enumerate(out.tokens[i]):

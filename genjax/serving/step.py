@@ -4,9 +4,10 @@ One host round trip (:mod:`genjax.serving.engine` describes the state and the in
 jitted, pure programs over the donated :class:`~genjax.serving.engine.EngineState`:
 
 * :func:`engine_prefill` applies the host's block tables, releases the rows it stopped, admits
-  a new request's settings and runs one prompt chunk of ``C`` tokens for one slot (skipped with
-  ``lax.cond`` when there is none) over the first ``M_p`` blocks of its table, choosing the
-  slot's first new token after the prompt's last chunk: one program per span ``M_p``.
+  new requests' settings and runs one prompt chunk of ``C`` tokens for each of ``P_k`` slots
+  (one model call of ``P_k`` rows; skipped with ``lax.cond`` when there is none) over the
+  first ``M_p`` blocks of their tables, choosing a slot's first new token after its prompt's
+  last chunk: one program per pair ``(P_k, M_p)``.
 * :func:`engine_decode` decodes the ``B_k`` rows the host names, over the first ``M_s`` blocks
   of their tables, up to ``num_steps`` times: one program per ``(B_k, M_s)`` pair.
 
@@ -33,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from genjax.cache import PagedKVCache
+from genjax.cache import SCRATCH_BLOCK, PagedKVCache
 from genjax.constraints import CompressedTable
 from genjax.generation.prefill import accepts_logits_to_keep
 from genjax.kernels import attention as attention_kernel
@@ -51,6 +52,7 @@ __all__ = [
     "compile_prefill",
     "compile_step",
     "decode_input",
+    "with_first",
     "engine_decode",
     "engine_prefill",
     "engine_step",
@@ -60,18 +62,12 @@ __all__ = [
 
 @struct.dataclass
 class PrefillOutput:
-    """What the prefill program hands the decode program and the host."""
+    """What the prefill program hands the decode program and the host, per lane."""
 
-    first_token: Array  # int32[]: the prefilled slot's first new token; -1: none
-    first_done: Array  # bool[]: that token already ends the request
-    first: Scored  # [1]: its log-probabilities (see StepOutput)
-
-    @classmethod
-    def empty(cls, top: int, layout: Layout | None = None) -> PrefillOutput:
-        """No first token (a step without a prompt's last chunk); replicated on ``layout``'s
-        mesh when given, as :func:`engine_prefill` returns it there."""
-        empty = cls(jnp.full((), -1, jnp.int32), jnp.zeros((), bool), no_scores(1, top))
-        return empty if layout is None else jax.device_put(empty, layout.sharding())
+    first_token: Array  # int32[P_k]: the lane's first new token; -1: none
+    first: Scored  # [P_k]: its log-probabilities (see StepOutput)
+    ended: Array  # bool[R]: slots whose first token already ends the request (what the decode
+    #   program reads: its shapes do not depend on P_k)
 
 
 def prefill_input(work: StepInput) -> StepInput:
@@ -80,10 +76,25 @@ def prefill_input(work: StepInput) -> StepInput:
     return work.replace(decode_rows=(), decode_tables=())
 
 
+_CHUNK_FIELDS = (
+    "prefill_slot",
+    "prefill_start",
+    "prefill_tokens",
+    "prefill_count",
+    "prefill_last",
+    "prefill_table",
+    "prompt_length",
+    "row",
+    "admit",
+    "constraint_state",
+    "history",
+)
+
+
 def decode_input(work: StepInput) -> StepInput:
-    """``work`` without the prompt chunk's table: the decode program's input, whose shapes are
-    the same for every prefill span."""
-    return work.replace(prefill_table=())
+    """``work`` without the prompt chunks: the decode program's input, whose shapes are the
+    same for every count of chunks and their span."""
+    return work.replace(**dict.fromkeys(_CHUNK_FIELDS, ()))
 
 
 def _constrain(layout: Layout | None, state: EngineState) -> EngineState:
@@ -117,81 +128,98 @@ def _set_rows(tree: PyTree, rows: Array, values: PyTree) -> PyTree:
     return jax.tree.map(lambda x, v: x.at[rows].set(v), tree, values)
 
 
+def _lane_slots(state: EngineState, work: StepInput, lanes: Array) -> Array:
+    """int32[P_k]: the slot of each lane in ``lanes`` (bool[P_k]), else ``R``: an index past
+    the slots, whose writes ``mode="drop"`` drops."""
+    return jnp.where(lanes, work.prefill_slot, state.lengths.shape[0])
+
+
 def _admit(state: EngineState, work: StepInput) -> EngineState:
-    """Writes a new request's settings, and the tokens of its cached prefix, into its slot (on
-    its first chunk)."""
-    slot = jnp.maximum(work.prefill_slot, 0)[None]
-    take = work.admit & (work.prefill_slot >= 0)
-    settings = _set_rows(
-        state.settings,
-        slot,
-        jax.tree.map(
-            lambda new, old: jnp.where(take, new, old), work.row, _rows(state.settings, slot)
-        ),
+    """Writes new requests' settings, and the tokens of their cached prefixes, into their
+    slots (on their first chunk)."""
+    take = _lane_slots(state, work, work.admit & (work.prefill_slot >= 0))  # [P_k]
+    settings = jax.tree.map(
+        lambda old, new: old.at[take].set(new, mode="drop"), state.settings, work.row
     )
-    prompt = jnp.where(take, work.prompt_length, state.prompt_lengths[slot])
-    before = jnp.arange(work.history.shape[0]) < work.prefill_start
-    history = jnp.where(take & before, work.history, state.tokens[slot[0]])
-    automaton = jnp.where(take, work.constraint_state, state.constraint_state[slot])
+    before = jnp.arange(work.history.shape[1])[None, :] < work.prefill_start[:, None]
+    kept = state.tokens[jnp.minimum(take, state.tokens.shape[0] - 1)]  # [P_k, S]
+    history = jnp.where(before, work.history, kept)
     return state.replace(
         settings=settings,
-        prompt_lengths=state.prompt_lengths.at[slot].set(prompt),
-        tokens=state.tokens.at[slot[0]].set(history),
-        constraint_state=state.constraint_state.at[slot].set(automaton),
+        prompt_lengths=state.prompt_lengths.at[take].set(work.prompt_length, mode="drop"),
+        tokens=state.tokens.at[take].set(history, mode="drop"),
+        constraint_state=state.constraint_state.at[take].set(work.constraint_state, mode="drop"),
     )
+
+
+def _diagonal(logits: Array) -> Array:
+    """float32[P, V]: row ``p``'s logits at kept position ``p`` of float32[P, P, V]."""
+    lanes = jnp.arange(logits.shape[0])
+    return logits[lanes, lanes]
 
 
 def _prefill(model, params, state: EngineState, work: StepInput, pool, top: int):
-    """Runs the chunk of ``work.prefill_slot``; returns the state, the first new token after a
-    prompt's last chunk (-1 otherwise), whether that token already ends the request, and its
-    :class:`Scored` log-probabilities ([1])."""
-    chunk = work.prefill_tokens.shape[0]
-    slot = work.prefill_slot[None]  # [1]
+    """Runs the lanes' chunks (an empty lane's tokens go to the scratch block); returns the
+    state, each lane's first new token after a prompt's last chunk (-1 otherwise), whether that
+    token already ends the request, and its :class:`Scored` log-probabilities ([P_k])."""
+    lanes, chunk = work.prefill_tokens.shape
+    real = work.prefill_slot >= 0  # [P_k]
+    slots = _lane_slots(state, work, real)  # writes
+    rows = jnp.maximum(work.prefill_slot, 0)  # reads
     start, count = work.prefill_start, work.prefill_count
     # Slots past the span are later than the chunk's tokens: causally masked for all of them.
-    part = state.cache.select_rows(slot)
-    part = part.replace(block_tables=work.prefill_table[None], index=start[None])
-    positions = (start + jnp.arange(chunk, dtype=jnp.int32))[None]  # [1, C]
-    mask = jnp.ones((1, part.length), jnp.int32)
-    # Only the last real token's logits are used (after the prompt's last chunk): computing
-    # the vocabulary projection of the whole chunk would cost a sixth of SmolLM's prefill.
-    keep = {"logits_to_keep": (count - 1)[None]} if accepts_logits_to_keep(model) else {}
-    logits, part = model.apply(params, work.prefill_tokens[None], positions, part, mask, **keep)
-    cache = state.cache.merge_rows(slot, part.replace(index=(start + count)[None]))
-    columns = jnp.where(jnp.arange(chunk) < count, positions[0], state.tokens.shape[1])
-    tokens = state.tokens.at[slot[0], columns].set(work.prefill_tokens, mode="drop")
-    length = start + count
-    state = state.replace(cache=cache, tokens=tokens, lengths=state.lengths.at[slot].set(length))
+    tables = jnp.where(real[:, None], work.prefill_table, SCRATCH_BLOCK)
+    part = state.cache.select_rows(rows).replace(block_tables=tables, index=start)
+    positions = start[:, None] + jnp.arange(chunk, dtype=jnp.int32)[None, :]  # [P_k, C]
+    mask = jnp.ones((lanes, part.length), jnp.int32)
+    # Only each lane's last real token's logits are used (after the prompt's last chunk):
+    # computing the vocabulary projection of the whole chunk would cost a sixth of SmolLM's
+    # prefill. The kept positions are shared by the rows: lane p's is on the diagonal.
+    keep = {"logits_to_keep": count - 1} if accepts_logits_to_keep(model) else {}
+    logits, part = model.apply(params, work.prefill_tokens, positions, part, mask, **keep)
+    index = state.cache.index.at[slots].set(start + count, mode="drop")
+    cache = state.cache.with_pools(part).replace(index=index)
+    width = state.tokens.shape[1]
+    columns = jnp.where(jnp.arange(chunk)[None, :] < count[:, None], positions, width)
+    tokens = state.tokens.at[slots[:, None], columns].set(work.prefill_tokens, mode="drop")
+    length = start + count  # [P_k]
+    lengths = state.lengths.at[slots].set(length, mode="drop")
+    state = state.replace(cache=cache, tokens=tokens, lengths=lengths)
+    ending = real & work.prefill_last
 
     def first_token(state):
         if keep:
-            last = logits[0]  # [1, V]
+            last = _diagonal(logits)  # [P_k, V]
         else:
-            last = jax.lax.dynamic_index_in_dim(logits[0], count - 1, keepdims=True)
+            last = jnp.take_along_axis(logits, (count - 1)[:, None, None], axis=1)[:, 0]
         chosen = choose_rows(
             last,
-            state.tokens[slot],
-            length[None],
-            state.prompt_lengths[slot],
-            _rows(state.settings, slot),
-            state.constraint_state[slot],
+            state.tokens[rows],
+            length,
+            state.prompt_lengths[rows],
+            _rows(state.settings, rows),
+            state.constraint_state[rows],
             pool,
-            jnp.ones((1,), bool),
+            ending,
             top,
         )
         token, done = chosen.token, chosen.done
+        target = _lane_slots(state, work, ending)
         state = state.replace(
-            tokens=state.tokens.at[slot, length].set(token, mode="drop"),
-            lengths=state.lengths.at[slot].add(1),
-            decoding=state.decoding.at[slot].set(~done),
-            constraint_state=state.constraint_state.at[slot].set(chosen.constraint_state),
+            tokens=state.tokens.at[target, length].set(token, mode="drop"),
+            lengths=state.lengths.at[target].add(1, mode="drop"),
+            decoding=state.decoding.at[target].set(~done, mode="drop"),
+            constraint_state=state.constraint_state.at[target].set(
+                chosen.constraint_state, mode="drop"
+            ),
         )
-        return state, token[0], done[0], chosen.scored
+        return state, jnp.where(ending, token, -1), ending & done, chosen.scored
 
     def not_last(state):
-        return state, jnp.full((), -1, jnp.int32), jnp.zeros((), bool), no_scores(1, top)
+        none = jnp.full((lanes,), -1, jnp.int32)
+        return state, none, jnp.zeros((lanes,), bool), no_scores(lanes, top)
 
-    return jax.lax.cond(work.prefill_last, first_token, not_last, state)
+    return jax.lax.cond(jnp.any(ending), first_token, not_last, state)
 
 
 def _decode_once(model, params, state: EngineState, pool, top: int):
@@ -275,14 +303,19 @@ def engine_prefill(
     state = _admit(state, work)
     top = max_top_logprobs
 
+    slots, lanes = state.lengths.shape[0], work.prefill_slot.shape[0]
+
     def with_prefill(state):
         state, first, done, scored = _prefill(model, params, state, work, pool, top)
-        return state, PrefillOutput(first, done, scored)
+        ended = jnp.zeros((slots,), bool).at[_lane_slots(state, work, done)].set(True, mode="drop")
+        return state, PrefillOutput(first, scored, ended)
 
     def without(state):
-        return state, PrefillOutput.empty(top)
+        none = jnp.full((lanes,), -1, jnp.int32)
+        return state, PrefillOutput(none, no_scores(lanes, top), jnp.zeros((slots,), bool))
 
-    state, prefilled = jax.lax.cond(work.prefill_slot >= 0, with_prefill, without, state)
+    prefilling = jnp.any(work.prefill_slot >= 0)
+    state, prefilled = jax.lax.cond(prefilling, with_prefill, without, state)
     if layout is not None:
         prefilled = jax.lax.with_sharding_constraint(prefilled, layout.sharding())
     return _constrain(layout, state), prefilled
@@ -293,7 +326,7 @@ def engine_decode(
     params: PyTree,
     state: EngineState,
     work: StepInput,
-    prefilled: PrefillOutput,
+    ended: Array,
     pool: CompressedTable | None = None,
     *,
     max_steps: int,
@@ -304,18 +337,21 @@ def engine_decode(
 
     The loop stops after ``work.num_steps`` iterations, when no row decodes, or after an
     iteration in which a row finished (the host can then reuse its slot and blocks); a first
-    token that ended its request (``prefilled.first_done``) counts as such a row.
+    token that ended its request (``ended``) counts as such a row.
 
     Args:
         model, params, pool, max_top_logprobs, layout: as :func:`engine_prefill`'s (the decode
             loop's carry keeps the state's shardings too).
         state: the state :func:`engine_prefill` returned (traced, donated).
-        work: the step's :class:`~genjax.serving.engine.StepInput`.
-        prefilled: what :func:`engine_prefill` returned; passed through to the output.
+        work: the step's :class:`~genjax.serving.engine.StepInput` (its prompt-chunk fields
+            are not read: :func:`decode_input` drops them).
+        ended: bool[R], :attr:`PrefillOutput.ended`.
         max_steps: ``K`` (static), the size of the output buffer; ``work.num_steps <= K``.
 
     Returns:
-        ``(state, output)``: the new state and a :class:`~genjax.serving.engine.StepOutput`.
+        ``(state, output)``: the new state and a :class:`~genjax.serving.engine.StepOutput`
+        without the first tokens (``first_token`` and ``first`` None: :func:`with_first`
+        adds those of the prefill program).
     """
     top = max_top_logprobs
     slots, rows = state.lengths.shape[0], work.decode_rows
@@ -323,8 +359,7 @@ def engine_decode(
     scores = jax.tree.map(
         lambda x: jnp.zeros((max_steps, *x.shape), x.dtype), no_scores(rows.shape[0], top)
     )
-    finished = jnp.zeros((slots,), bool)
-    finished = finished.at[jnp.maximum(work.prefill_slot, 0)].set(prefilled.first_done)
+    finished = ended
     limit = jnp.minimum(work.num_steps, max_steps)
 
     def cond(carry):
@@ -358,14 +393,19 @@ def engine_decode(
     )
     return state, StepOutput(
         tokens=tokens,
-        first_token=prefilled.first_token,
+        first_token=None,
         finished=finished.at[rows].set(done),
         steps=steps,
         logprobs=scores.logprobs,
         top_ids=scores.top_ids,
         top_logprobs=scores.top_logprobs,
-        first=prefilled.first,
+        first=None,
     )
+
+
+def with_first(output: StepOutput, prefilled: PrefillOutput) -> StepOutput:
+    """The decode program's ``output`` with the prefill program's first tokens."""
+    return output.replace(first_token=prefilled.first_token, first=prefilled.first)
 
 
 def reads_pool_in_place(cache) -> bool:
@@ -409,7 +449,10 @@ def engine_step(
     """
     sizes = dict(max_top_logprobs=max_top_logprobs, layout=layout)
     state, prefilled = engine_prefill(model, params, state, work, pool, **sizes)
-    return engine_decode(model, params, state, work, prefilled, pool, max_steps=max_steps, **sizes)
+    state, output = engine_decode(
+        model, params, state, work, prefilled.ended, pool, max_steps=max_steps, **sizes
+    )
+    return state, with_first(output, prefilled)
 
 
 def _jit(function, library_dots: bool, layout: Layout | None):
@@ -451,11 +494,12 @@ def compile_decode(
     layout: Layout | None = None,
 ):
     """The jitted :func:`engine_decode` (sizes static, the state donated):
-    ``decode(params, state, work, prefilled, pool=None) -> (state, output)``."""
+    ``decode(params, state, decode_input(work), prefilled.ended, pool=None) -> (state,
+    output)``."""
 
-    def decode(params, state, work, prefilled, pool=None):
+    def decode(params, state, work, ended, pool=None):
         sizes = dict(max_steps=max_steps, max_top_logprobs=max_top_logprobs, layout=layout)
-        return engine_decode(model, params, state, work, prefilled, pool, **sizes)
+        return engine_decode(model, params, state, work, ended, pool, **sizes)
 
     return _jit(decode, library_dots, layout)
 

@@ -120,15 +120,17 @@ def checkpoint(tmp_path_factory) -> Path:
     return folder
 
 
-def _single_process(checkpoint: Path, args: list[str]):
-    """What one process' ``genjax.generate`` gives for the example's prompts and config."""
+def _single_process(checkpoint: Path, args: list[str], mesh_shape=None):
+    """What one process' ``genjax.generate`` gives for the example's prompts and config, on one
+    device or on a mesh of this process' 8 devices."""
     parsed = multihost.parse_args(["--checkpoint", str(checkpoint), "--out", "-", *args])
     ids, mask = multihost.prompts(parsed)
     model, params = genjax.models.from_pretrained(checkpoint)
     config = genjax.GenerationConfig(
         max_new_tokens=parsed.max_new_tokens, pad_token_id=parsed.pad_token_id, output_scores=True
     )
-    return genjax.generate(model, params, ids, config, attention_mask=mask)
+    mesh = None if mesh_shape is None else genjax.sharding.make_mesh(mesh_shape)
+    return genjax.generate(model, params, ids, config, attention_mask=mask, mesh=mesh)
 
 
 def _assert_same(results: list[dict], expected, mesh: dict, processes: list) -> None:
@@ -150,6 +152,16 @@ def test_two_processes_get_the_single_process_tokens(checkpoint, tmp_path):
     _assert_same(results, expected, {"data": 1, "model": 8}, [[0, 0, 0, 0, 1, 1, 1, 1]])
 
 
+def test_two_processes_split_the_batch_as_one_process_splits_it(checkpoint, tmp_path):
+    """The example's default (2, 4) mesh: each process holds half the prompt rows (a global
+    array no process can read whole, padded to its bucket on the devices)."""
+    args = ["--mesh", "2,4", *ARGS[2:]]
+    results = _run_two_processes(checkpoint, tmp_path, args)
+    expected = _single_process(checkpoint, args, (2, 4))
+    np.testing.assert_array_equal(expected.sequences, _single_process(checkpoint, args).sequences)
+    _assert_same(results, expected, {"data": 2, "model": 4}, [[0, 0, 0, 0], [1, 1, 1, 1]])
+
+
 def test_two_processes_run_an_encoder_decoder_model_as_one(tmp_path):
     """T5 v1.1 (relative position bias, gated feed-forward; tests/fixtures/encdec) on a (2, 4)
     mesh: each process holds one ``data`` row of the source batch, its 4 heads split over
@@ -163,6 +175,11 @@ def test_two_processes_run_an_encoder_decoder_model_as_one(tmp_path):
     args = ["--mesh", "2,4", "--strategies", "greedy", "--output-scores"]
     args += ["--prompts", str(prompts), "--max-new-tokens", "5"]
     results = _run_two_processes(checkpoint, tmp_path, args)
-    expected = _single_process(checkpoint, args)
+    # The same program on this process' own (2, 4) mesh: the same sums in the same order. (Its
+    # scores differ from one device's by up to about 7e-5 here: the model axis splits the
+    # products' sums; tests/test_encdec_sharding.py compares meshes with one device.)
+    expected = _single_process(checkpoint, args, (2, 4))
+    alone = _single_process(checkpoint, args)
     assert expected.sequences.shape == (8, 6)  # the decoder start token, then 5 new tokens
+    np.testing.assert_array_equal(expected.sequences, alone.sequences)
     _assert_same(results, expected, {"data": 2, "model": 4}, [[0, 0, 0, 0], [1, 1, 1, 1]])

@@ -220,16 +220,25 @@ def prefill_chunks(
     return logits, cache
 
 
+def _on_host(x) -> bool:
+    """Whether ``x`` can be read on this host: not traced, and not a global array whose rows
+    lie partly on other processes (a multi-host mesh splitting the batch), which is padded
+    with JAX instead (every process runs the same operation)."""
+    if isinstance(x, jax.core.Tracer):
+        return False
+    return not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated
+
+
 def pad_prompt(
     input_ids: Array, attention_mask: Array, pad_token_id: Array, left: int, right: int = 0
 ):
     """Pads int32[B, P] ids and mask with ``left`` and ``right`` masked slots (static counts)
     holding ``pad_token_id``: int32[B, left + P + right] each. With numpy when all are
-    concrete, so a new prompt shape compiles nothing."""
+    concrete and on this host, so a new prompt shape compiles nothing."""
     if not left and not right:
         return input_ids, attention_mask
     widths = ((0, 0), (left, right))
-    if not any(isinstance(x, jax.core.Tracer) for x in (input_ids, attention_mask, pad_token_id)):
+    if all(_on_host(x) for x in (input_ids, attention_mask, pad_token_id)):
         pad = int(np.asarray(pad_token_id))
         ids = np.pad(np.asarray(input_ids, np.int32), widths, constant_values=pad)
         mask = np.pad(np.asarray(attention_mask, np.int32), widths)

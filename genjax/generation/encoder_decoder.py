@@ -379,7 +379,12 @@ def place_source(input_ids, attention_mask, pad_token_id, policy):
     given."""
     if isinstance(input_ids, jax.core.Tracer):
         return jnp.asarray(input_ids, jnp.int32), jnp.asarray(attention_mask, jnp.int32)
-    ids, mask = np.asarray(input_ids, np.int32), np.asarray(attention_mask, np.int32)
+    if isinstance(input_ids, jax.Array) and not input_ids.is_fully_addressable:
+        # a multi-host global array: its rows lie partly on other processes; pad_prompt pads
+        # it with JAX
+        ids, mask = input_ids.astype(jnp.int32), jnp.asarray(attention_mask).astype(jnp.int32)
+    else:
+        ids, mask = np.asarray(input_ids, np.int32), np.asarray(attention_mask, np.int32)
     right = policy.length(ids.shape[1]) - ids.shape[1]
     if not right:
         return jax.device_put(ids), jax.device_put(mask)

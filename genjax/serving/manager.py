@@ -36,28 +36,19 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 
 from genjax.cache.memory import check_pool_fits
 from genjax.config import GenerationConfig
 from genjax.errors import InputError, UnsupportedError
 from genjax.generation.inputs import effective_config
-from genjax.models.quantize import library_dots
 from genjax.serving.config import ContinuousBatchingConfig
 from genjax.serving.constraint_pool import ConstraintPool
 from genjax.serving.engine import engine_layout, init_state
 from genjax.serving.metrics import ITL_EDGES, TTFT_EDGES, Histogram
 from genjax.serving.options import EngineOptions, build_request, request_config
 from genjax.serving.output import GenerationOutput, output_of
-from genjax.serving.programs import compile_buckets
+from genjax.serving.programs import EnginePrograms
 from genjax.serving.scheduler import RequestState, RequestStatus, Scheduler
-from genjax.serving.step import (
-    compile_decode,
-    compile_prefill,
-    decode_input,
-    prefill_input,
-    with_first,
-)
 
 __all__ = [
     "ContinuousBatchingConfig",
@@ -67,9 +58,6 @@ __all__ = [
 ]
 
 _log = logging.getLogger(__name__)
-
-PREFILL = "prefill"
-"""The key of the prefill program among the compiled ones (the others: ``(B_k, M_s)``)."""
 
 
 class ContinuousBatchingManager:
@@ -93,19 +81,7 @@ class ContinuousBatchingManager:
         self._pool_bytes = check_pool_fits(
             model, shape.num_blocks, shape.block_size, shape.quantized, self._layout
         )
-        top, meshed = self.shape.max_top_logprobs, self._layout is not None
-        # One prefill program, one decode program per decoded-row bucket (genjax.serving.step);
-        # int8 params want library dots where products have several rows.
-        self._steps = {
-            bucket: compile_decode(
-                model, shape.max_steps, top, library_dots(params, bucket, meshed), self._layout
-            )
-            for bucket in self.shape.buckets
-        }
-        self._steps[PREFILL] = compile_prefill(
-            model, top, library_dots(params, shape.chunk, meshed), self._layout
-        )  # a chunk has C rows (each lane its own product rows: library dots either way)
-        self._compiled: dict[Any, Any] = {}  # (B_k, M_s) or (PREFILL, P_k, M_p) -> program
+        self._programs = EnginePrograms(model, params, shape, self._layout)
         self._state = None
         self._constraints = None  # the constraint pool's host copy (none: no constraints)
         if self.shape.constraint_states:
@@ -151,42 +127,17 @@ class ContinuousBatchingManager:
 
     # ---- lifecycle ----------------------------------------------------------------------
     def warmup(self) -> None:
-        """Compiles the engine's programs (a decode program per decoded-row bucket and attention
-        span, a prefill program per span, and the state's allocation) now, so that serving
-        compiles nothing (:func:`~genjax.serving.programs.compile_buckets`: programs another
+        """Compiles the engine's programs (:class:`~genjax.serving.programs.EnginePrograms`)
+        and allocates its state now, so that serving compiles nothing (programs another
         manager of the same model and sizes compiled are reused)."""
         if self._state is None:
             self._state = init_state(self.model, self.shape, layout=self._layout)
-        plans = Scheduler(self.shape)
-        work = {(b, m): decode_input(plans._step_input(1, b, m)) for b, m in self.shape.programs}
-        steps = {(b, m): self._steps[b] for b, m in self.shape.programs}
-        for lanes in self.shape.lane_buckets:
-            for span in self.shape.prefill_spans:
-                steps[PREFILL, lanes, span] = self._steps[PREFILL]
-        ended = np.zeros((self.shape.max_batch_size,), bool)
-        if self._layout is not None:
-            ended = jax.device_put(ended, self._layout.sharding())
-
-        def arguments(program):
-            first = self.shape.programs[0]
-            if program[0] == PREFILL:
-                _, lanes, span = program
-                chunk = plans._step_input(1, *first, prefill_span=span, lanes=lanes)
-                return self.params, self._state, prefill_input(chunk), self._pool()
-            return self.params, self._state, work[program], ended, self._pool()
-
-        self._compiled = compile_buckets(steps, arguments)
+        self._programs.compile(self.params, self._state, self._pool())
 
     def _step(self, work):
-        """Runs the prefill program, then the decode program of ``work``'s bucket and span, on
-        the current state (donated), with the constraint pool (uploaded again when an
-        automaton was installed)."""
-        pool = self._pool()
-        prefill = self._compiled[(PREFILL, *work.prefill_table.shape)]
-        state, prefilled = prefill(self.params, self._state, prefill_input(work), pool)
-        decode = self._compiled[work.decode_tables.shape]
-        state, output = decode(self.params, state, decode_input(work), prefilled.ended, pool)
-        return state, with_first(output, prefilled)
+        """Runs the step's programs on the current state (donated), with the constraint pool
+        (uploaded again when an automaton was installed)."""
+        return self._programs.step(self.params, self._state, work, self._pool())
 
     def _pool(self):
         """The constraint pool on the device, or None when the engine has none."""

@@ -1,5 +1,6 @@
-"""The engine's compiled step programs, one per decoded-row bucket and attention span, shared
-between managers.
+"""The engine's compiled step programs (a decode program per decoded-row bucket and attention
+span, a prefill program per lane count and span: :class:`EnginePrograms`), shared between
+managers.
 
 A manager compiles its step programs ahead of time in ``warmup`` (``jit(...).lower(...)
 .compile()``), so serving never compiles. Ahead-of-time programs do not land in ``jax.jit``'s
@@ -22,7 +23,17 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["MAX_PROGRAMS", "compile_buckets"]
+from genjax.models.quantize import library_dots
+from genjax.serving.scheduler import Scheduler
+from genjax.serving.step import (
+    compile_decode,
+    compile_prefill,
+    decode_input,
+    prefill_input,
+    with_first,
+)
+
+__all__ = ["MAX_PROGRAMS", "EnginePrograms", "compile_buckets"]
 
 MAX_PROGRAMS = 64
 """Compiled step programs kept for reuse."""
@@ -79,3 +90,67 @@ def compile_buckets(
             while len(_PROGRAMS) > MAX_PROGRAMS:
                 _PROGRAMS.pop(next(iter(_PROGRAMS)))
     return compiled
+
+
+PREFILL = "prefill"
+"""Keys a prefill program among the compiled ones as ``(PREFILL, P_k, M_p)`` (a decode
+program's key: ``(B_k, M_s)``)."""
+
+
+class EnginePrograms:
+    """A manager's step programs: a decode program per decoded-row bucket ``B_k`` and span
+    ``M_s``, a prefill program per lane count ``P_k`` and span ``M_p``
+    (:mod:`genjax.serving.step`), compiled by :meth:`compile` and run by :meth:`step`.
+
+    Args:
+        model, params: the model and its parameters (int8 params want library dots where
+            products have several rows: :func:`~genjax.models.quantize.library_dots`).
+        shape: the engine's :class:`~genjax.serving.engine.EngineShape`.
+        layout: the mesh's :class:`~genjax.sharding.Layout`, or None on one device.
+    """
+
+    def __init__(self, model, params, shape, layout=None):
+        self.shape, self.layout = shape, layout
+        top, meshed = shape.max_top_logprobs, layout is not None
+        self._steps = {
+            bucket: compile_decode(
+                model, shape.max_steps, top, library_dots(params, bucket, meshed), layout
+            )
+            for bucket in shape.buckets
+        }
+        # A chunk has C rows per lane: library dots either way.
+        self._steps[PREFILL] = compile_prefill(
+            model, top, library_dots(params, shape.chunk, meshed), layout
+        )
+        self._compiled: dict[Hashable, Any] = {}
+
+    def compile(self, params, state, pool) -> None:
+        """Compiles every program for arguments like these (ahead of time: serving then
+        compiles nothing; programs compiled before for the same sizes are reused)."""
+        shape, plans = self.shape, Scheduler(self.shape)
+        work = {(b, m): decode_input(plans._step_input(1, b, m)) for b, m in shape.programs}
+        steps = {(b, m): self._steps[b] for b, m in shape.programs}
+        for lanes in shape.lane_buckets:
+            for span in shape.prefill_spans:
+                steps[PREFILL, lanes, span] = self._steps[PREFILL]
+        ended = np.zeros((shape.max_batch_size,), bool)
+        if self.layout is not None:
+            ended = jax.device_put(ended, self.layout.sharding())
+
+        def arguments(program):
+            if program[0] == PREFILL:
+                _, lanes, span = program
+                chunk = plans._step_input(1, *shape.programs[0], prefill_span=span, lanes=lanes)
+                return params, state, prefill_input(chunk), pool
+            return params, state, work[program], ended, pool
+
+        self._compiled = compile_buckets(steps, arguments)
+
+    def step(self, params, state, work, pool):
+        """Runs the prefill program of ``work``'s lanes and span, then the decode program of
+        its bucket and span, on ``state`` (donated); returns ``(state, output)``."""
+        prefill = self._compiled[(PREFILL, *work.prefill_table.shape)]
+        state, prefilled = prefill(params, state, prefill_input(work), pool)
+        decode = self._compiled[work.decode_tables.shape]
+        state, output = decode(params, state, decode_input(work), prefilled.ended, pool)
+        return state, with_first(output, prefilled)

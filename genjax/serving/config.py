@@ -52,10 +52,10 @@ class ContinuousBatchingConfig:
             ``cache_implementation="quantized"`` runs only on an int8 pool.
         prefill_chunk_size: ``C``, prompt tokens prefilled per step and request.
         max_prefill_requests: ``P``, the most requests whose prompt chunks run in one step
-            (one model call of ``P_k`` rows of ``C`` tokens, ``P_k`` the smallest power of two
-            up to ``P`` holding them): requests that arrive together start together rather
-            than one a step. Each ``P_k`` is a compiled prefill program per span; a call costs
-            ``P_k`` chunks whatever their lengths.
+            (one model call of ``P_k`` rows of ``C`` tokens, ``P_k`` the smallest of the powers
+            of two below ``P`` and ``P`` holding them): requests that arrive together start
+            together rather than one a step. Each ``P_k`` is a compiled prefill program per
+            span; a call costs ``P_k`` chunks whatever their lengths.
         attention_spans: the lengths (tokens, each rounded up to whole blocks) the decode loop
             and the prompt chunks may attend over; every one is a compiled decode program per
             decoded-row bucket and a prefill program (when it holds a whole chunk), and a step

@@ -7,12 +7,14 @@ the donated state):
 
 1. applies the host's block tables and releases the rows the host stopped (cancelled, a stop
    string, preempted);
-2. runs one prompt chunk of ``C`` tokens for one slot (chunked prefill; skipped with
-   ``lax.cond`` when there is none); after the prompt's last chunk it chooses the slot's first
-   new token and the slot starts decoding. A prompt whose first blocks are shared from the
-   prefix cache starts its chunks after them (their tokens come in ``StepInput.history``).
-   The chunk attends over the first ``M_p`` blocks of the slot's table, the shortest of the
-   same spans that holds its tokens: one compiled prefill program per span (a 64-token chunk
+2. runs one prompt chunk of ``C`` tokens for each of up to ``P`` slots (chunked prefill; one
+   model call of ``P_k`` rows, ``P_k`` the smallest of the powers of two below ``P``
+   (``max_prefill_requests``) and ``P`` holding them; skipped with ``lax.cond`` when there is none);
+   after a prompt's last chunk it chooses the slot's first new token and the slot starts
+   decoding. A prompt whose first blocks are shared from the prefix cache starts its chunks
+   after them (their tokens come in ``StepInput.history``). The chunks attend over the first
+   ``M_p`` blocks of their slots' tables, the shortest of the same spans that holds their
+   tokens: one compiled prefill program per ``(P_k, M_p)`` (a 64-token chunk
    of SmolLM-135M over 256 slots rather than 768 took 98 against 125 ms on the 2-core Intel
    Xeon);
 3. decodes one token for every decoding slot, up to ``num_steps`` times in a

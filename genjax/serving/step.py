@@ -276,7 +276,7 @@ def engine_prefill(
     max_top_logprobs: int = 0,
     layout: Layout | None = None,
 ) -> tuple[EngineState, PrefillOutput]:
-    """Applies the host's tables and releases, admits, and runs one prompt chunk.
+    """Applies the host's tables and releases, admits, and runs the lanes' prompt chunks.
 
     Args:
         model: the model (static).

@@ -42,6 +42,7 @@ from genjax.serving.blocks import block_hashes
 from genjax.serving.choosing import ban_repeated_ngrams
 from genjax.serving.config import attention_spans
 from genjax.serving.options import build_request
+from genjax.serving.runner import ServeOptions, engine_sizes
 from genjax.serving.step import reads_pool_in_place
 from genjax.testing import count_compiles as compiles
 from genjax.testing import write_random_checkpoint
@@ -237,6 +238,29 @@ def test_attention_spans_are_powers_of_two_in_blocks_then_the_whole_table():
     for bad in ((0,), (513,), (True,), 128):
         with pytest.raises(InputError, match="attention_spans"):
             ContinuousBatchingConfig(attention_spans=bad).engine_shape()
+
+
+def test_prefill_lanes_are_powers_of_two_then_the_limit_and_checked():
+    assert CB.engine_shape().lane_buckets == (1, 2)
+    assert ContinuousBatchingConfig(max_prefill_requests=6).engine_shape().lane_buckets == (
+        1,
+        2,
+        4,
+        6,
+    )
+    for bad in (0, 9):  # 9 > max_batch_size 8
+        with pytest.raises(InputError, match="max_prefill_requests"):
+            ContinuousBatchingConfig(max_prefill_requests=bad).engine_shape()
+    # genjax serve: 4 by default (fewer with fewer slots); a value given is kept, and checked.
+    model, _ = _model()
+    sizes = [
+        engine_sizes(ServeOptions(max_batch_size=b, max_prefill_requests=p), model)
+        for b, p in ((8, None), (2, None), (8, 8))
+    ]
+    assert [s.max_prefill_requests for s in sizes] == [4, 2, 8]
+    too_many = engine_sizes(ServeOptions(max_batch_size=2, max_prefill_requests=3), model)
+    with pytest.raises(InputError, match="max_prefill_requests=3 exceeds max_batch_size=2"):
+        too_many.engine_shape(model)
 
 
 # ---- the step alone -------------------------------------------------------------------------

@@ -360,5 +360,7 @@ class PagedKVCache:
         return self.replace(block_tables=self.block_tables[rows], index=self.index[rows])
 
     def merge_rows(self, rows: Array, part: PagedKVCache) -> PagedKVCache:
-        """Takes the pools of ``part`` (made by :meth:`select_rows`) and its rows' indices."""
-        return self.with_pools(part).replace(index=self.index.at[rows].set(part.index))
+        """Takes the pools of ``part`` (made by :meth:`select_rows`) and its rows' indices; a
+        row number past the batch (a part's row that stands for none) keeps no index."""
+        index = self.index.at[rows].set(part.index, mode="drop")
+        return self.with_pools(part).replace(index=index)

@@ -55,7 +55,8 @@ def add_parser(commands) -> None:
         "--max-prefill-requests",
         type=options.positive,
         metavar="N",
-        help="prompts prefilled together in one step (default: 4, at most --max-batch-size)",
+        help="prompts prefilled together in one step, at most --max-batch-size (default 4, "
+        "or --max-batch-size if smaller)",
     )
     serve.add_argument("--max-length", type=options.positive, metavar="N", help="tokens/request")
     serve.add_argument(

@@ -65,10 +65,11 @@ struct Problem {
   int64_t kv_heads, groups, head_dim, slots;
 };
 
-// Register tiles. A tile keeps its sums in registers for the whole reduction and stores each
-// once; summing into the outputs in memory instead (a load and a store per multiply-add) ran at
-// about a third of this speed. Each sum still runs over h (scores) or s (values) in order, one
-// fused multiply-add each, so the bits are those of the plain loops.
+// Register tiles. A tile keeps its sums in registers (the scores: across a band of key rows)
+// and stores them once; summing into the outputs in memory at every multiply-add (a load and a
+// store each) ran at about a third of this speed. Each sum still runs over h (scores) or s
+// (values) in order, one fused multiply-add each, and a float32 stored and loaded again is
+// unchanged, so the bits are those of the plain loops.
 constexpr int kTile = 4;  // queries (G) per tile
 
 // Prefetch distances: the values' slot s + kValuesAhead is asked for while slot s is summed; a
@@ -76,10 +77,16 @@ constexpr int kTile = 4;  // queries (G) per tile
 // in no order, which the hardware prefetcher cannot guess).
 constexpr int64_t kValuesAhead = 8;    // slots
 
-// out[t * out_stride + i] = sum_h q[t * H + h] * keys[h * h_stride + i], i < count, t < T.
-// V vectors of slots at a time: the sums over h are chains of dependent multiply-adds, and with
-// T * V of them side by side the core overlaps their latency (T = 3 alone, as SmolLM's 3 queries
-// per KV head, ran at half the values' speed).
+// out[t * out_stride + i] = sum_h q[t * H + h] * keys[h * h_stride + i] for the slots i from
+// `begin` in whole runs of V vectors, t < T; returns where the runs end.
+//
+// From memory (a decode step's caches are out of the caches by then: the weights stream
+// through them between layers) the first tiles, one vector of all H key rows at a time, ran at
+// 11 GB/s against 20 for the values, for two reasons. H rows side by side are H streams, more
+// than the hardware prefetcher follows: the sum runs over bands of kBand rows, its partial sums
+// resting in `out` between bands. And the sums over h are chains of dependent multiply-adds:
+// with T * V of them side by side (T = 3 alone, SmolLM's queries per KV head, was too few) the
+// core overlaps their latency.
 constexpr int64_t kBand = 8;  // key rows per band; H is a multiple of it
 
 template <int T, int V, typename C>

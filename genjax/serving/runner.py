@@ -45,7 +45,8 @@ class ServeOptions:
         max_waiting: requests that may wait for a slot before new ones get 429.
         max_prefill_requests: prompts prefilled together in one step
             (``ContinuousBatchingConfig.max_prefill_requests``); None:
-            :data:`DEFAULT_PREFILL_REQUESTS`; at most ``max_batch_size``.
+            :data:`DEFAULT_PREFILL_REQUESTS` or ``max_batch_size`` if fewer (a larger value
+            given raises ``InputError``).
         max_length: tokens (prompt plus completion) of one request; None: the model's
             ``max_position_embeddings``, at most 4096.
         max_constraint_states, max_constraint_edges: the structured-output pool's sizes
@@ -114,8 +115,8 @@ def engine_sizes(options: ServeOptions, model):
     }
     return ContinuousBatchingConfig(
         max_batch_size=options.max_batch_size,
-        max_prefill_requests=min(
-            options.max_prefill_requests or DEFAULT_PREFILL_REQUESTS, options.max_batch_size
+        max_prefill_requests=(
+            options.max_prefill_requests or min(DEFAULT_PREFILL_REQUESTS, options.max_batch_size)
         ),
         max_length=max_length,
         kv_cache_dtype=options.kv_cache_dtype,

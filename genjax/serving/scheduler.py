@@ -281,20 +281,17 @@ class Scheduler:
         and has not filled them all yet: admitted once it has, the request finds them in the
         prefix cache rather than prefilling them again (a burst of chats with one system
         prompt; a request's ``num_return_sequences`` records)."""
-        if not self.prefix_caching:
+        if not self.prefix_caching or not self.prefilling:
             return False
         size = self.shape.block_size
         tokens = request.prompt + request.generated
-        for other in self.prefilling:
-            shared = 0
-            while (shared + 1) * size < len(tokens) and (shared + 1) * size <= len(other.pending):
-                block = slice(shared * size, (shared + 1) * size)
-                if tokens[block] != other.pending[block]:
-                    break
-                shared += 1
-            if other.named < shared:
-                return True
-        return False
+        usable = (len(tokens) - 1) // size  # its last token is always prefilled
+        mine = block_hashes(tokens, size)[:usable]
+        # Chained hashes: equal ones are the shared leading blocks.
+        return any(
+            other.named < sum(a == b for a, b in zip(mine, other.hashes, strict=False))
+            for other in self.prefilling
+        )
 
     def _take_cached_prefix(self, request: RequestState) -> None:
         """Gives the request the cached blocks of its longest known prefix, leaving at least
@@ -386,8 +383,7 @@ class Scheduler:
         return [
             request
             for request in self.slots
-            if request is not None
-            and (request not in self.prefilling or any(request is r for r in ending))
+            if request is not None and (request not in self.prefilling or request in ending)
         ]
 
     def _step_input(

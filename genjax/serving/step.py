@@ -21,9 +21,9 @@ one program, for tests and benchmarks that drive a single step).
 
 Static or traced: as :mod:`genjax.serving.engine` lists; the prefill program takes the step
 input without ``decode_rows`` and ``decode_tables`` (:func:`prefill_input`), so that its shape
-does not depend on the bucket or decode span, and the decode program takes it without
-``prefill_table`` (:func:`decode_input`), so that its shape does not depend on the prefill
-span.
+does not depend on the bucket or decode span, and the decode program takes it without the
+prompt chunks (:func:`decode_input`), so that its shape depends on neither their count nor
+their span.
 """
 
 from __future__ import annotations
@@ -177,8 +177,7 @@ def _prefill(model, params, state: EngineState, work: StepInput, pool, top: int)
     # prefill. The kept positions are shared by the rows: lane p's is on the diagonal.
     keep = {"logits_to_keep": count - 1} if accepts_logits_to_keep(model) else {}
     logits, part = model.apply(params, work.prefill_tokens, positions, part, mask, **keep)
-    index = state.cache.index.at[slots].set(start + count, mode="drop")
-    cache = state.cache.with_pools(part).replace(index=index)
+    cache = state.cache.merge_rows(slots, part.replace(index=start + count))
     width = state.tokens.shape[1]
     columns = jnp.where(jnp.arange(chunk)[None, :] < count[:, None], positions, width)
     tokens = state.tokens.at[slots[:, None], columns].set(work.prefill_tokens, mode="drop")

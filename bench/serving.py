@@ -22,7 +22,7 @@ batching has none inside a call, so a request's first token is taken at its batc
 the batch's prefill time (a one-token call, timed once) and its gaps as the batch's decode time
 spread evenly.
 
-Run:  python bench/serving.py [--quick] [--json out.json] [--libs engine generate ...]
+Run:  python bench/serving.py [--quick] [--dtype bfloat16] [--json out.json] [--libs engine ...]
 Needs the ``parity`` extra (torch, transformers). Prints ratios of genjax's engine against each
 peer measured in the same run, and the CPU model.
 """
@@ -92,13 +92,13 @@ class _Compiles:
             self.count += 1
 
 
-def _engine(folder, prompts, outputs, slots=None):
+def _engine(folder, prompts, outputs, slots=None, dtype="float32"):
     import jax
 
     import genjax
     from genjax.serving import ContinuousBatchingConfig, init_continuous_batching
 
-    model, params = genjax.models.from_pretrained(folder)
+    model, params = genjax.models.from_pretrained(folder, dtype=dtype)
     config = genjax.GenerationConfig(pad_token_id=PAD_TOKEN_ID, eos_token_id=None)
     longest = max(len(p) + n for p, n in zip(prompts, outputs, strict=True))
     cb = ContinuousBatchingConfig(
@@ -128,8 +128,8 @@ def _engine(folder, prompts, outputs, slots=None):
         manager.stop(block=True, timeout=60)
 
 
-def _hf_cb(folder, prompts, outputs):
-    model, transformers, _ = _torch_model(folder)
+def _hf_cb(folder, prompts, outputs, dtype="float32"):
+    model, transformers, _ = _torch_model(folder, dtype)
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     config = transformers.GenerationConfig(
@@ -203,12 +203,12 @@ def _static(call, prompts, outputs, compiles=None):
     return _summary((time.perf_counter() - start, made, ttft, gaps), first_pass)
 
 
-def _generate(folder, prompts, outputs):
+def _generate(folder, prompts, outputs, dtype="float32"):
     import jax
 
     import genjax
 
-    model, params = genjax.models.from_pretrained(folder)
+    model, params = genjax.models.from_pretrained(folder, dtype=dtype)
     compiles = _Compiles(jax)
 
     def call(group, new_tokens):
@@ -230,8 +230,8 @@ def _generate(folder, prompts, outputs):
     return _static(call, prompts, outputs, compiles)
 
 
-def _hf_generate(folder, prompts, outputs):
-    model, _, torch = _torch_model(folder)
+def _hf_generate(folder, prompts, outputs, dtype="float32"):
+    model, _, torch = _torch_model(folder, dtype)
 
     def call(group, new_tokens):
         width = max(len(p) for p in group)
@@ -254,14 +254,14 @@ def _hf_generate(folder, prompts, outputs):
     return _static(call, prompts, outputs)
 
 
-def _torch_model(folder):
+def _torch_model(folder, dtype="float32"):
     import torch
     import transformers
 
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     torch.set_num_threads(_machine.cpu_count())
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype))
     model.generation_config.eos_token_id = None
     return model.eval(), transformers, torch
 
@@ -301,22 +301,25 @@ def _summary(measured, compiles) -> dict:
 _WORKERS = {"engine": _engine, "generate": _generate, "hf_cb": _hf_cb, "hf_generate": _hf_generate}
 
 
-def _worker(conn, lib, folder, prompts, outputs, slots):
+def _worker(conn, lib, folder, prompts, outputs, slots, dtype):
     if lib in ("engine", "generate"):
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     try:
-        extra = (slots,) if lib == "engine" else ()
-        conn.send(("ok", _WORKERS[lib](folder, prompts, outputs, *extra)))
+        extra = dict(slots=slots) if lib == "engine" else {}
+        conn.send(("ok", _WORKERS[lib](folder, prompts, outputs, dtype=dtype, **extra)))
     except Exception as error:  # reported, never a crash of the suite
         conn.send(("error", f"{type(error).__name__}: {error}"))
 
 
-def run_lib(lib, folder, prompts, outputs, slots=BATCH) -> dict:
-    """Runs one way of serving in a fresh process (the engine with ``slots`` slots);
+def run_lib(lib, folder, prompts, outputs, slots=BATCH, dtype="float32") -> dict:
+    """Runs one way of serving in a fresh process (the engine with ``slots`` slots), the
+    weights in ``dtype`` (both libraries load the same float32 checkpoint and cast it);
     ``{"error": ...}`` if it failed."""
     context = multiprocessing.get_context("spawn")
     parent, child = context.Pipe()
-    process = context.Process(target=_worker, args=(child, lib, folder, prompts, outputs, slots))
+    process = context.Process(
+        target=_worker, args=(child, lib, folder, prompts, outputs, slots, dtype)
+    )
     process.start()
     child.close()
     try:
@@ -388,6 +391,12 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--engine-slots", type=int, default=BATCH, help=f"the engine's requests at once ({BATCH})"
     )
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="the weights and activations of every library (float32)",
+    )
     args = parser.parse_args(argv)
     count = args.requests or (16 if args.quick else 64)
     shape = SHAPES[args.shape or ("llama-small" if args.quick else "smollm")]
@@ -398,12 +407,12 @@ def main(argv=None) -> int:
         results = {}
         for lib in args.libs:
             print(f"[{time.strftime('%H:%M:%S')}] {lib}", file=sys.stderr, flush=True)
-            results[lib] = run_lib(lib, folder, prompts, outputs, args.engine_slots)
+            results[lib] = run_lib(lib, folder, prompts, outputs, args.engine_slots, args.dtype)
     env = _machine.environment()
     lengths = [len(p) for p in prompts]
     header = [
         f"serving: {count} requests at once, {shape.title}, {layers} layers, "
-        f"{checkpoint['params'] / 1e6:.1f}M params, float32",
+        f"{checkpoint['params'] / 1e6:.1f}M params, {args.dtype}",
         f"prompts {min(lengths)}..{max(lengths)} (mean {np.mean(lengths):.0f}), outputs "
         f"{min(outputs)}..{max(outputs)} (sum {sum(outputs)}); static batches of {BATCH}; "
         f"engine slots {args.engine_slots}",

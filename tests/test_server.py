@@ -388,6 +388,9 @@ def _start_server(tmp_dir) -> _Server:
     env = {**os.environ, "JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}
     args = ["serve", "--port", "0", "--api-key", KEY, "--max-length", str(CONTEXT)]
     args += ["--max-batch-size", "4", "--max-waiting", "64", "--log-level", "warning"]
+    # Prompts prefilled 1 or 2 at a time, in chunks of 8, 16 or 32 tokens: 6 prefill programs to
+    # compile, not 9 (the engine's lanes are tested in tests/test_serving_engine.py).
+    args += ["--max-prefill-requests", "2"]
     with open(stderr_path, "w") as stderr:
         process = subprocess.Popen(
             [sys.executable, "-m", "genjax.cli", *args],

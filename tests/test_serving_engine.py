@@ -57,6 +57,7 @@ CB = ContinuousBatchingConfig(
     max_length=48,
     num_blocks=14,
     prefill_chunk_size=8,
+    prefill_chunk_sizes=(4,),  # a prompt's last 1-4 tokens run in lanes of 4
     max_prefill_requests=2,  # requests arriving together prefill together (lanes 1, 2)
     attention_spans=(16,),  # steps whose rows hold at most 4 blocks attend over those alone
     max_decode_steps=4,
@@ -240,6 +241,30 @@ def test_attention_spans_are_powers_of_two_in_blocks_then_the_whole_table():
             ContinuousBatchingConfig(attention_spans=bad).engine_shape()
 
 
+def test_chunk_lengths_default_to_a_half_and_a_quarter_of_the_chunk_and_are_checked():
+    def chunks(**kwargs):
+        return ContinuousBatchingConfig(**kwargs).engine_shape().chunks
+
+    assert chunks() == (8, 16, 32)  # C = 32
+    assert chunks(prefill_chunk_size=64) == (16, 32, 64)
+    assert chunks(prefill_chunk_size=16) == (8, 16)
+    assert chunks(prefill_chunk_size=8) == (8,)
+    assert chunks(prefill_chunk_size=24) == (12, 24)  # 6 is below 8
+    assert chunks(prefill_chunk_sizes=()) == (32,)
+    assert chunks(prefill_chunk_sizes=(3, 32, 3)) == (3, 32)
+    shape = CB.engine_shape()
+    assert shape.chunks == (4, 8)
+    assert shape.prefill_spans(4) == shape.prefill_spans(8) == (4, 12)
+    assert len(shape.prefill_programs) == 2 * 2 * 2  # lanes x chunk lengths x spans
+    small = ContinuousBatchingConfig(max_length=64, block_size=4, attention_spans=(8,))
+    assert small.engine_shape().spans == (2, 16)
+    assert small.engine_shape().prefill_spans(32) == (16,)  # 2 blocks cannot hold 32 slots
+    assert small.engine_shape().prefill_spans(8) == (2, 16)
+    for bad in ((0,), (33,), (True,), 16, (8.0,)):
+        with pytest.raises(InputError, match="prefill_chunk_sizes"):
+            ContinuousBatchingConfig(prefill_chunk_sizes=bad).engine_shape()
+
+
 def test_prefill_lanes_are_powers_of_two_then_the_limit_and_checked():
     assert CB.engine_shape().lane_buckets == (1, 2)
     assert ContinuousBatchingConfig(max_prefill_requests=6).engine_shape().lane_buckets == (
@@ -356,7 +381,7 @@ def test_engine_greedy_equals_generate_alone_across_a_mixed_workload(manager):
             ids.extend(manager.add_request(p, **s) for p, s in pairs)
 
     spans, chunk_spans = [], []  # the attention spans (blocks) of the decode loops and chunks
-    lanes = []  # prompts prefilled together, per step with a chunk
+    lanes, lengths = [], []  # prompts prefilled together and the chunk length, per step with one
     step = manager._step
 
     def recorded(work):
@@ -364,6 +389,9 @@ def test_engine_greedy_equals_generate_alone_across_a_mixed_workload(manager):
         if (work.prefill_slot >= 0).any():
             chunk_spans.append(work.prefill_table.shape[1])
             lanes.append(int((work.prefill_slot >= 0).sum()))
+            lengths.append(work.prefill_tokens.shape[1])
+            longest = work.prefill_count[work.prefill_slot >= 0].max()
+            assert lengths[-1] == (4 if longest <= 4 else 8), (longest, lengths[-1])
         return step(work)
 
     manager._step = recorded
@@ -380,6 +408,7 @@ def test_engine_greedy_equals_generate_alone_across_a_mixed_workload(manager):
     assert set(spans) == {4, 12}, sorted(set(spans))
     assert set(chunk_spans) == {4, 12}, sorted(set(chunk_spans))
     assert max(lanes) >= 2, lanes  # the two free slots' requests started in the same step
+    assert set(lengths) == {4, 8}, lengths  # prompts' last few tokens ran in lanes of 4
     for prompt, spec, extra, out in zip(prompts, specs, extras, outputs, strict=True):
         eos_ids = tuple(spec.get("eos_token_id", ())) or None
         if "logprobs" in spec:  # plain greedy: each token is its raw distribution's argmax

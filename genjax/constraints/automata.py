@@ -296,9 +296,8 @@ def _special_ids(tokenizer: Any) -> set[int]:
 
 
 def _build(pattern: str, vocabulary: _Vocabulary, max_states: int, max_transitions: int):
-    """Sizes ``pattern`` (:func:`limits.check_pattern`), builds its outlines-core index, checks
-    the exact counts and reads the transitions out in CSR form (vectorized: the Python dict
-    ``get_transitions`` returns is walked by ``np.fromiter``, then sorted in numpy)."""
+    """Sizes ``pattern`` (:func:`limits.check_pattern`), builds its outlines-core index and
+    reads it out in CSR form (:func:`_read_out`), the counts checked as they grow."""
     from outlines_core import Index
 
     start = time.perf_counter()
@@ -310,34 +309,14 @@ def _build(pattern: str, vocabulary: _Vocabulary, max_states: int, max_transitio
             f"the constraint's pattern admits no output over this vocabulary (or is invalid): "
             f"{error}"
         ) from error
-    transitions = index.get_transitions()
-    initial, finals = index.get_initial_state(), np.fromiter(index.get_final_states(), np.int64)
-    counts = np.fromiter(map(len, transitions.values()), np.int64, len(transitions))
-    total = int(counts.sum())
-    limits.check_counts(pattern, len(transitions), total, max_states, max_transitions)
-    sources = np.repeat(np.fromiter(transitions, np.int64, len(transitions)), counts)
-    tokens = np.fromiter(itertools.chain.from_iterable(transitions.values()), np.int64, total)
-    targets = itertools.chain.from_iterable(e.values() for e in transitions.values())
-    targets = np.fromiter(targets, np.int64, total)
-    del transitions, index
-    ids = np.unique(np.concatenate([sources, targets, [initial]]))
-    limits.check_counts(pattern, ids.shape[0], total, max_states, max_transitions)
-    others = ids[ids != initial]  # numbered 1.. in order; the initial state is 0
-
-    def number(states):
-        return np.where(states == initial, 0, np.searchsorted(others, states) + 1)
-
-    rows = number(sources)
-    order = np.argsort(rows * (int(tokens.max(initial=0)) + 1) + tokens, kind="stable")
-    final = np.zeros(ids.shape[0], bool)
-    final[number(finals[np.isin(finals, ids)])] = True
+    offsets, tokens, targets, final = _read_out(
+        index, pattern, vocabulary.eos_token_id, max_states, max_transitions
+    )
     constraint = Constraint(
         pattern=pattern,
-        offsets=np.concatenate([[0], np.cumsum(np.bincount(rows, None, ids.shape[0]))]).astype(
-            np.int32
-        ),
-        tokens=tokens[order].astype(np.int32),
-        targets=number(targets[order]).astype(np.int32),
+        offsets=offsets,
+        tokens=tokens,
+        targets=targets,
         final=final,
         eos_token_id=vocabulary.eos_token_id,
         vocab_size=vocabulary.size,
@@ -345,6 +324,57 @@ def _build(pattern: str, vocabulary: _Vocabulary, max_states: int, max_transitio
     )
     _check_admits_something(constraint)
     return constraint
+
+
+def _read_out(index: Any, pattern: str, eos_token_id: int, max_states: int, max_transitions: int):
+    """An outlines-core ``Index`` as CSR arrays, one state at a time.
+
+    States are visited breadth first from the initial state, each through
+    ``get_allowed_tokens`` and ``get_next_state``, so the host holds numpy's 12 bytes per
+    transition (int32 token and target, int32 renumbered target) instead of the Python dict of
+    dicts ``get_transitions`` returns (about 140 bytes per transition with its int objects:
+    2.8 GiB for ``bench/structured.py``'s JSON schema over a 50k vocabulary), and a walk past
+    the bounds stops at the first state over them. States are renumbered with the initial
+    state 0 and the others in the order of their outlines-core ids.
+
+    Returns:
+        ``(offsets int32[n + 1], tokens int32[E], targets int32[E], final bool[n])`` as
+        :class:`Constraint` holds them.
+    """
+    initial = index.get_initial_state()
+    found, order = {initial}, [initial]
+    tokens, targets = {}, {}
+    total = 0
+    for state in order:  # grows as new states are found
+        allowed = np.sort(np.fromiter(index.get_allowed_tokens(state) or (), np.int64))
+        count = allowed.shape[0]
+        # EOS (allowed in accepting states) has no next state here; the automaton stays put.
+        moving = allowed[allowed != eos_token_id].tolist()
+        step = map(index.get_next_state, itertools.repeat(state, len(moving)), moving)
+        following = np.full(count, state, np.int64)
+        following[allowed != eos_token_id] = np.fromiter(step, np.int64, len(moving))
+        for target in np.unique(following).tolist():
+            if target not in found:
+                found.add(target)
+                order.append(target)
+        total += count
+        if len(order) > max_states or total > max_transitions:
+            limits.check_counts(pattern, len(order), total, max_states, max_transitions, True)
+        tokens[state], targets[state] = allowed.astype(np.int32), following
+    others = np.sort(np.array([s for s in order if s != initial], np.int64))
+    numbered = [initial, *others.tolist()]
+
+    def number(states: np.ndarray) -> np.ndarray:
+        return np.where(states == initial, 0, np.searchsorted(others, states) + 1).astype(np.int32)
+
+    counts = np.array([tokens[s].shape[0] for s in numbered], np.int64)
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    flat_tokens = np.concatenate([tokens.pop(s) for s in numbered])
+    flat_targets = np.concatenate([number(targets.pop(s)) for s in numbered])
+    finals = np.fromiter(index.get_final_states(), np.int64)
+    final = np.zeros(len(numbered), bool)
+    final[number(finals[np.isin(finals, others) | (finals == initial)])] = True
+    return offsets, flat_tokens, flat_targets, final
 
 
 def _check_admits_something(constraint: Constraint) -> None:

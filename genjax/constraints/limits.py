@@ -2,9 +2,9 @@
 
 ``outlines-core``'s native ``Index`` build cannot be interrupted (it runs in Rust, outside the
 GIL, until it ends), and its cost grows with the automaton: about ``states * V`` token walks and
-host memory per transition (its map, then the Python dict it is read out of, about 140 bytes
-in all). A pattern such as ``.{0,100000}``, ``(a|b)*a(a|b){20}`` (a DFA of 2**21 states from a
-short pattern) or a JSON schema with ``maxLength: 100000`` would run for minutes and take
+host memory per transition (its map, and genjax's arrays read out of it state by state). A
+pattern such as ``.{0,100000}``, ``(a|b)*a(a|b){20}`` (a DFA of 2**21 states from a short
+pattern) or a JSON schema with ``maxLength: 100000`` would run for minutes and take
 gigabytes; ``[a-z]{1,5000}`` has 8M transitions over 4096 tokens and about 50M over 50k. So
 every build is sized first, in Python, in time bounded by the limits themselves:
 
@@ -23,15 +23,16 @@ every build is sized first, in Python, in time bounded by the limits themselves:
    patterns (2.6x on ``(?i)hello( world)?``), so only more than ``2 * max_transitions`` is
    refused here.
 
-After the build the exact counts are checked again (:func:`check_counts`) before the
-transitions are read out into arrays. A pattern Python's parser rejects or reads differently
+After the build the exact counts are checked again (:func:`check_counts`) as the transitions
+are read out into arrays, state by state. A pattern Python's parser rejects or reads differently
 (Rust-only syntax such as ``\\p{L}`` or ``[a&&b]``) skips steps 1-3 and gets only the exact
 check.
 
 The defaults, :data:`MAX_STATES` and :data:`MAX_TRANSITIONS`, admit JSON schemas of ordinary
 size over a 32k-50k vocabulary (``bench/structured.py``'s has 20.7M transitions over 50k
-tokens) and bound a build to about ``MAX_STATES * V`` token walks and ``140 * MAX_TRANSITIONS``
-bytes of host memory; ``bench/results/*-structured-build.txt`` has the measured figures.
+tokens) and bound a build to about ``MAX_STATES * V`` token walks and ``32 * MAX_TRANSITIONS``
+bytes of host memory (outlines-core's index and genjax's arrays);
+``bench/results/*-structured-build.txt`` has the measured figures.
 Raise them with the ``max_states=`` / ``max_transitions=`` keywords of
 :func:`genjax.constraints.regex` and friends; the serving engine uses its pool's sizes
 (``max_constraint_states`` and ``max_constraint_edges``) instead.
@@ -175,12 +176,17 @@ def check_pattern(pattern: str, chars: np.ndarray, max_states: int, max_transiti
         )
 
 
-def check_counts(pattern: str, states: int, transitions: int, max_states, max_transitions):
-    """Raises InputError when a built automaton's exact counts exceed the bounds."""
+def check_counts(
+    pattern: str, states: int, transitions: int, max_states, max_transitions, partial=False
+):
+    """Raises InputError when a built automaton's exact counts (with ``partial``, the counts
+    of the part read so far) exceed the bounds."""
     if states > max_states or transitions > max_transitions:
+        some = "at least " if partial else ""
         raise InputError(
-            f"the constraint's pattern {_short(pattern)} builds an automaton of {states} states "
-            f"and {transitions} transitions over this vocabulary, more than max_states="
+            f"the constraint's pattern {_short(pattern)} builds an automaton of {some}{states} "
+            f"states and {some}{transitions} transitions over this vocabulary, more than "
+            f"max_states="
             f"{max_states} / max_transitions={max_transitions}. {_HOW_TO_RAISE}"
         )
 

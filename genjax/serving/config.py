@@ -51,6 +51,12 @@ class ContinuousBatchingConfig:
             rounding change). The engine's choice for every request: a request asking
             ``cache_implementation="quantized"`` runs only on an int8 pool.
         prefill_chunk_size: ``C``, prompt tokens prefilled per step and request.
+        prefill_chunk_sizes: shorter chunk lengths (below ``C``) a step's prompt chunks may
+            run in: a step runs its chunks in the shortest of these and ``C`` that holds each
+            one, so a prompt's last tokens (38-token chat prompts with ``C = 32``: 6) cost about
+            their own rows of products rather than ``C``. Each is a prefill program per lane
+            count and span. None: ``C / 2`` and ``C / 4`` where whole and at least 8 (``C = 32``:
+            8 and 16; ``C = 8``: none); ``()``: ``C`` alone.
         max_prefill_requests: ``P``, the most requests whose prompt chunks run in one step
             (one model call of ``P_k`` rows of ``C`` tokens, ``P_k`` the smallest of the powers
             of two below ``P`` and ``P`` holding them): requests that arrive together start
@@ -102,6 +108,7 @@ class ContinuousBatchingConfig:
     max_length: int = 512
     num_blocks: int | None = None
     prefill_chunk_size: int = 32
+    prefill_chunk_sizes: tuple[int, ...] | None = None
     max_prefill_requests: int = 1
     attention_spans: tuple[int, ...] | None = None
     max_decode_steps: int = 8
@@ -184,7 +191,24 @@ class ContinuousBatchingConfig:
             kv_cache_dtype=self.kv_cache_dtype,
             span_blocks=self._span_blocks(),
             prefill_lanes=self.max_prefill_requests,
+            chunk_sizes=self._chunk_sizes(),
         )
+
+    def _chunk_sizes(self) -> tuple[int, ...]:
+        """``prefill_chunk_sizes`` checked, or its default (:attr:`EngineShape.chunks` adds
+        ``C``)."""
+        chunk, sizes = self.prefill_chunk_size, self.prefill_chunk_sizes
+        if sizes is None:
+            return tuple(c for c in (chunk // 4, chunk // 2) if c >= 8 and chunk % c == 0)
+        if not isinstance(sizes, tuple | list) or any(
+            isinstance(c, bool) or not isinstance(c, int) or not 1 <= c <= chunk for c in sizes
+        ):
+            raise InputError(
+                f"ContinuousBatchingConfig.prefill_chunk_sizes={sizes!r}: give a tuple of chunk "
+                f"lengths from 1 to prefill_chunk_size={chunk} (None: {chunk} / 2 and / 4 when "
+                f"whole and at least 8; (): prefill_chunk_size alone)."
+            )
+        return tuple(sorted(set(sizes) - {chunk}))
 
     def _span_blocks(self) -> tuple[int, ...]:
         """``attention_spans`` in blocks (:attr:`EngineShape.spans` adds the whole table)."""

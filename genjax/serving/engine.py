@@ -14,9 +14,10 @@ the donated state):
    decoding. A prompt whose first blocks are shared from the prefix cache starts its chunks
    after them (their tokens come in ``StepInput.history``). The chunks attend over the first
    ``M_p`` blocks of their slots' tables, the shortest of the same spans that holds their
-   tokens: one compiled prefill program per ``(P_k, M_p)`` (a 64-token chunk
-   of SmolLM-135M over 256 slots rather than 768 took 98 against 125 ms on the 2-core Intel
-   Xeon);
+   tokens (a 64-token chunk of SmolLM-135M over 256 slots rather than 768 took 98 against
+   125 ms on the 2-core Intel Xeon), in lanes of ``C_k`` tokens, the shortest of
+   :attr:`EngineShape.chunks` holding every lane's chunk (a prompt's last chunk is often much
+   shorter than ``C``): one compiled prefill program per ``(P_k, C_k, M_p)``;
 3. decodes one token for every decoding slot, up to ``num_steps`` times in a
    ``lax.while_loop`` that ends early when a row finishes (a scheduling event). Only the slots
    the host names in ``StepInput.decode_rows`` go through the model (``B = B_k``, ``T = 1``):
@@ -61,7 +62,8 @@ step one ``any`` reduction.
 Static or traced:
     Static (the shape of a compiled program): the model, ``R`` (``max_batch_size``), the rows
     decoded ``B_k`` and their attention span ``M_s`` blocks (one program per pair), the prompt
-    chunks' count ``P_k`` and span ``M_p`` blocks (one prefill program per pair), the pool
+    chunks' count ``P_k``, length ``C_k`` and span ``M_p`` blocks (one prefill program per
+    triple), the pool
     (``num_blocks``, ``block_size``, ``max_blocks_per_row``, and ``kv_cache_dtype``: the
     model's dtype or int8 codes with scales), the chunk ``C``, the most decode steps per call
     ``K``, the most EOS ids per request ``E``, the most biased tokens per request ``L_b`` and
@@ -124,6 +126,8 @@ class EngineShape:
     span_blocks: tuple[int, ...] = ()  # the decode loop's attention spans, in blocks (empty:
     #   the whole table only); see `spans`
     prefill_lanes: int = 1  # P: the most prompts prefilled in one step, a chunk of C each
+    chunk_sizes: tuple[int, ...] = ()  # shorter chunk lengths below C for prompts' last
+    #   chunks (see `chunks`)
 
     @property
     def spans(self) -> tuple[int, ...]:
@@ -133,12 +137,30 @@ class EngineShape:
         return tuple(sorted({*self.span_blocks, self.max_blocks_per_row}))
 
     @property
-    def prefill_spans(self) -> tuple[int, ...]:
-        """The block counts ``M_p`` a prompt chunk may attend over, one prefill program each:
-        the :attr:`spans` that hold a whole chunk of ``C`` slots (a chunk's tokens all go
-        through the model, the padding too), and ``max_blocks_per_row``."""
-        fits = (s for s in self.spans if s * self.block_size >= self.chunk)
+    def chunks(self) -> tuple[int, ...]:
+        """The chunk lengths ``C_k`` a prefill program runs, ascending, the last ``C``: a step
+        runs its lanes' chunks in the shortest that holds each lane's (every chunk but a
+        prompt's last has ``C`` tokens), so a prompt's last few tokens do not pay for ``C``
+        rows of products."""
+        return tuple(sorted({*self.chunk_sizes, self.chunk}))
+
+    def prefill_spans(self, chunk: int | None = None) -> tuple[int, ...]:
+        """The block counts ``M_p`` a prompt chunk of ``chunk`` tokens (None: ``C``) may attend
+        over, one prefill program each: the :attr:`spans` that hold the whole chunk (its tokens
+        all go through the model, the padding too), and ``max_blocks_per_row``."""
+        chunk = self.chunk if chunk is None else chunk
+        fits = (s for s in self.spans if s * self.block_size >= chunk)
         return tuple(sorted({*fits, self.max_blocks_per_row}))
+
+    @property
+    def prefill_programs(self) -> tuple[tuple[int, int, int], ...]:
+        """Every ``(P_k, C_k, M_p)``: the compiled prefill programs."""
+        return tuple(
+            (lanes, chunk, span)
+            for lanes in self.lane_buckets
+            for chunk in self.chunks
+            for span in self.prefill_spans(chunk)
+        )
 
     @property
     def lane_buckets(self) -> tuple[int, ...]:
@@ -208,8 +230,9 @@ class StepInput:
     # The prompt chunks: one lane per prefilling request, P_k lanes (EngineShape.lane_buckets).
     prefill_slot: Array  # int32[P_k]: the slot whose prompt chunk each lane runs; -1: none
     prefill_start: Array  # int32[P_k]: the chunk's first position
-    prefill_tokens: Array  # int32[P_k, C]: the chunk (tokens past prefill_count are ignored)
-    prefill_count: Array  # int32[P_k]: real tokens in the chunk, 1..C
+    prefill_tokens: Array  # int32[P_k, C_k]: the chunk (tokens past prefill_count are ignored;
+    #   C_k from EngineShape.chunks, the shortest holding every lane's count)
+    prefill_count: Array  # int32[P_k]: real tokens in the chunk, 1..C_k
     prefill_last: Array  # bool[P_k]: the chunk ends the prompt: choose the first new token
     prefill_table: Array  # int32[P_k, M_p]: the lanes' block tables cut to the span their
     #   chunks attend over (M_p from EngineShape.prefill_spans: every chunk's tokens fit)

@@ -1,6 +1,6 @@
 """The engine's compiled step programs (a decode program per decoded-row bucket and attention
-span, a prefill program per lane count and span: :class:`EnginePrograms`), shared between
-managers.
+span, a prefill program per lane count, chunk length and span: :class:`EnginePrograms`), shared
+between managers.
 
 A manager compiles its step programs ahead of time in ``warmup`` (``jit(...).lower(...)
 .compile()``), so serving never compiles. Ahead-of-time programs do not land in ``jax.jit``'s
@@ -93,13 +93,13 @@ def compile_buckets(
 
 
 PREFILL = "prefill"
-"""Keys a prefill program among the compiled ones as ``(PREFILL, P_k, M_p)`` (a decode
+"""Keys a prefill program among the compiled ones as ``(PREFILL, P_k, C_k, M_p)`` (a decode
 program's key: ``(B_k, M_s)``)."""
 
 
 class EnginePrograms:
     """A manager's step programs: a decode program per decoded-row bucket ``B_k`` and span
-    ``M_s``, a prefill program per lane count ``P_k`` and span ``M_p``
+    ``M_s``, a prefill program per lane count ``P_k``, chunk length ``C_k`` and span ``M_p``
     (:mod:`genjax.serving.step`), compiled by :meth:`compile` and run by :meth:`step`.
 
     Args:
@@ -130,18 +130,17 @@ class EnginePrograms:
         shape, plans = self.shape, Scheduler(self.shape)
         work = {(b, m): decode_input(plans._step_input(1, b, m)) for b, m in shape.programs}
         steps = {(b, m): self._steps[b] for b, m in shape.programs}
-        for lanes in shape.lane_buckets:
-            for span in shape.prefill_spans:
-                steps[PREFILL, lanes, span] = self._steps[PREFILL]
+        for lanes, chunk, span in shape.prefill_programs:
+            steps[PREFILL, lanes, chunk, span] = self._steps[PREFILL]
         ended = np.zeros((shape.max_batch_size,), bool)
         if self.layout is not None:
             ended = jax.device_put(ended, self.layout.sharding())
 
         def arguments(program):
             if program[0] == PREFILL:
-                _, lanes, span = program
-                chunk = plans._step_input(1, *shape.programs[0], prefill_span=span, lanes=lanes)
-                return params, state, prefill_input(chunk), pool
+                _, lanes, chunk, span = program
+                chunked = plans._step_input(1, *shape.programs[0], span, lanes, chunk)
+                return params, state, prefill_input(chunked), pool
             return params, state, work[program], ended, pool
 
         self._compiled = compile_buckets(steps, arguments)
@@ -149,7 +148,8 @@ class EnginePrograms:
     def step(self, params, state, work, pool):
         """Runs the prefill program of ``work``'s lanes and span, then the decode program of
         its bucket and span, on ``state`` (donated); returns ``(state, output)``."""
-        prefill = self._compiled[(PREFILL, *work.prefill_table.shape)]
+        lanes, chunk = work.prefill_tokens.shape
+        prefill = self._compiled[PREFILL, lanes, chunk, work.prefill_table.shape[1]]
         state, prefilled = prefill(params, state, prefill_input(work), pool)
         decode = self._compiled[work.decode_tables.shape]
         state, output = decode(params, state, decode_input(work), prefilled.ended, pool)

@@ -393,14 +393,18 @@ class Scheduler:
         span: int | None = None,
         prefill_span: int | None = None,
         lanes: int | None = None,
+        chunk_size: int | None = None,
     ) -> StepInput:
         """The step's input; ``bucket`` and ``span`` force the decoded-row count and the decode
-        loop's attention span, ``lanes`` and ``prefill_span`` the prompt chunks' count and
-        span (warm-up compiles each)."""
+        loop's attention span, ``lanes``, ``chunk_size`` and ``prefill_span`` the prompt
+        chunks' count, length and span (warm-up compiles each)."""
         shape = self.shape
         if lanes is None:
             lanes = next(p for p in shape.lane_buckets if p >= len(self.prefilling))
-        chunk = np.zeros((lanes, shape.chunk), np.int32)
+        counts = [min(shape.chunk, len(r.pending) - r.prefilled) for r in self.prefilling]
+        if chunk_size is None:  # the shortest chunk length holding every lane's tokens
+            chunk_size = next(c for c in shape.chunks if c >= max(counts, default=1))
+        chunk = np.zeros((lanes, chunk_size), np.int32)
         history = np.zeros((lanes, shape.max_length), np.int32)
         slot = np.full((lanes,), -1, np.int32)
         start, count = np.zeros((lanes,), np.int32), np.ones((lanes,), np.int32)
@@ -410,8 +414,7 @@ class Scheduler:
         rows = [RowSettings.empty(1, shape)] * lanes
         self._chunks = []
         for i, request in enumerate(self.prefilling):
-            slot[i], start[i] = request.slot, request.prefilled
-            count[i] = min(shape.chunk, len(request.pending) - request.prefilled)
+            slot[i], start[i], count[i] = request.slot, request.prefilled, counts[i]
             last[i] = request.prefilled + count[i] == len(request.pending)
             chunk[i, : count[i]] = request.pending[start[i] : start[i] + count[i]]
             admit[i], prompt_length[i] = not request.admitted, len(request.prompt)
@@ -423,7 +426,7 @@ class Scheduler:
             self._chunks.append((request, int(count[i]), bool(last[i])))
         if prefill_span is None:  # the shortest span holding every chunk's tokens
             blocks = -(-int((start + count)[slot >= 0].max(initial=0)) // shape.block_size)
-            prefill_span = next(s for s in shape.prefill_spans if s >= blocks)
+            prefill_span = next(s for s in shape.prefill_spans(chunk_size) if s >= blocks)
         prefill_table = np.zeros((lanes, prefill_span), np.int32)
         prefill_table[slot >= 0] = self.tables[slot[slot >= 0], :prefill_span]
         ending = [request for request, _, ends in self._chunks if ends]

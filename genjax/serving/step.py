@@ -4,10 +4,10 @@ One host round trip (:mod:`genjax.serving.engine` describes the state and the in
 jitted, pure programs over the donated :class:`~genjax.serving.engine.EngineState`:
 
 * :func:`engine_prefill` applies the host's block tables, releases the rows it stopped, admits
-  new requests' settings and runs one prompt chunk of ``C`` tokens for each of ``P_k`` slots
-  (one model call of ``P_k`` rows; skipped with ``lax.cond`` when there is none) over the
-  first ``M_p`` blocks of their tables, choosing a slot's first new token after its prompt's
-  last chunk: one program per pair ``(P_k, M_p)``.
+  new requests' settings and runs one prompt chunk of up to ``C_k`` tokens for each of ``P_k``
+  slots (one model call of ``P_k`` rows of ``C_k``; skipped with ``lax.cond`` when there is
+  none) over the first ``M_p`` blocks of their tables, choosing a slot's first new token after
+  its prompt's last chunk: one program per ``(P_k, C_k, M_p)``.
 * :func:`engine_decode` decodes the ``B_k`` rows the host names, over the first ``M_s`` blocks
   of their tables, up to ``num_steps`` times: one program per ``(B_k, M_s)`` pair.
 

@@ -3,13 +3,14 @@
 Each case runs in a fresh subprocess (so its peak resident memory is its own, read from
 ``getrusage``), on the bundled tokenizer (4096 tokens) and on a synthetic 50k vocabulary (the
 bundled tokens plus 46k tokens made by joining two bundled token texts, like BPE merges; a
-stand-in for GPT-2's 50257 until a real one is at hand). For each: the sizing before the build
+stand-in for GPT-2's 50257 until a real one is at hand; ``--vocab 128k``: 128256 tokens, Llama
+3's count, made the same way). For each: the sizing before the build
 (:mod:`genjax.constraints.limits`), the whole build (sizing, outlines-core's ``Index``, the CSR
 read-out), states and transitions, and the device table :func:`device_automaton` picks with its
 bytes (dense ``int32[S, V]`` up to ``DENSE_LIMIT_BYTES``, compressed otherwise) and the time to
 make it. Patterns over the default bounds show how fast they are refused.
 
-Run:  python bench/structured_build.py [--timeout 300]
+Run:  python bench/structured_build.py [--timeout 300] [--vocab 4k 50k 128k] [--cases json_schema]
 """
 
 from __future__ import annotations
@@ -47,17 +48,18 @@ from genjax.constraints import automata, limits, tables
 from genjax.errors import InputError
 kind, arg, vocab = sys.argv[1], sys.argv[2], sys.argv[3]
 tok = genjax.tokenizer.from_pretrained(genjax.io.bundled.path())
-if vocab == "50k":
+if vocab in ("50k", "128k"):
     from genjax.stopping.stop_strings import token_texts
     from outlines_core import Vocabulary
+    size = {"50k": 50257, "128k": 128256}[vocab]
     texts = [t for i, t in sorted(token_texts(tok)[0].items()) if t and i != tok.eos_token_id]
     seen, rng = set(texts), np.random.default_rng(0)
-    while len(seen) < 50257 - 1:
+    while len(seen) < size - 1:
         a, b = rng.integers(256, len(texts), 2)
         seen.add(texts[a] + texts[b])
     spelled = {t: [i] for i, t in enumerate(sorted(seen)) if i != 0}
     eos = 0
-    v = automata._Vocabulary(Vocabulary(eos, spelled), "synthetic", eos, 50257,
+    v = automata._Vocabulary(Vocabulary(eos, spelled), "synthetic", eos, size,
                              limits.leading_chars([t for t in spelled]))
     automata._vocabulary = lambda *a, **k: v
 else:
@@ -124,12 +126,15 @@ def _line(name: str, vocab: str, r: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per case")
-    parser.add_argument("--vocab", nargs="+", default=["4k", "50k"], choices=["4k", "50k"])
+    parser.add_argument("--vocab", nargs="+", default=["4k", "50k"], choices=["4k", "50k", "128k"])
+    parser.add_argument("--cases", nargs="+", help="only the cases whose name contains one")
     args = parser.parse_args()
     print(f"# python bench/structured_build.py (cpu: {cpu_model()}, {time.strftime('%Y-%m-%d')})")
     print("build (sizing + outlines-core Index + CSR read-out), then the device table:")
     for vocab in args.vocab:
         for name, kind, arg in CASES:
+            if args.cases and not any(part in name for part in args.cases):
+                continue
             print(_line(name, vocab, _run(kind, arg, vocab, args.timeout)), flush=True)
 
 

@@ -385,12 +385,12 @@ class _Server:
 
 def _start_server(tmp_dir) -> _Server:
     stderr_path = os.path.join(tmp_dir, "server.stderr")
-    env = {**os.environ, "JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}
+    env = {**os.environ, "JAX_DISABLE_MOST_OPTIMIZATIONS": "1", "GENJAX_COMPILE_CACHE": "0"}
     args = ["serve", "--port", "0", "--api-key", KEY, "--max-length", str(CONTEXT)]
     args += ["--max-batch-size", "4", "--max-waiting", "64", "--log-level", "warning"]
-    # Prompts prefilled 1 or 2 at a time, in chunks of 8, 16 or 32 tokens: 6 prefill programs to
-    # compile, not 9 (the engine's lanes are tested in tests/test_serving_engine.py).
-    args += ["--max-prefill-requests", "2"]
+    # One prompt prefilled at a time, in chunks of 8, 16 or 32 tokens: 3 prefill programs to
+    # compile, not 9 (several prompts a step: tests/test_serving_engine.py).
+    args += ["--max-prefill-requests", "1"]
     with open(stderr_path, "w") as stderr:
         process = subprocess.Popen(
             [sys.executable, "-m", "genjax.cli", *args],
@@ -886,6 +886,30 @@ def test_serve_flags_are_checked_before_anything_loads(capsys):
     assert "--served-model-name" in capsys.readouterr().out
     assert main(["serve", "--max-constraint-edges", "0"]) == 2
     assert "must be at least 1" in capsys.readouterr().err
+
+
+def test_serve_keeps_compiled_programs_in_the_user_cache_dir_unless_turned_off(
+    monkeypatch, tmp_path
+):
+    from genjax.cli import main
+    from genjax.serving import runner
+
+    served = []
+    monkeypatch.setattr(runner, "serve", lambda options: served.append(options) or 0)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("GENJAX_COMPILE_CACHE", raising=False)
+    try:
+        for off, env in ((["--no-compile-cache"], None), ([], "0"), ([], None)):
+            genjax.disable_compile_cache()
+            if env is not None:
+                monkeypatch.setenv("GENJAX_COMPILE_CACHE", env)
+            assert main(["serve", "--max-batch-size", "2", *off]) == 0
+            used = jax.config.values["jax_compilation_cache_dir"]
+            assert used == (None if off or env else str(tmp_path / "genjax" / "xla"))
+            monkeypatch.delenv("GENJAX_COMPILE_CACHE", raising=False)
+    finally:
+        genjax.disable_compile_cache()
+    assert [options.max_batch_size for options in served] == [2, 2, 2]
 
 
 def test_serve_pool_flags_size_the_engine(model_and_params):

@@ -11,6 +11,7 @@ Usage::
     genjax config validate [PATH_OR_HUB_ID] [generation flags]
     genjax convert HF_PATH OUT_DIR [--dtype D] [--overwrite]
     genjax serve [--model PATH_OR_HUB_ID] [--host H] [--port P] [--api-key KEY] ...
+                 [--no-compile-cache]
     genjax --version
 
 Floor 6 (the command line, with the package's face): may import every layer.
@@ -185,12 +186,7 @@ def _add_generate(commands) -> None:
         metavar="N",
         help="prompts per batch (default 8)",
     )
-    generate.add_argument(
-        "--no-compile-cache",
-        dest="compile_cache",
-        action="store_false",
-        help="do not keep compiled programs on disk (also: GENJAX_COMPILE_CACHE=0)",
-    )
+    options.add_compile_cache_flag(generate)
     options.add_config_flags(generate)
     generate.set_defaults(run=_run_generate)
 
@@ -266,17 +262,8 @@ def _run_convert(args) -> int:
 
 
 def _run_generate(args) -> int:
-    if args.compile_cache and os.environ.get("GENJAX_COMPILE_CACHE", "1").strip() != "0":
-        from genjax.generation import enable_compile_cache
-
-        enable_compile_cache(_compile_cache_dir())
+    options.use_compile_cache(args)
     return generate.run(args)
-
-
-def _compile_cache_dir() -> str:
-    """``$XDG_CACHE_HOME/genjax/xla``, else ``~/.cache/genjax/xla``."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "genjax", "xla")
 
 
 def _version() -> str:

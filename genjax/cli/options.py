@@ -161,3 +161,28 @@ def config_folder(name: str) -> str:
             f"{path!r} is not a local folder and could not be fetched from the Hugging Face Hub "
             f"({type(error).__name__}: {error})."
         ) from error
+
+
+def add_compile_cache_flag(parser: argparse.ArgumentParser) -> None:
+    """``--no-compile-cache`` (``args.compile_cache``, default True)."""
+    parser.add_argument(
+        "--no-compile-cache",
+        dest="compile_cache",
+        action="store_false",
+        help="do not keep compiled programs on disk (also: GENJAX_COMPILE_CACHE=0)",
+    )
+
+
+def use_compile_cache(args) -> None:
+    """Turns JAX's persistent compilation cache on in :func:`compile_cache_dir`, unless
+    ``--no-compile-cache`` or ``GENJAX_COMPILE_CACHE=0`` turns it off."""
+    if args.compile_cache and os.environ.get("GENJAX_COMPILE_CACHE", "1").strip() != "0":
+        from genjax.generation import enable_compile_cache
+
+        enable_compile_cache(compile_cache_dir())
+
+
+def compile_cache_dir() -> str:
+    """``$XDG_CACHE_HOME/genjax/xla``, else ``~/.cache/genjax/xla``."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "genjax", "xla")

@@ -7,7 +7,7 @@ Usage::
                  [--max-waiting N] [--max-prefill-requests N]
                  [--max-length N] [--max-constraint-states N] [--max-constraint-edges N]
                  [--kv-cache-dtype {auto,int8}] [--kv-cache-memory-bytes N]
-                 [--shutdown-timeout S] [--log-level L]
+                 [--shutdown-timeout S] [--log-level L] [--no-compile-cache]
 
 The server and its web dependencies are imported only when the command runs.
 """
@@ -86,6 +86,7 @@ def add_parser(commands) -> None:
     )
     serve.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S")
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning"))
+    options.add_compile_cache_flag(serve)
     serve.set_defaults(run=run)
 
 
@@ -97,8 +98,13 @@ def _at_least_zero(text: str) -> int:
 
 
 def run(args) -> int:
-    """Serves until SIGTERM or Ctrl-C (exit code 0)."""
+    """Serves until SIGTERM or Ctrl-C (exit code 0). The engine's programs are compiled before
+    the server reports ready, and kept on disk as ``genjax generate``'s are
+    (:func:`~genjax.cli.options.use_compile_cache`): a server started again with the same model
+    and sizes loads them instead of compiling."""
     from genjax.serving.runner import ServeOptions, serve
+
+    options.use_compile_cache(args)
 
     fields = {f.name for f in dataclasses.fields(ServeOptions)}
     return serve(ServeOptions(**{k: v for k, v in vars(args).items() if k in fields}))

@@ -131,7 +131,7 @@ def regex(
         max_states: the bound on the automaton's states; None:
             :data:`~genjax.constraints.limits.MAX_STATES` (32768).
         max_transitions: the bound on its transitions (allowed (state, token) pairs); None:
-            :data:`~genjax.constraints.limits.MAX_TRANSITIONS` (2**25).
+            :data:`~genjax.constraints.limits.MAX_TRANSITIONS` (2**26).
 
     Raises:
         InputError: a pattern the vocabulary cannot spell (nothing is admitted), an invalid

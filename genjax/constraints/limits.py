@@ -29,10 +29,12 @@ are read out into arrays, state by state. A pattern Python's parser rejects or r
 check.
 
 The defaults, :data:`MAX_STATES` and :data:`MAX_TRANSITIONS`, admit JSON schemas of ordinary
-size over a 32k-50k vocabulary (``bench/structured.py``'s has 20.7M transitions over 50k
-tokens) and bound a build to about ``MAX_STATES * V`` token walks and ``32 * MAX_TRANSITIONS``
-bytes of host memory (outlines-core's index and genjax's arrays);
-``bench/results/*-structured-build.txt`` has the measured figures.
+size over vocabularies up to Llama 3's 128k tokens (``bench/structured.py``'s schema has 20.6M
+transitions over 50k tokens and 51.2M over 128k) and bound a build to about ``MAX_STATES * V``
+token walks and ``60 * MAX_TRANSITIONS`` bytes of host memory at its peak (outlines-core's
+index, genjax's arrays and the device table's making: 2.9 GB for that schema over 128k tokens,
+in 25 s on the 2-core Intel Xeon); ``bench/results/*-structured-build*.txt`` has the measured
+figures.
 Raise them with the ``max_states=`` / ``max_transitions=`` keywords of
 :func:`genjax.constraints.regex` and friends; the serving engine uses its pool's sizes
 (``max_constraint_states`` and ``max_constraint_edges``) instead.
@@ -55,7 +57,7 @@ __all__ = ["MAX_STATES", "MAX_TRANSITIONS", "check_counts", "check_pattern", "le
 MAX_STATES = 2**15
 """Default bound on an automaton's states."""
 
-MAX_TRANSITIONS = 2**25
+MAX_TRANSITIONS = 2**26
 """Default bound on an automaton's transitions (allowed (state, token) pairs)."""
 
 _POSITIONS_PER_STATE = 4

@@ -6,7 +6,7 @@ usually much shorter). This serves ``bench/serving.py``'s offline workload (seed
 lengths log-uniform in 8..512, outputs 16..256, all arriving at once) with two managers of the
 same model, chunks of 64 and 8 slots: one with the default lengths (64, 32, 16), one with 64
 alone; both warm up first, then serve the workload in turn ``--rounds`` times (the first round
-of each is reported apart: a manager's first run pays page faults the later ones do not).
+of each is reported apart), without the prefix cache, so every round prefills every prompt.
 Random SmolLM-135M-shape weights, float32. Prints output tokens/s per round and the ratio of the
 medians of the later rounds, and the prompt rows each computed (real tokens against the rows
 the chunks ran).
@@ -45,6 +45,7 @@ def _managers(model, params, longest: int) -> dict:
             max_length=longest,
             prefill_chunk_size=64,
             prefill_chunk_sizes=sizes,
+            prefix_caching=False,  # every round prefills its prompts again
         )
         manager = init_continuous_batching(model, params, config, sizes)
         manager.start()

@@ -356,7 +356,8 @@ def test_a_request_in_the_engine_equals_generate_alone_but_at_near_ties():
     )
     rng = np.random.default_rng(5)
     prompts = [rng.integers(3, model.vocab_size, n).tolist() for n in (5, 17, 40, 9)]
-    sizes = ContinuousBatchingConfig(max_batch_size=4, max_length=96)
+    # One chunk length (the shorter ones would be 2 more prefill programs to compile).
+    sizes = ContinuousBatchingConfig(max_batch_size=4, max_length=96, prefill_chunk_sizes=())
     manager = init_continuous_batching(model, params, config, sizes)
     manager.start()
     try:

@@ -349,10 +349,10 @@ def _read_out(index: Any, pattern: str, eos_token_id: int, max_states: int, max_
         allowed = np.sort(np.fromiter(index.get_allowed_tokens(state) or (), np.int64))
         count = allowed.shape[0]
         # EOS (allowed in accepting states) has no next state here; the automaton stays put.
-        moving = allowed[allowed != eos_token_id].tolist()
-        step = map(index.get_next_state, itertools.repeat(state, len(moving)), moving)
+        moves = allowed != eos_token_id
+        step = map(index.get_next_state, itertools.repeat(state), allowed[moves].tolist())
         following = np.full(count, state, np.int64)
-        following[allowed != eos_token_id] = np.fromiter(step, np.int64, len(moving))
+        following[moves] = np.fromiter(step, np.int64, int(moves.sum()))
         for target in np.unique(following).tolist():
             if target not in found:
                 found.add(target)

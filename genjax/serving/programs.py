@@ -146,8 +146,8 @@ class EnginePrograms:
         self._compiled = compile_buckets(steps, arguments)
 
     def step(self, params, state, work, pool):
-        """Runs the prefill program of ``work``'s lanes, chunk length and span, then the decode program of
-        its bucket and span, on ``state`` (donated); returns ``(state, output)``."""
+        """Runs the prefill program of ``work``'s lanes, chunk length and span, then the decode
+        program of its bucket and span, on ``state`` (donated); returns ``(state, output)``."""
         lanes, chunk = work.prefill_tokens.shape
         prefill = self._compiled[PREFILL, lanes, chunk, work.prefill_table.shape[1]]
         state, prefilled = prefill(params, state, prefill_input(work), pool)

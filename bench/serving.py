@@ -5,13 +5,15 @@ The workload (seeded): ``--requests`` requests (default 64; ``--quick`` 16), pro
 log-uniform in 8..512, output lengths uniform in 16..256 (EOS disabled, so each request makes
 exactly its length), all arriving at once. Four ways to serve it, each in a process of its own:
 
-* ``engine``: ``genjax.serving`` (8 slots unless ``--engine-slots`` says otherwise, paged
+* ``engine``: ``genjax.serving`` (8 requests at once unless ``--slots`` says otherwise, paged
   cache, chunked prefill, no prefix cache: the passes repeat the same prompts), one request
   each;
 * ``generate``: ``genjax.generate`` on static batches of 8 in arrival order, each batch running
   to its longest request (the tokens past a request's own length are wasted, not counted);
 * ``hf_cb``: transformers' continuous batching (``model.init_continuous_batching``, the manager
-  behind ``generate_batch``, which gives each request its own ``max_new_tokens``);
+  behind ``generate_batch``, which gives each request its own ``max_new_tokens``), sized as the
+  engine: ``--slots`` requests at once, 64 prompt tokens plus the decoding rows per step, room
+  for every request at its longest;
 * ``hf_generate``: transformers ``generate`` on the same static batches of 8.
 
 Each warms up on a small part (the first request alone; for the static ways, the first batch);
@@ -48,7 +50,7 @@ import numpy as np  # noqa: E402
 from _peers import PAD_TOKEN_ID  # noqa: E402
 
 LIBS = ("engine", "generate", "hf_cb", "hf_generate")
-BATCH = 8  # static batches, and the engine's slots unless --engine-slots says otherwise
+BATCH = 8  # static batches, and both continuous batchers' slots unless --slots says otherwise
 SMALL_LLAMA = _cases.Shape(
     name="llama-small",
     title="small Llama (4 layers, 256 wide, vocab 8192)",
@@ -136,21 +138,22 @@ def _engine(folder, prompts, outputs, slots=None, dtype="float32"):
         manager.stop(block=True, timeout=60)
 
 
-def _hf_cb(folder, prompts, outputs, dtype="float32"):
+def _hf_cb(folder, prompts, outputs, slots=None, dtype="float32"):
     model, transformers, _ = _torch_model(folder, dtype)
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     config = transformers.GenerationConfig(
         do_sample=False, eos_token_id=None, pad_token_id=PAD_TOKEN_ID, max_new_tokens=16
     )
-    # The engine's sizes: 8 requests, blocks of 16, room for all at their longest, 64 prompt
-    # tokens plus the decoding rows per step (the default sizes the cache from free memory).
+    # The engine's sizes: `slots` requests, blocks of 16, room for all at their longest, 64
+    # prompt tokens plus the decoding rows per step (the default sizes the cache from free memory).
+    slots = slots or BATCH
     longest = max(len(p) + n for p, n in zip(prompts, outputs, strict=True))
     cb = ContinuousBatchingConfig(
         block_size=16,
-        num_blocks=BATCH * -(-longest // 16) + 1,
-        max_batch_tokens=64 + BATCH,
-        max_requests_per_batch=BATCH,
+        num_blocks=slots * -(-longest // 16) + 1,
+        max_batch_tokens=64 + slots,
+        max_requests_per_batch=slots,
     )
     manager = model.init_continuous_batching(
         generation_config=config, continuous_batching_config=cb
@@ -313,16 +316,16 @@ def _worker(conn, lib, folder, prompts, outputs, slots, dtype):
     if lib in ("engine", "generate"):
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     try:
-        extra = dict(slots=slots) if lib == "engine" else {}
+        extra = dict(slots=slots) if lib in ("engine", "hf_cb") else {}
         conn.send(("ok", _WORKERS[lib](folder, prompts, outputs, dtype=dtype, **extra)))
     except Exception as error:  # reported, never a crash of the suite
         conn.send(("error", f"{type(error).__name__}: {error}"))
 
 
 def run_lib(lib, folder, prompts, outputs, slots=BATCH, dtype="float32") -> dict:
-    """Runs one way of serving in a fresh process (the engine with ``slots`` slots), the
-    weights in ``dtype`` (both libraries load the same float32 checkpoint and cast it);
-    ``{"error": ...}`` if it failed."""
+    """Runs one way of serving in a fresh process (the continuous batchers with ``slots``
+    requests at once), the weights in ``dtype`` (both libraries load the same float32
+    checkpoint and cast it); ``{"error": ...}`` if it failed."""
     context = multiprocessing.get_context("spawn")
     parent, child = context.Pipe()
     process = context.Process(
@@ -397,7 +400,10 @@ def main(argv=None) -> int:
     parser.add_argument("--libs", nargs="+", choices=LIBS, default=list(LIBS))
     parser.add_argument("--json", metavar="PATH", help="also write every number here")
     parser.add_argument(
-        "--engine-slots", type=int, default=BATCH, help=f"the engine's requests at once ({BATCH})"
+        "--slots",
+        type=int,
+        default=BATCH,
+        help=f"requests at once in the engine and in hf_cb ({BATCH}); static batches stay {BATCH}",
     )
     parser.add_argument(
         "--dtype",
@@ -415,7 +421,7 @@ def main(argv=None) -> int:
         results = {}
         for lib in args.libs:
             print(f"[{time.strftime('%H:%M:%S')}] {lib}", file=sys.stderr, flush=True)
-            results[lib] = run_lib(lib, folder, prompts, outputs, args.engine_slots, args.dtype)
+            results[lib] = run_lib(lib, folder, prompts, outputs, args.slots, args.dtype)
     env = _machine.environment()
     lengths = [len(p) for p in prompts]
     header = [
@@ -423,7 +429,7 @@ def main(argv=None) -> int:
         f"{checkpoint['params'] / 1e6:.1f}M params, {args.dtype}",
         f"prompts {min(lengths)}..{max(lengths)} (mean {np.mean(lengths):.0f}), outputs "
         f"{min(outputs)}..{max(outputs)} (sum {sum(outputs)}); static batches of {BATCH}; "
-        f"engine slots {args.engine_slots}",
+        f"continuous batching slots {args.slots}",
         f"CPU: {lscpu_model()} ({env['usable_cpus']} usable cores); "
         + ", ".join(f"{k} {v}" for k, v in env["versions"].items() if v),
         "",

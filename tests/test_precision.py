@@ -21,13 +21,13 @@ pytestmark = pytest.mark.usefixtures("fast_compiles")
 
 
 @pytest.mark.parametrize("kernel", [False, True], ids=["no-kernel", "kernel"])
-@pytest.mark.parametrize("amx", [False, True], ids=["no-amx", "amx"])
-def test_the_choice_per_backend_and_batch_size(amx, kernel, monkeypatch):
-    monkeypatch.setattr(precision, "cpu_has_amx", lambda: amx)
+@pytest.mark.parametrize("bf16", [False, True], ids=["no-bf16-products", "bf16-products"])
+def test_the_choice_per_backend_and_batch_size(bf16, kernel, monkeypatch):
+    monkeypatch.setattr(precision, "cpu_has_bf16_products", lambda: bf16)
     monkeypatch.setattr(precision, "int8_kernel_takes", lambda rows: kernel and rows <= 32)
     assert auto_precision(None, "cpu") == ("float32", "int8")
     assert auto_precision(CPU_FLOAT32_FROM_ROWS - 1, "cpu") == ("float32", "int8")
-    many = ("bfloat16" if amx else "float32", None)
+    many = ("bfloat16" if bf16 else "float32", None)
     assert auto_precision(CPU_INT8_KERNEL_ROWS + 1, "cpu") == auto_precision(64, "cpu") == many
     middle = ("float32", "int8") if kernel else many  # int8 where the row kernel takes it
     assert auto_precision(CPU_FLOAT32_FROM_ROWS, "cpu") == middle
@@ -36,8 +36,30 @@ def test_the_choice_per_backend_and_batch_size(amx, kernel, monkeypatch):
     assert auto_precision() == ("float32", "int8")  # these tests run on the CPU backend
 
 
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        ("fpu avx2 avx512f avx512_bf16 avx512_vnni", True),  # AMD EPYC Zen 4
+        ("fpu avx2 avx512f amx_bf16 amx_tile amx_int8", True),  # Intel Xeon Sapphire Rapids
+        ("fpu avx2 fma avx512f avx512_vnni", False),
+    ],
+)
+def test_bf16_products_are_read_from_the_cpu_flags(flags, expected, monkeypatch, tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+    real_open = open
+    monkeypatch.setattr(
+        precision, "open", lambda path, *a, **k: real_open(info, *a, **k), raising=False
+    )
+    precision.cpu_has_bf16_products.cache_clear()
+    try:
+        assert precision.cpu_has_bf16_products() is expected
+    finally:
+        precision.cpu_has_bf16_products.cache_clear()
+
+
 def test_auto_loads_the_chosen_format(monkeypatch):
-    monkeypatch.setattr(precision, "cpu_has_amx", lambda: False)
+    monkeypatch.setattr(precision, "cpu_has_bf16_products", lambda: False)
     folder = genjax.io.bundled.path()
     _, few = genjax.models.from_pretrained(folder, dtype="auto")
     _, int8 = genjax.models.from_pretrained(folder, quantize="int8")
@@ -51,9 +73,9 @@ def test_auto_loads_the_chosen_format(monkeypatch):
     for a, b in zip(*(jax_leaves(t) for t in (many, floats)), strict=True):
         assert a.dtype == jnp.float32
         np.testing.assert_array_equal(a, b)
-    monkeypatch.setattr(precision, "cpu_has_amx", lambda: True)
-    _, amx = genjax.models.from_pretrained(folder, dtype="auto", batch_size=64)
-    assert {a.dtype for a in jax_leaves(amx)} == {jnp.dtype(jnp.bfloat16)}
+    monkeypatch.setattr(precision, "cpu_has_bf16_products", lambda: True)
+    _, narrow = genjax.models.from_pretrained(folder, dtype="auto", batch_size=64)
+    assert {a.dtype for a in jax_leaves(narrow)} == {jnp.dtype(jnp.bfloat16)}
 
 
 def jax_leaves(tree):

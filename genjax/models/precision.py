@@ -22,21 +22,21 @@ int8 weights directly, and int8 became the fastest format up to 16 rows. On the 
 Xeon (AMX), SmolLM's shape, greedy, ms per step float32 / bfloat16 / int8 (same run,
 ``bench/results/2026-12-02-cpu-intel-xeon-decode-attention.txt``): 1 row 19.2 / 13.0 / 7.2;
 8 rows 31.0 / 30.1 / 20.1; 32 rows 81.6 / 60.9 / 76.7; the model's products alone at 16 rows
-33.1 / 27.3 / 22.1 (``bench/matmul_stack.py``). Not re-measured on the AMD kind with the kernel:
-the choice there follows these figures (the kernel's gain is reading a quarter of float32's
-bytes, which both CPUs share).
+33.1 / 27.3 / 22.1 (``bench/matmul_stack.py``). Re-measured on the AMD EPYC with the kernel
+(``bench/results/2026-12-03-cpu-amd-epyc-precision.txt``), a decode step against float32's,
+bfloat16 / int8 / int4: 1 row 2.13x / 3.33x / 2.78x; 8 rows 1.15x / 1.22x / 1.20x; 16 rows
+1.38x / 1.26x / 1.21x; 32 rows 1.41x / 0.90x / 0.92x.
 
 * CPU, fewer than :data:`CPU_FLOAT32_FROM_ROWS` rows (one user), or up to
   :data:`CPU_INT8_KERNEL_ROWS` rows where the row kernel takes int8 products: float32
-  activations with int8 weights (``quantize="int8"``), the one large and steady gain (and 1.09x
-  llama.cpp end to end on the Q4_1 file, ``2026-12-02-cpu-amd-epyc-four-bit.txt``, where int4's
-  slower prompts make it 1.04x).
-* CPU, more rows: float32. The narrow formats move by -40% to +64% there, differently at each
-  batch size and between runs: products of several rows are bound by arithmetic more than by
-  reading weights, so no narrow format wins reliably. Except on a CPU with AMX bfloat16 tiles
-  (:func:`cpu_has_amx`, Intel Xeon since Sapphire Rapids): there XLA:CPU's bfloat16 products
-  of several rows run on the tiles, and bfloat16 is the faster format at 8 and 32 rows
-  (``bench/results/2026-12-02-cpu-intel-xeon-bf16-layout.txt``), so it is chosen there.
+  activations with int8 weights (``quantize="int8"``), the one large and steady gain (and
+  1.15-1.28x llama.cpp end to end on the Q4_1 file, ``2026-12-03-cpu-amd-epyc-four-bit.txt``).
+* CPU, more rows: bfloat16 on a CPU with bfloat16 dot products (:func:`cpu_has_bf16_products`:
+  AMX bfloat16 tiles, as on Intel Xeon since Sapphire Rapids, or AVX-512 BF16, as on AMD EPYC
+  since Zen 4): XLA:CPU's bfloat16 products of several rows use them, and bfloat16 was the
+  faster format at 32 rows on both CPU kinds (above, and
+  ``bench/results/2026-12-02-cpu-intel-xeon-bf16-layout.txt``). Elsewhere float32: without
+  those instructions a bfloat16 product widens its operands first (not measured here).
 * GPU and TPU: bfloat16 params and activations (products accumulate in float32). Not measured
   by this project (no accelerator was lent to its benchmark runs); it is the format those
   devices' matrix units are built for.
@@ -63,7 +63,7 @@ AUTO = "auto"
 
 CPU_FLOAT32_FROM_ROWS = 4
 """On a CPU without genjax's row kernel, decoding this many rows or more picks float32
-(bfloat16 with AMX) over int8 weights."""
+(bfloat16 with bfloat16 dot products) over int8 weights."""
 
 CPU_INT8_KERNEL_ROWS = 16
 """On a CPU where genjax's row kernel takes int8 products (:mod:`genjax.kernels.rows`), int8
@@ -80,8 +80,8 @@ def auto_precision(batch_size: int | None = None, backend: str | None = None):
 
     Returns:
         ``("float32", "int8")``, ``("float32", None)`` or ``("bfloat16", None)`` (see the
-        module docstring; on a CPU with AMX, :func:`cpu_has_amx`, ``("bfloat16", None)`` where
-        int8 is not picked).
+        module docstring; on a CPU with bfloat16 dot products, :func:`cpu_has_bf16_products`,
+        ``("bfloat16", None)`` where int8 is not picked).
 
     Raises:
         InputError: ``batch_size`` is not a positive integer.
@@ -89,7 +89,8 @@ def auto_precision(batch_size: int | None = None, backend: str | None = None):
     Example:
         >>> auto_precision(1, "cpu"), auto_precision(8, "gpu")
         (('float32', 'int8'), ('bfloat16', None))
-        >>> auto_precision(64, "cpu") == (("bfloat16" if cpu_has_amx() else "float32"), None)
+        >>> auto_precision(64, "cpu") == (
+        ...     ("bfloat16" if cpu_has_bf16_products() else "float32"), None)
         True
     """
     if batch_size is not None and (
@@ -102,7 +103,7 @@ def auto_precision(batch_size: int | None = None, backend: str | None = None):
     few = batch_size is None or batch_size < CPU_FLOAT32_FROM_ROWS
     if few or (batch_size <= CPU_INT8_KERNEL_ROWS and int8_kernel_takes(batch_size)):
         return "float32", "int8"
-    return ("bfloat16", None) if cpu_has_amx() else ("float32", None)
+    return ("bfloat16", None) if cpu_has_bf16_products() else ("float32", None)
 
 
 def int8_kernel_takes(rows: int) -> bool:
@@ -110,14 +111,21 @@ def int8_kernel_takes(rows: int) -> bool:
     return rows_kernel.takes(jnp.int8, rows, rows_kernel.INPUT_MULTIPLE)
 
 
+BF16_PRODUCT_FLAGS = ("amx_bf16", "avx512_bf16")
+"""Linux ``/proc/cpuinfo`` flags of CPUs with bfloat16 dot-product instructions."""
+
+
 @functools.cache
-def cpu_has_amx() -> bool:
-    """True when this machine's CPU reports AMX bfloat16 tiles (``amx_bf16`` in Linux's
-    ``/proc/cpuinfo`` flags); False when it does not or the file cannot be read (other
-    systems: the choice stays float32, measured on CPUs without AMX)."""
+def cpu_has_bf16_products() -> bool:
+    """True when this machine's CPU reports bfloat16 dot-product instructions (one of
+    :data:`BF16_PRODUCT_FLAGS` in Linux's ``/proc/cpuinfo``); False when it does not or the
+    file cannot be read (other systems: the choice stays float32)."""
     try:
         with open("/proc/cpuinfo") as info:
-            return any(line.startswith("flags") and "amx_bf16" in line.split() for line in info)
+            return any(
+                line.startswith("flags") and not set(BF16_PRODUCT_FLAGS).isdisjoint(line.split())
+                for line in info
+            )
     except OSError:
         return False
 

@@ -33,10 +33,9 @@ bfloat16 / int8 / int4: 1 row 2.13x / 3.33x / 2.78x; 8 rows 1.15x / 1.22x / 1.20
   1.15-1.28x llama.cpp end to end on the Q4_1 file, ``2026-12-03-cpu-amd-epyc-four-bit.txt``).
 * CPU, more rows: bfloat16 on a CPU with bfloat16 dot products (:func:`cpu_has_bf16_products`:
   AMX bfloat16 tiles, as on Intel Xeon since Sapphire Rapids, or AVX-512 BF16, as on AMD EPYC
-  since Zen 4): XLA:CPU's bfloat16 products of several rows use them, and bfloat16 was the
-  faster format at 32 rows on both CPU kinds (above, and
-  ``bench/results/2026-12-02-cpu-intel-xeon-bf16-layout.txt``). Elsewhere float32: without
-  those instructions a bfloat16 product widens its operands first (not measured here).
+  since Zen 4): there bfloat16 was the faster format at 32 rows on both CPU kinds this
+  project measured (above, and ``bench/results/2026-12-02-cpu-intel-xeon-bf16-layout.txt``).
+  Elsewhere float32: bfloat16 was not measured on a CPU without those instructions.
 * GPU and TPU: bfloat16 params and activations (products accumulate in float32). Not measured
   by this project (no accelerator was lent to its benchmark runs); it is the format those
   devices' matrix units are built for.

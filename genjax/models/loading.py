@@ -109,7 +109,8 @@ def from_pretrained(
             checkpoint's ``torch_dtype``, so that results are reproducible), or ``"bfloat16"``,
             ``"float16"``, ``"float32"``, or a jnp/numpy floating dtype; or ``"auto"``: the
             fastest measured format for this backend and ``batch_size``, whose logits move by
-            a measured amount (:mod:`genjax.models.precision`; on a CPU int8 weights).
+            a measured amount (:mod:`genjax.models.precision`; on a CPU int8 weights for a
+            few rows, bfloat16 or float32 for many).
         revision: a Hub branch, tag or commit.
         local_files_only: do not touch the network; use the Hub cache only.
         cache_dir: the Hub cache folder.

@@ -103,4 +103,13 @@ def test_bfloat16_generate_on_a_mesh_equals_one_device_and_scores_are_float32(ch
     # Processors and sampling run on float32 logits, whatever the model dtype.
     assert one.scores.dtype == mesh.scores.dtype == np.float32
     np.testing.assert_array_equal(mesh.sequences, one.sequences)
-    np.testing.assert_array_equal(mesh.scores, one.scores)  # the same float32-summed products
+    # The products are summed in float32 and rounded to bfloat16 once on both (a bfloat16
+    # all-reduce would round each partial sum and move many logits by a step or more). The two
+    # may still sum in different orders (genjax's row kernel on one device, XLA's product on the
+    # mesh; on the AMD EPYC 1 of 12928 logits rounded the other way): at most one bfloat16 step
+    # apart, and rarely.
+    step = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(np.asarray(one.scores)), 1e-30))) - 7)
+    got, want = np.asarray(mesh.scores), np.asarray(one.scores)
+    apart = np.where(got == want, 0.0, np.abs(got - want))
+    assert (apart <= step).all(), apart.max()
+    assert (apart > 0).mean() < 1e-3, (apart > 0).mean()

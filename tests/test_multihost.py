@@ -140,8 +140,10 @@ def _assert_same(results: list[dict], expected, mesh: dict, processes: list) -> 
         assert result["mesh"] == mesh
         assert result["mesh_processes"] == processes
         np.testing.assert_array_equal(result["greedy"]["sequences"], expected.sequences)
+        # Float32 tolerance: the processes' all-reduces may add the partial sums in another
+        # order than one process's (on the AMD EPYC, T5's scores moved by up to 2.6e-5).
         np.testing.assert_allclose(
-            result["greedy"]["scores"], expected.scores, atol=1e-5, rtol=1e-5
+            result["greedy"]["scores"], expected.scores, atol=1e-4, rtol=1e-4
         )
 
 

@@ -18,8 +18,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 LOAD_DTYPES = (*DTYPES, "auto")  # what generate and serve load (convert stores a real dtype)
 DTYPE_HELP = (
     "parameter dtype (default float32); auto: the fastest measured format for this backend and "
-    "batch size (on a CPU: int8 weights up to 16 rows, then bfloat16 where the CPU has "
-    "bfloat16 dot products, else float32; genjax.models.precision)"
+    "batch size (on a CPU: int8 weights for a few rows, up to 16 with genjax's kernel; more: "
+    "bfloat16 where the CPU has bfloat16 dot products, else float32; genjax.models.precision)"
 )
 QUANTIZE = ("int8", "int4")
 QUANTIZE_HELP = (

@@ -30,7 +30,7 @@ bfloat16 / int8 / int4: 1 row 2.13x / 3.33x / 2.78x; 8 rows 1.15x / 1.22x / 1.20
 * CPU, fewer than :data:`CPU_FLOAT32_FROM_ROWS` rows (one user), or up to
   :data:`CPU_INT8_KERNEL_ROWS` rows where the row kernel takes int8 products: float32
   activations with int8 weights (``quantize="int8"``), the one large and steady gain (and
-  1.15-1.28x llama.cpp end to end on the Q4_1 file, ``2026-12-03-cpu-amd-epyc-four-bit.txt``).
+  1.15x llama.cpp end to end on the Q4_1 file, ``2026-12-03-cpu-amd-epyc-four-bit.txt``).
 * CPU, more rows: bfloat16 on a CPU with bfloat16 dot products (:func:`cpu_has_bf16_products`:
   AMX bfloat16 tiles, as on Intel Xeon since Sapphire Rapids, or AVX-512 BF16, as on AMD EPYC
   since Zen 4): there bfloat16 was the faster format at 32 rows on both CPU kinds this

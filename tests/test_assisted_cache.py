@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from matrix import by_default
 
 import genjax
 from genjax import GenerationConfig
@@ -79,7 +80,7 @@ def _check_equal(got, expected, end: int, steps: int):
     np.testing.assert_array_equal(scores[:, steps:], 0.0)
 
 
-@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("mode", by_default(sorted(MODES), keep=["prompt_lookup"]))
 def test_one_program_gives_the_outputs_of_the_calls_without_max_cache_len(models, mode):
     first = _generate(models, mode, IDS, MASK, 20, max_cache_len=SIZE)
     with count_compiles() as compiled:

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from matrix import spread
 
 import genjax
 from genjax import GenerationConfig
@@ -37,10 +38,13 @@ def _load(arch):
 
 
 def _cases():
+    """(architecture, case) for every recorded case; up to three per architecture by default,
+    the rest under ``-m slow`` (``tests/matrix.py``)."""
+    cells = []
     for arch in ARCHS:
         meta = json.loads((FIXTURES / "beam" / f"{arch}.json").read_text())
-        for case in meta["cases"]:
-            yield pytest.param(arch, case["name"], id=f"{arch}-{case['name']}")
+        cells += [(arch, case["name"]) for case in meta["cases"]]
+    return spread(cells, per_row=3)
 
 
 def _config(case) -> GenerationConfig:
@@ -74,7 +78,7 @@ def _check_case(model, params, case, arrays):
     np.testing.assert_array_equal(out.sequences[:, expected.shape[1] :], fill)
 
 
-@pytest.mark.parametrize("arch, name", list(_cases()))
+@pytest.mark.parametrize("arch, name", _cases())
 def test_matches_recorded_transformers(arch, name):
     model, params, meta, arrays = _load(arch)
     _check_case(model, params, next(c for c in meta["cases"] if c["name"] == name), arrays)

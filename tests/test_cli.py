@@ -338,6 +338,7 @@ def test_convert_overwrite_refuses_a_folder_that_is_not_a_checkpoint(folder, cap
     assert os.listdir(mine) == ["notes.txt"]
 
 
+@pytest.mark.slow  # many CLI runs (24 s): runs with -m slow
 def test_each_prompt_samples_with_its_own_key_whatever_the_batch(folder, loaded, capsys):
     prompts = ["hello", "hello", "def fib"]
     flags = ["--do-sample", "--top-k", "0", "--seed", "5", "--json", "--model", folder]
@@ -443,6 +444,7 @@ def test_compile_cache_in_the_user_cache_dir_unless_turned_off(
         genjax.disable_compile_cache()
 
 
+@pytest.mark.slow  # many CLI runs (18 s): runs with -m slow
 def test_token_healing_heals_each_prompt_as_generate_does(folder, loaded, capsys, tmp_path):
     model, params, tok = loaded
     healing = _copy(folder, tmp_path / "healing")  # the CLI reads token_healing from the file

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from matrix import by_default
 
 import genjax
 
@@ -60,7 +61,10 @@ def doctest_globals() -> dict:
     }
 
 
-@pytest.mark.parametrize("name", MODULES)
+ENGINES = ("genjax.serving.batch", "genjax.serving.manager")  # engines end to end: -m slow
+
+
+@pytest.mark.parametrize("name", by_default(MODULES, keep=[m for m in MODULES if m not in ENGINES]))
 def test_docstring_examples_run(name, doctest_globals):
     module = importlib.import_module(name)
     report: list[str] = []

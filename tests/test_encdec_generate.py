@@ -21,6 +21,7 @@ import jax
 import numpy as np
 import pytest
 from encdec_models import recorded_model as _model
+from matrix import spread
 
 import genjax
 from genjax.cache.quantized import QuantizedKVCache
@@ -96,7 +97,7 @@ def _compare(out, expected: dict, kwargs: dict) -> None:
         assert (got_indices[:, indices.shape[1] :] == -1).all()
 
 
-@pytest.mark.parametrize(("name", "case"), CASES)
+@pytest.mark.parametrize(("name", "case"), spread(CASES, per_row=1))  # the rest: -m slow
 def test_generate_matches_recorded_transformers(name, case):
     cases, arrays = _recorded(name)
     kwargs = cases[case]["generate_kwargs"]

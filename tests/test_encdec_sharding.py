@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from matrix import spread
 
 import genjax
 from genjax import sharding
@@ -122,8 +123,10 @@ def test_encoder_heads_that_do_not_divide_raise_naming_them(models, tmp_path):
 # --- equivalence with one device ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("strategy", ["greedy", "beam"])
-@pytest.mark.parametrize("arch", ["t5", "bart"])
+@pytest.mark.parametrize(
+    "arch, strategy",
+    spread([("t5", "greedy"), ("t5", "beam"), ("bart", "greedy"), ("bart", "beam")], 1),
+)
 def test_generate_with_mesh_equals_single_device(models, reference, arch, strategy):
     model, params = models[arch]
     ids, mask = _source(model.vocab_size)
@@ -137,6 +140,7 @@ def test_generate_with_mesh_equals_single_device(models, reference, arch, strate
             assert value.sharding.is_equivalent_to(rows, value.ndim), (name, value.sharding)
 
 
+@pytest.mark.slow  # 10 s: runs with -m slow
 def test_max_cache_len_beams_on_a_mesh_equal_single_device(models, reference):
     """``max_cache_len``: the decoder's 12 slots split like the others; the first ``1 + N``
     columns (``N`` steps) are the single-device call's without it, ``pad_token_id`` after."""
@@ -156,6 +160,7 @@ def test_max_cache_len_beams_on_a_mesh_equal_single_device(models, reference):
     _assert_same(cut, reference("t5", "beam"))
 
 
+@pytest.mark.slow  # 18 s: runs with -m slow
 def test_hidden_states_and_attentions_on_a_mesh_equal_single_device(models):
     """Beam search recording the encoder's, the decoder's and the cross-attention outputs on a
     (2, 4) mesh: the tokens and every recorded array equal one device's, rows on ``data``."""

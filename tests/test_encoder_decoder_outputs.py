@@ -20,6 +20,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from matrix import spread
 
 import genjax
 from genjax import GenerationConfig
@@ -128,7 +129,7 @@ def _check(out, arrays: dict, name: str, case: str) -> None:
                 np.testing.assert_allclose(have, want, **TOLERANCE, err_msg=key)
 
 
-@pytest.mark.parametrize("name,case", RECORDED, ids=lambda x: x)
+@pytest.mark.parametrize("name,case", spread(RECORDED, per_row=1))  # the rest: -m slow
 def test_matches_recorded_transformers(runs, name, case):
     _check(runs.run(name, case), _recorded()[1], name, case)
 

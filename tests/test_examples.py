@@ -6,12 +6,14 @@ import os
 import sys
 
 import numpy as np
+import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import chat  # noqa: E402
 import quickstart  # noqa: E402
 
 
+@pytest.mark.slow  # the example end to end (19 s): runs with -m slow
 def test_quickstart_streams_batches_and_resamples(capsys):
     result = quickstart.main(["--max-new-tokens", "8"])
     printed = capsys.readouterr().out
@@ -27,6 +29,7 @@ def test_quickstart_streams_batches_and_resamples(capsys):
     assert not np.array_equal(first, second)  # new key and temperature, new samples
 
 
+@pytest.mark.slow  # the example end to end (15 s): runs with -m slow
 def test_chat_keeps_the_history_and_streams_replies(capsys):
     messages = chat.main(["--max-new-tokens", "6"], lines=["hello\n", "and again\n", "\n"])
     printed = capsys.readouterr().out

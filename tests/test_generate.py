@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from matrix import spread
 
 import genjax
 from genjax import GenerationConfig
@@ -42,10 +43,13 @@ def _load(arch):
 
 
 def _cases():
+    """(architecture, case) for every recorded case; two cases per architecture by default,
+    the rest under ``-m slow`` (``tests/matrix.py``)."""
+    cells = []
     for arch in ARCHS:
         meta = json.loads((FIXTURES / arch / "cases.json").read_text())
-        for case in meta["cases"]:
-            yield pytest.param(arch, case["name"], id=f"{arch}-{case['name']}")
+        cells += [(arch, case["name"]) for case in meta["cases"]]
+    return spread(cells)
 
 
 def _check_case(model, params, case, records):
@@ -76,7 +80,7 @@ def _check_case(model, params, case, records):
     np.testing.assert_array_equal(out.scores[:, steps:], 0.0)
 
 
-@pytest.mark.parametrize("arch, name", list(_cases()))
+@pytest.mark.parametrize("arch, name", _cases())
 def test_matches_recorded_transformers(arch, name):
     model, params, meta, records = _load(arch)
     _check_case(model, params, next(c for c in meta["cases"] if c["name"] == name), records)

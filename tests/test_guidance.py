@@ -16,6 +16,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from matrix import spread
 
 import genjax
 from genjax import GenerationConfig
@@ -86,12 +87,12 @@ def _check(arch, case, meta, arrays, out):
 
 
 def _cases():
+    """(architecture, case): two cases per architecture by default, the rest under -m slow."""
     recorded, _ = _recorded()
-    return [case["name"] for case in recorded["cases"]]
+    return spread((arch, case["name"]) for arch in ["llama", "gpt2"] for case in recorded["cases"])
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
-@pytest.mark.parametrize("name", _cases())
+@pytest.mark.parametrize("arch, name", _cases())
 def test_guidance_matches_recorded_transformers(arch, name):
     recorded, arrays = _recorded()
     case = next(c for c in recorded["cases"] if c["name"] == name)

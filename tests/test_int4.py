@@ -336,6 +336,7 @@ def test_errors_are_named(tiny, tmp_path, monkeypatch):
     assert not (tmp_path / "kernels").exists() or not any((tmp_path / "kernels").iterdir())
 
 
+@pytest.mark.slow  # the int4 engine end to end (30 s): runs with -m slow
 def test_a_request_in_the_engine_equals_generate_alone_but_at_near_ties():
     """The serving engine runs 4-bit params as generate does: a prompt chunk (several positions)
     through the exact product, decode rows through the rounded one, each row alone. So each

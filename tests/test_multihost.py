@@ -154,6 +154,7 @@ def test_two_processes_get_the_single_process_tokens(checkpoint, tmp_path):
     _assert_same(results, expected, {"data": 1, "model": 8}, [[0, 0, 0, 0, 1, 1, 1, 1]])
 
 
+@pytest.mark.slow  # two processes (14 s): runs with -m slow
 def test_two_processes_split_the_batch_as_one_process_splits_it(checkpoint, tmp_path):
     """The example's default (2, 4) mesh: each process holds half the prompt rows (a global
     array no process can read whole, padded to its bucket on the devices)."""
@@ -164,6 +165,7 @@ def test_two_processes_split_the_batch_as_one_process_splits_it(checkpoint, tmp_
     _assert_same(results, expected, {"data": 2, "model": 4}, [[0, 0, 0, 0], [1, 1, 1, 1]])
 
 
+@pytest.mark.slow  # two processes compiling T5 (21 s): runs with -m slow
 def test_two_processes_run_an_encoder_decoder_model_as_one(tmp_path):
     """T5 v1.1 (relative position bias, gated feed-forward; tests/fixtures/encdec) on a (2, 4)
     mesh: each process holds one ``data`` row of the source batch, its 4 heads split over

@@ -117,7 +117,7 @@ CASES: dict[str, tuple[dict, dict]] = {
 
 @functools.cache
 def _model():
-    model = genjax.models.from_config(tiny_config("llama"))
+    model = genjax.models.from_config(tiny_config("llama", num_hidden_layers=1))
     return model, model.init_params(jax.random.key(0))
 
 

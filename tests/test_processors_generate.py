@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from matrix import spread
 
 import genjax
 from genjax import GenerationConfig
@@ -99,7 +100,7 @@ def _check_case(arch, case, arrays):
 
 def _case_ids():
     cases, _ = json.loads((RECORDS / "generate.json").read_text())["cases"], None
-    return [pytest.param(a, c["name"], id=f"{a}-{c['name']}") for a in ARCHS for c in cases[a]]
+    return spread([(a, c["name"]) for a in ARCHS for c in cases[a]])  # the rest: -m slow
 
 
 @pytest.mark.parametrize("arch, name", _case_ids())

@@ -7,6 +7,7 @@ import re
 
 import jax
 import numpy as np
+import pytest
 
 import genjax
 from genjax.io import bundled
@@ -38,6 +39,7 @@ def test_the_use_snippet_runs_on_the_bundled_model():
     assert scores.shape == (2, 3) and np.all(np.asarray(scores) <= 0)
 
 
+@pytest.mark.slow  # eager generate (20 s): runs with -m slow
 def test_disable_jit_runs_generate_eagerly_with_the_same_tokens(tmp_path):
     assert "jax.disable_jit()" in _section("Use")  # the README says how to debug eagerly
     # A one-layer model: eager mode dispatches every op by itself, so depth is most of its time.

@@ -141,6 +141,7 @@ def test_prompt_lookup_rolls_back_rings_as_the_full_cache():
     np.testing.assert_array_equal(fixed.num_accepted_tokens, out.num_accepted_tokens)
 
 
+@pytest.mark.slow  # 15 s: runs with -m slow
 def test_a_windowed_draft_proposes_what_it_would_without_the_window():
     """Draft = target, one row: with a hole in the draft cache each round, a window counted in
     slots saw fewer tokens than the target's and proposals were rejected (6 of 20 taken where

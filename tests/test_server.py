@@ -627,6 +627,7 @@ def test_structured_output_follows_the_schema_the_choices_or_the_regex(server):
     assert client.completions.create(extra_body=phone, **kwargs).choices[0].text == text
 
 
+@pytest.mark.slow  # compiles a constrained engine (24 s): runs with -m slow
 def test_json_object_chat_equals_generate_with_the_same_constraint(
     server, tokenizer, model_and_params, scored_reference
 ):

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from matrix import by_default
 
 import genjax
 from genjax import GenerationConfig
@@ -163,8 +164,12 @@ def _bundled(dtype: str = "float32"):
 
 @pytest.mark.parametrize(
     "quantized, in_place_dtype",
-    [(False, None), (True, None), (False, "float32"), (False, "bfloat16")],
-    ids=["float", "int8", "float32-in-place", "bfloat16-in-place"],
+    by_default(
+        [(False, None), (True, None), (False, "float32"), (False, "bfloat16")],
+        keep=[(False, None), (True, None), (False, "float32")],  # bfloat16: -m slow
+        ids=["float", "int8", "float32-in-place", "bfloat16-in-place"],
+        unpack=True,
+    ),
 )  # fmt: skip
 def test_gathered_blocks_decode_like_the_pool_and_scatter_back_only_the_slots_written(
     quantized, in_place_dtype

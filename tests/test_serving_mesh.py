@@ -14,6 +14,7 @@ import tempfile
 import jax
 import numpy as np
 import pytest
+from matrix import by_default
 
 import genjax
 from genjax import GenerationConfig, sharding
@@ -125,7 +126,7 @@ def _one_device():
     return _run(_manager())
 
 
-@pytest.mark.parametrize("shape", [(2, 4), (1, 8)])
+@pytest.mark.parametrize("shape", by_default([(2, 4), (1, 8)], keep=[(2, 4)], ids=str))
 def test_meshed_engine_equals_one_device_and_generate(shape):
     meshed, alone = _run(_manager(shape)), _one_device()
     for (length, seed), out, ref in zip(WORKLOAD, meshed, alone, strict=True):
@@ -175,6 +176,7 @@ def test_meshed_engine_compiles_nothing_after_warmup_and_forks_sequences():
     assert forked.sequences == rows and rows[0] != rows[1]
 
 
+@pytest.mark.slow  # a second meshed engine (9 s): runs with -m slow
 def test_int8_pool_scales_are_split_and_tokens_equal_generate_with_the_int8_cache():
     manager = _manager((2, 4), "int8")
     try:

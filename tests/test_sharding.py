@@ -334,6 +334,7 @@ def _assert_same_records(out, expected, names=("hidden_states", "attentions")):
             np.testing.assert_allclose(g, w, atol=ATOL, rtol=1e-5)
 
 
+@pytest.mark.slow  # 10 s: runs with -m slow
 def test_hidden_states_and_attentions_on_a_mesh_equal_single_device(models):
     """``output_hidden_states`` / ``output_attentions`` on a (2, 4) mesh: greedy with ``mesh=``,
     beams under your own jax.jit with ``jax.set_mesh``; the outputs keep their rows on ``data``

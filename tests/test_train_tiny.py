@@ -8,6 +8,7 @@ import sys
 
 import jax
 import numpy as np
+import pytest
 
 import genjax
 
@@ -15,6 +16,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import train_tiny  # noqa: E402
 
 
+@pytest.mark.slow  # the example end to end (25 s): runs with -m slow
 def test_trains_resumes_and_exports_a_loadable_folder(tmp_path, capsys):
     args = ["--size", "draft", "--workdir", str(tmp_path / "work"), "--out", str(tmp_path / "out")]
     args += ["--vocab-size", "300", "--max-files", "3", "--holdout-every", "40"]

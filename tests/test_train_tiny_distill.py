@@ -83,6 +83,7 @@ def _base_folder(folder):
     train_tiny.write_folder(folder, model, params, config, tokenizer.to_str(), eos)
 
 
+@pytest.mark.slow  # the example end to end (25 s): runs with -m slow
 def test_init_from_and_distill_from_end_to_end(tmp_path):
     base = tmp_path / "base"
     _base_folder(base)

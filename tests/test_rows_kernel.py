@@ -59,7 +59,7 @@ def _weights(weight, kind):
 @pytest.mark.parametrize(
     "kind, count",
     [("float32", n) for n in (1, 2, 5, 7, 8, 32)] + [("bfloat16", 1), ("bfloat16", 8)]
-    + [("int8", 1), ("int8", 6), ("int8", 32)],
+    + [("int8", 1), ("int8", 6), ("int8", 32), ("int8", 45), ("int8", 70)],  # 70: blocks of 32
 )  # fmt: skip
 def test_products_are_float32_sums_and_each_row_is_its_own(weight, kind, count):
     (matrix, scale, dtype), exact_matrix = _weights(weight, kind)
@@ -85,6 +85,13 @@ def test_the_kernel_runs_exactly_where_it_applies(weight):
     assert KERNEL in _hlo(_linear, x.reshape(2, 4, -1), weight)  # [B, T, in]: 8 rows
     more = jnp.ones((33, weight.shape[1]), jnp.float32)
     assert KERNEL not in _hlo(_linear, more, weight)
+    q, scale = quantize_weight(weight)
+    int8 = rows.MAX_ROWS[jnp.dtype(jnp.int8)]  # prompts too: 42 tokens' prefill 1.7x faster
+    assert int8 == 256
+    for count, taken in [(int8, True), (int8 + 1, False)]:
+        many = jnp.ones((count, weight.shape[1]), jnp.float32)
+        program = _hlo(lambda x: layers.linear(x, q, scale, jnp.float32), many)
+        assert (KERNEL in program) == taken, count
     odd = jnp.ones((2, 40), jnp.float32)
     assert KERNEL not in _hlo(_linear, odd, jnp.ones((3, 40), jnp.float32))
 

@@ -1,8 +1,9 @@
 """Native kernels for what XLA:CPU runs slowly: products of a few rows, decode attention, 4 bits.
 
-* :mod:`genjax.kernels.rows`: products of 1-32 activation rows with float32, bfloat16 or int8
-  weights (decode steps, beams, speculative verification), reading each weight once: an XLA FFI
-  custom call on the CPU, XLA's product elsewhere and on meshes.
+* :mod:`genjax.kernels.rows`: products of a few activation rows with float32, bfloat16 or int8
+  weights (decode steps, beams, speculative verification; int8 prompts of up to 256 rows),
+  reading each weight once: an XLA FFI custom call on the CPU, XLA's product elsewhere and on
+  meshes.
 * :mod:`genjax.kernels.attention`: one-token attention's two sums over the KV cache, over each
   row's unmasked slots only: an XLA FFI custom call on the CPU, XLA's sums elsewhere and on
   meshes.

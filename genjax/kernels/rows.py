@@ -4,9 +4,10 @@ int8 weights.
 ``matmul(x, weight, scale)`` is ``x @ weight.T`` (times ``scale`` per output for int8 weights) in
 float32, for x [R, I] and weight [O, I] in float32, bfloat16, or int8 with scale float32[O]. On
 the CPU, for 1 to ``MAX_ROWS[weight dtype]`` rows (decode steps, beams, speculative
-verification, short prompt chunks), it runs ``rows_matmul.h`` as an XLA FFI custom call, which
-reads each weight once from memory, widens narrow weights to float32 in registers (exactly), and
-multiplies it by every row while it is in the CPU's cache. XLA:CPU's products read the weights
+verification, short prompt chunks; int8 prompts), it runs ``rows_matmul.h`` as an XLA FFI custom
+call, which reads each weight once from memory (once per 32 rows for more), widens narrow
+weights to float32 in registers (exactly), and multiplies it by every row while it is in the
+CPU's cache. XLA:CPU's products read the weights
 slower: its one-row product, and with several rows it packs the weight panel first (for int8,
 it writes a float copy of the matrix). Over a SmolLM-shaped stack of matrices on the 2-core Intel
 Xeon XLA's products took, against the kernel: float32 1.5x the time at one row, 2.0x at five,
@@ -41,10 +42,15 @@ import jax.numpy as jnp
 from genjax.kernels import gate
 from genjax.typing import Array, vary_like
 
-MAX_ROWS = {jnp.dtype(jnp.float32): 32, jnp.dtype(jnp.bfloat16): 8, jnp.dtype(jnp.int8): 32}
+MAX_ROWS = {jnp.dtype(jnp.float32): 32, jnp.dtype(jnp.bfloat16): 8, jnp.dtype(jnp.int8): 256}
 """Products of up to this many activation rows run the kernel, per weight dtype; more take XLA's
-product. float32: at 64 rows the two were level. bfloat16: from 16 rows XLA's products (AMX on
-the Intel Xeon) are as fast or faster, the kernel widening each weight once per 6 rows."""
+product. float32: at 64 rows the two were level. int8: XLA's product writes a float32 copy of the
+matrix first, so prompts too are faster through the kernel (32 rows at a time) up to 256 rows
+(SmolLM's matrices on the AMD EPYC, ``bench/matmul_stack.py``: XLA 1.05-1.5x the kernel's time
+at 42-256 rows, 0.8x at 512; a 42-token prompt's forward pass 1.19x float32 against 0.64x
+through XLA, ``bench/results/2026-12-03-cpu-amd-epyc-int8-prefill.txt``). bfloat16: from 16
+rows XLA's products (AMX on the Intel Xeon) are as fast or faster, the kernel widening each
+weight once per 6 rows."""
 
 INPUT_MULTIPLE = 16
 """The kernel's input width must be a multiple of this (its vector width, in floats)."""

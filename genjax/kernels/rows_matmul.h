@@ -10,7 +10,8 @@
 //
 // Work: each thread takes one contiguous range of weight rows (team.h). Within it,
 // a tile of kTile weight rows is multiplied by every register tile of activation rows in turn,
-// so the weight tile comes from memory once and from L1 for the later register tiles. Each
+// so the weight tile comes from memory once and from L1 for the later register tiles. More than
+// kBlockRows activation rows (int8 prompts) go a block at a time through the whole range. Each
 // output's arithmetic is fixed whatever the number of rows and threads: kLanes partial sums over
 // the inputs (input k feeds partial k mod kLanes, one fused multiply-add per input, in input
 // order), then summed by halves. So a row's result does not depend on the other rows of the call:
@@ -39,6 +40,10 @@ namespace ffi = xla::ffi;
 namespace genjax_rows {
 
 constexpr int64_t kMinChunkRows = 16;  // fewer weight rows are not worth another thread
+// Activation rows multiplied by a thread's weight rows before it moves on to the next rows: 32
+// rows of 1536 float32 inputs (196 KB) stay in L2 while the weights pass. A prompt of more rows
+// reads the thread's weights again per block, from L2 or L3 when they fit.
+constexpr int64_t kBlockRows = 32;
 
 // W: float (float32), uint16_t (bfloat16 bits) or int8_t.
 template <typename W>
@@ -89,12 +94,11 @@ void Tile(const Problem<W>& p, int64_t o0, int64_t r0) {
   }
 }
 
-// Weight rows [o0, o0 + NO) against every activation row, a register tile at a time.
+// Weight rows [o0, o0 + NO) against activation rows [r, end), a register tile at a time.
 template <typename W, int NO>
-void AllRows(const Problem<W>& p, int64_t o0) {
-  int64_t r = 0;
-  for (; r + kRegisterRows <= p.rows; r += kRegisterRows) Tile<W, kRegisterRows, NO>(p, o0, r);
-  switch (p.rows - r) {
+void BlockRows(const Problem<W>& p, int64_t o0, int64_t r, int64_t end) {
+  for (; r + kRegisterRows <= end; r += kRegisterRows) Tile<W, kRegisterRows, NO>(p, o0, r);
+  switch (end - r) {
     case 1: Tile<W, 1, NO>(p, o0, r); break;
     case 2: Tile<W, 2, NO>(p, o0, r); break;
     case 3: Tile<W, 3, NO>(p, o0, r); break;
@@ -112,9 +116,12 @@ struct RowsJob : genjax_kernels::Job {
   void Chunk(int64_t chunk) override {
     const int64_t begin = chunk * p.chunk_rows;
     const int64_t end = std::min(begin + p.chunk_rows, p.outputs);
-    int64_t o = begin;
-    for (; o + kTile <= end; o += kTile) AllRows<W, kTile>(p, o);
-    for (; o < end; ++o) AllRows<W, 1>(p, o);
+    for (int64_t r = 0; r < p.rows; r += kBlockRows) {
+      const int64_t r_end = std::min(r + kBlockRows, p.rows);
+      int64_t o = begin;
+      for (; o + kTile <= end; o += kTile) BlockRows<W, kTile>(p, o, r, r_end);
+      for (; o < end; ++o) BlockRows<W, 1>(p, o, r, r_end);
+    }
   }
 };
 

@@ -139,7 +139,7 @@ def library_dots(params: PyTree, rows: int, meshed: bool = False) -> bool:
     should compile with :data:`LIBRARY_DOT_OPTIONS`: int8 params, several rows, on the CPU
     (other backends do not know the option), unless genjax's own kernel
     (:mod:`genjax.kernels.rows`) takes every int8 product of that many rows, as it does off a
-    mesh (``meshed`` False) up to 32 rows. Its products read int8 too, and YNNPACK's, which the
+    mesh (``meshed`` False) up to 256 rows. Its products read int8 too, and YNNPACK's, which the
     options give every product of the program, attention's included, made SmolLM's step slower:
     greedy batch 8 on the Intel Xeon 31.6 ms per token with the options, 25.1 without
     (float32 34.7); batch 32 91.8, 86.7 (float32 94.9)."""

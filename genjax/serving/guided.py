@@ -69,6 +69,13 @@ def guided_spec(request: Any) -> GuidedSpec | None:
     """
     given = []
     response_format = request.response_format
+    if response_format is not None and response_format.type != "json_schema":
+        if response_format.json_schema is not None:  # OpenAI reads it only with json_schema
+            raise invalid(
+                "response_format",
+                f'response_format of type "{response_format.type}" takes no "json_schema"; '
+                'for output that follows the schema set "type": "json_schema".',
+            )
     if response_format is not None and response_format.type == "json_object":
         given.append(GuidedSpec("response_format", "json_object", ""))
     elif response_format is not None and response_format.type == "json_schema":

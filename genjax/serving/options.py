@@ -89,13 +89,23 @@ SUPPORTED = frozenset(
 
 # Values equal to transformers' defaults, which a checkpoint's generation_config.json may spell
 # out (transformers v5 writes output_attentions/output_hidden_states false from config.json).
-_HARMLESS_DEFAULTS = {
-    "min_length": 0,
-    "output_scores": False,
-    "output_logits": False,
-    "output_attentions": False,
-    "output_hidden_states": False,
+_HARMLESS_VALUES = {
+    "min_length": (0,),
+    "output_scores": (False,),
+    "output_logits": (False,),
+    "output_attentions": (False,),
+    "output_hidden_states": (False,),
+    "renormalize_logits": (False,),
+    "token_healing": (False,),
+    "low_memory": (False,),
+    "is_assistant": (False,),
+    "use_mtp": (False,),
+    "guidance_scale": (1.0,),  # transformers adds classifier-free guidance only when != 1
 }
+"""Values of unsupported fields that change nothing (besides None and the library default),
+so a checkpoint or client that spells out the neutral value is not refused."""
+
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,16 +156,13 @@ class EngineOptions:
             )
 
 
-def _bias_table(
-    config: GenerationConfig, shape: EngineShape, eos: tuple[int, ...]
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The request's bias table (:func:`genjax.serving.choosing.sequence_biases`): ids
-    int32[1, L_b], biases float32[1, L_b], prefixes int32[1, L_b, W] and first-only flags
-    bool[1, L_b], from ``sequence_bias``, then -inf for ``suppress_tokens``, ``bad_words_ids``
-    (an EOS id alone among the bad words is dropped, as transformers drops ``[eos]``) and, at
-    the first new token only, ``begin_suppress_tokens``. -inf stays -inf through every later
-    processor and warper, so banning at the bias's place in the chain gives transformers'
-    scores; a token both biased and banned sums to -inf."""
+def bias_entries(config: GenerationConfig) -> list[tuple[tuple[int, ...], float, bool]]:
+    """``(sequence, bias, first token only)`` per biased or banned token of ``config``:
+    ``sequence_bias``, then -inf for ``suppress_tokens``, ``bad_words_ids`` (an EOS id alone
+    among the bad words is dropped, as transformers drops ``[eos]``) and, at the first new
+    token only, ``begin_suppress_tokens``: the entries the engine holds per request."""
+    eos = config.eos_token_id
+    eos = () if eos is None else {int(i) for i in np.atleast_1d(np.asarray(eos)).tolist()}
     pairs = [] if config.sequence_bias is None else bias_pairs(config.sequence_bias)
     entries = [(tuple(seq), float(bias), False) for seq, bias in pairs]
     entries += [((int(t),), NEG_INF, False) for t in np.atleast_1d(config.suppress_tokens or ())]
@@ -163,6 +170,18 @@ def _bias_table(
     entries += [(seq, NEG_INF, False) for seq in bad if not (len(seq) == 1 and seq[0] in eos)]
     begin = np.atleast_1d(config.begin_suppress_tokens or ())
     entries += [((int(t),), NEG_INF, True) for t in begin]
+    return entries
+
+
+def _bias_table(
+    config: GenerationConfig, shape: EngineShape
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The request's bias table (:func:`genjax.serving.choosing.sequence_biases`): ids
+    int32[1, L_b], biases float32[1, L_b], prefixes int32[1, L_b, W] and first-only flags
+    bool[1, L_b], from :func:`bias_entries`. -inf stays -inf through every later processor
+    and warper, so banning at the bias's place in the chain gives transformers' scores; a token
+    both biased and banned sums to -inf."""
+    entries = bias_entries(config)
     longest = max((len(seq) for seq, _, _ in entries), default=0)
     width = shape.max_bias_prefix
     if longest > width + 1:
@@ -213,8 +232,8 @@ def check_supported(config: GenerationConfig) -> None:
         if name in SUPPORTED or name in METADATA_FIELDS:
             continue
         value = getattr(config, name)
-        default = _HARMLESS_DEFAULTS.get(name, DEFAULT_GENERATION_PARAMS.get(name))
-        if value is not None and value != default:
+        default = DEFAULT_GENERATION_PARAMS.get(name)
+        if value is not None and value != default and value not in _HARMLESS_VALUES.get(name, ()):
             raise UnsupportedError(
                 f"{name}={value!r} is not supported by the continuous-batching engine yet. "
                 f"Leave it unset (default {default!r}), or use genjax.generate for this request."
@@ -279,12 +298,25 @@ def _eos_ids(config: GenerationConfig, max_eos: int) -> tuple[int, ...]:
     if eos is None:
         return ()
     ids = tuple(int(i) for i in np.atleast_1d(np.asarray(eos)).tolist())
+    if any(not 0 <= i <= _INT32_MAX for i in ids):
+        raise InputError(f"eos_token_id must hold token ids >= 0, got {list(ids)}.")
     if len(ids) > max_eos:
         raise InputError(
             f"eos_token_id has {len(ids)} ids, but the engine holds at most {max_eos} per "
             f"request. Raise ContinuousBatchingConfig.max_eos_tokens to {len(ids)}."
         )
     return ids
+
+
+def _check_divisors(config: GenerationConfig) -> None:
+    """The values the logits are divided by must stay above 0 in float32."""
+    for name in ("temperature", "repetition_penalty"):
+        value = getattr(config, name)
+        if value is not None and value > 0 and np.float32(value) == 0:
+            raise InputError(
+                f"{name}={value!r} is 0 in float32, which the logits are divided "
+                "by; use at least 1e-30 (or do_sample=False for greedy decoding)."
+            )
 
 
 def _row(
@@ -302,7 +334,7 @@ def _row(
         v = getattr(config, name)
         return np.asarray([neutral if (v is None or not sampling) else v], dtype)
 
-    bias_ids, bias_values, bias_prefixes, bias_first_only = _bias_table(config, shape, eos)
+    bias_ids, bias_values, bias_prefixes, bias_first_only = _bias_table(config, shape)
     c = extras.constraint
     return RowSettings(
         do_sample=np.asarray([sampling], bool),
@@ -322,7 +354,8 @@ def _row(
         bias_first_only=bias_first_only,
         logprobs=np.asarray([-1 if extras.logprobs is None else extras.logprobs], np.int32),
         max_new_tokens=np.zeros((1,), np.int32),
-        min_new_tokens=np.asarray([config.min_new_tokens or 0], np.int32),
+        # past max_new_tokens a larger minimum changes nothing: held as the int32 maximum
+        min_new_tokens=np.asarray([min(config.min_new_tokens or 0, _INT32_MAX)], np.int32),
         eos_token_ids=ids,
         seed=np.asarray([seed], np.int32),
         sample_row=np.zeros((1,), np.int32),
@@ -340,6 +373,10 @@ def request_config(
     if config is not None:
         config = effective_config(config, {}, default)
     config = default if config is None else config
+    if "top_k" in overrides and overrides["top_k"] is None:
+        # generate's override top_k=None turns top-k off (transformers' order: overrides after
+        # the library defaults); here the library default (50) fills None later, so say 0: off
+        overrides = {**overrides, "top_k": 0}
     if overrides:
         config, unused = config.updated(**overrides)
         if unused:
@@ -415,8 +452,16 @@ def build_request(
             "stop_strings need a tokenizer: pass tokenizer= to init_continuous_batching."
         )
     eos = _eos_ids(resolved, shape.max_eos)
+    _check_divisors(resolved)
     if seed is None:
         seed = int(np.random.default_rng().integers(0, 2**31 - 1))
+    elif isinstance(seed, bool) or not isinstance(seed, int | np.integer):
+        raise InputError(f"seed must be an int, got {seed!r}.")
+    elif not _INT32_MIN <= seed <= _INT32_MAX:
+        raise InputError(
+            f"seed must be in [{_INT32_MIN}, {_INT32_MAX}] (a 32-bit key, as "
+            f"jax.random.key makes without x64), got {seed}."
+        )
     constraint, key = extras.constraint, b""
     if constraint is not None:
         states, edges = shape.constraint_states, shape.constraint_edges

@@ -29,7 +29,13 @@ Request fields:
 
 Fields a request leaves unset take the model's ``generation_config.json`` values (as
 transformers' and vLLM's servers do), so ``temperature`` unset means the checkpoint's sampling
-settings, not OpenAI's ``temperature=1``.
+settings, not OpenAI's ``temperature=1``, and ``stop`` unset or empty means its
+``stop_strings`` (the engine stops on them and the text ends before them; a request's ``stop``
+replaces them). Two
+exceptions follow vLLM: a sampling cutoff (``top_p`` below 1, ``top_k`` or ``min_p`` above 0)
+without ``temperature`` samples even when the checkpoint decodes greedily, at the checkpoint's
+temperature (default 1), since a cutoff means nothing to greedy decoding; and a
+``temperature`` below :data:`SAMPLING_EPS` decodes greedily.
 """
 
 from __future__ import annotations
@@ -42,11 +48,13 @@ import secrets
 import uuid
 from typing import Any, Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from genjax.config import GenerationConfig
 from genjax.processors.ngram import bias_pairs
 from genjax.serving.logprobs import ChoiceLogprobs
+from genjax.serving.options import bias_entries
 
 __all__ = [
     "APIError",
@@ -95,6 +103,13 @@ class APIError(Exception):
                 "code": self.code,
             }
         }
+
+
+SAMPLING_EPS = 1e-5
+"""A ``temperature`` below this decodes greedily (vLLM's rule: dividing the logits by less
+would overflow float32 and draw the most likely token anyway)."""
+
+_INT32_MAX = 2**31 - 1
 
 
 def invalid(param: str, message: str, code: str = "invalid_value") -> APIError:
@@ -304,8 +319,12 @@ def generation_options(
     _number("top_p", request.top_p, 0.0, 1.0, low_open=True)
     _number("min_p", request.min_p, 0.0, 1.0)
     _number("repetition_penalty", request.repetition_penalty, 0.0, 100.0, low_open=True)
-    if request.top_k is not None and request.top_k < 0:
-        raise invalid("top_k", f"top_k must be >= 0 (0: off), got {request.top_k}.")
+    for name in ("top_p", "repetition_penalty"):
+        if getattr(request, name) is not None and np.float32(getattr(request, name)) == 0:
+            value = getattr(request, name)
+            raise invalid(name, f"{name}={value!r} is 0 in float32; use at least 1e-30.")
+    if request.top_k is not None and not 0 <= request.top_k <= _INT32_MAX:
+        raise invalid("top_k", f"top_k must be in [0, {_INT32_MAX}] (0: off), got {request.top_k}.")
     n = 1 if request.n is None else request.n
     if not 1 <= n <= max_n:
         raise invalid("n", f"n must be between 1 and {max_n} on this server, got {n}.")
@@ -316,16 +335,22 @@ def generation_options(
         raise invalid(param, f"{param} must be at least 1, got {max_tokens}.")
     if request.stream_options is not None and not request.stream:
         raise invalid("stream_options", "stream_options is only allowed with stream: true.")
-    stop = _stop_strings(request.stop)
+    # stop unset or empty: the checkpoint's stop strings, which the engine stops on and the
+    # text ends before, as the request's own (a config cannot say "none" over the checkpoint's)
+    own = base.stop_strings or ()
+    stop = _stop_strings(request.stop) or ((own,) if isinstance(own, str) else tuple(own))
 
     fields: dict[str, Any] = {"stop_strings": None, "max_new_tokens": None, "max_length": None}
     for name in ("top_p", "top_k", "min_p", "repetition_penalty"):
         if getattr(request, name) is not None:
             fields[name] = getattr(request, name)
     if request.temperature is not None:
-        fields["do_sample"] = request.temperature > 0
-        if request.temperature > 0:
+        sampled = request.temperature >= SAMPLING_EPS
+        fields["do_sample"] = sampled
+        if sampled:
             fields["temperature"] = request.temperature
+    elif not base.do_sample and _cuts(request):
+        fields["do_sample"] = True  # a cutoff is a request to sample (vLLM: temperature 1)
     if not fields.get("do_sample", base.do_sample):
         # Greedy: the sampling cutoffs would only draw "ignored flag" warnings.
         fields.update(do_sample=False, temperature=None, top_p=None, top_k=None, min_p=None)
@@ -334,7 +359,28 @@ def generation_options(
         merged = {tuple(ids): b for ids, b in own}
         merged.update(((i,), b) for i, b in bias.items())
         fields["sequence_bias"] = [[list(ids), b] for ids, b in merged.items()]
-    return base.replace(**fields), max_tokens, n, stop
+    config = base.replace(**fields)
+    if bias:
+        _check_bias_room(config, len(bias), max_logit_bias)
+    return config, max_tokens, n, stop
+
+
+def _cuts(request: _Sampling) -> bool:
+    """Whether the request sets a sampling cutoff that changes the distribution drawn from."""
+    return (request.top_p is not None and request.top_p < 1) or bool(request.top_k or request.min_p)
+
+
+def _check_bias_room(config: GenerationConfig, asked: int, most: int):
+    """A 400 naming ``logit_bias`` when it and the checkpoint's own biased and banned tokens
+    together pass the engine's ``most`` per request."""
+    own = len(bias_entries(config)) - asked
+    if own + asked > most:
+        raise invalid(
+            "logit_bias",
+            f"logit_bias holds {asked} tokens and the model's generation config biases or bans "
+            f"{own} more; this server holds at most {most} per request. Send at most "
+            f"{max(most - own, 0)} logit_bias entries.",
+        )
 
 
 def _logit_bias(bias: dict[str, float] | None, vocab_size: int | None, most: int):

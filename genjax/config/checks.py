@@ -265,7 +265,10 @@ def _sequence_bias_ok(value: Any) -> bool:
     if not isinstance(value, tuple) or not value:
         return False
     return all(
-        isinstance(p, tuple) and _check_ints(p[0], nonempty=True) and _is_number(p[1])
+        isinstance(p, tuple)
+        and _check_ints(p[0], nonempty=True)
+        and _is_number(p[1])
+        and not np.isnan(p[1])
         for p in value
     )
 
@@ -313,7 +316,8 @@ _TYPE_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     ),
     "sequence_bias": (
         _sequence_bias_ok,
-        "a non-empty list of [token_ids, bias] pairs (or a dict {tuple(token_ids): bias})",
+        "a non-empty list of [token_ids, bias] pairs, no bias NaN (or a dict "
+        "{tuple(token_ids): bias})",
     ),
     "decay": (
         lambda v: (
@@ -322,8 +326,9 @@ _TYPE_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
             and _is_int(v[0])
             and v[0] >= 0
             and _is_number(v[1])
+            and np.isfinite(v[1])
         ),
-        "a pair (start_index >= 0, decay_factor)",
+        "a pair (start_index >= 0, a finite decay_factor)",
     ),
     "dola_layers": (
         lambda v: v in ("low", "high") or _check_ints(v),
@@ -370,6 +375,30 @@ def check_field(name: str, value: Any) -> None:
         raise _error(name, value, expected + rule, spec.fix or _KIND_FIXES.get(spec.kind, ""))
     if spec.ok is not None and not _range_ok(spec.ok, value):
         raise _error(name, value, spec.rule, spec.fix)
+    if spec.kind == "tfloat" and spec.ok is not None and not _range_ok(spec.ok, _float32(value)):
+        raise _error(name, value, f"{spec.rule} in float32, the precision the logits use", spec.fix)
+    ids = tuple(p[0] for p in value) if spec.kind == "sequence_bias" else value
+    if spec.kind in _ID_KINDS and any(i > _INT32_MAX for i in _ints(ids)):
+        raise _error(name, value, "token ids below 2**31 (int32)", _KIND_FIXES["tokens"])
+
+
+_ID_KINDS = ("token", "tokens", "token_list", "token_lists", "sequence_bias")
+_INT32_MAX = 2**31 - 1
+
+
+def _float32(value: Any) -> np.ndarray:
+    """``value`` as the float32 the program holds (overflow becomes inf, quietly)."""
+    with np.errstate(over="ignore"):
+        return np.asarray(value, np.float64).astype(np.float32)
+
+
+def _ints(value: Any) -> list[int]:
+    """Every integer in a token-id value (an id, an array, lists of lists)."""
+    if is_array(value):
+        return [int(i) for i in np.ravel(np.asarray(value))]
+    if isinstance(value, tuple):
+        return [i for item in value for i in _ints(item)]
+    return [value] if _is_int(value) else []
 
 
 def _range_ok(ok: Predicate, value: Any) -> bool:
@@ -386,11 +415,11 @@ def _concrete(value: Any) -> bool:
 def check_combinations(cfg: Any) -> None:
     """Raises ``GenerationConfigError`` for combinations of fields that cannot work together."""
     temperature = cfg.temperature
-    if cfg.do_sample is True and _concrete(temperature) and not np.all(np.asarray(temperature) > 0):
+    if cfg.do_sample is True and _concrete(temperature) and not np.all(_float32(temperature) > 0):
         raise _error(
             "temperature",
             temperature,
-            "> 0 when do_sample=True (sampling divides the logits by it)",
+            "> 0 when do_sample=True (in float32: sampling divides the logits by it)",
             "Pass a positive temperature such as 0.7, or set do_sample=False for greedy decoding.",
         )
     n = cfg.num_return_sequences

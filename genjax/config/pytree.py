@@ -43,12 +43,19 @@ def _static_names(active: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def _as_leaf(name: str, value: Any) -> Any:
-    """A list of token ids -> one int32[E] array; an int in a float field -> a Python float."""
+    """A list of token ids -> one int32[E] array; an int in a float field -> a Python float;
+    a ``top_k`` past int32 -> int32's largest (``k`` at least the vocabulary keeps every token
+    either way)."""
     if isinstance(value, tuple):
         return np.asarray(value, dtype=np.int32)
     if name in _FLOAT_TRACED and isinstance(value, int):
         return float(value)
+    if name == "top_k" and isinstance(value, int) and value > _INT32_MAX:
+        return _INT32_MAX
     return value
+
+
+_INT32_MAX = 2**31 - 1
 
 
 def _flatten(config: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:

@@ -439,6 +439,11 @@ def _resolve(model, config, request: CallRequest):
     its config merged with the model's ``generation_config``, the defaults and the overrides
     (:func:`~genjax.generation.inputs.resolve_config`), and its loop, all checked (mode, values
     against the vocabulary, cache options)."""
+    if request.assistant_params is not None and request.assistant_model is None:
+        raise InputError(
+            "assistant_params is given without assistant_model, so nothing would read it: pass "
+            "the draft model as assistant_model=, or leave assistant_params unset."
+        )
     default = getattr(model, "generation_config", None)
     lengths, resolved = resolve_config(config, dict(request.overrides), default)
     mode = mode_of(resolved, request.assistant_model)

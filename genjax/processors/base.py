@@ -244,3 +244,15 @@ def as_float(value: Any) -> Array:
 def as_int(value: Any) -> Array | None:
     """int32 (scalar or [K]) for traced ids or counts; None stays None."""
     return None if value is None else jnp.asarray(value, jnp.int32)
+
+
+INT32_MAX = 2**31 - 1
+
+
+def as_count(value: Any) -> Array:
+    """int32 for a traced count or threshold (top-k's ``k``, a minimum length, where a penalty
+    starts): a Python or NumPy value past int32 is held as int32's largest, which no length or
+    vocabulary reaches, so the rule reads the same."""
+    if isinstance(value, int | np.integer | list | tuple | np.ndarray):
+        value = np.minimum(np.asarray(value, np.int64), INT32_MAX)
+    return jnp.asarray(value, jnp.int32)

@@ -213,7 +213,8 @@ def validate_config(config, vocab_size: int | None = None) -> None:
     Raises UnsupportedError for options genjax rejects (:func:`check_supported`), and
     GenerationConfigError naming the field, the value and the fix for malformed token lists
     (``bad_words_ids``, ``sequence_bias``, ``suppress_tokens``, ``begin_suppress_tokens``), ids
-    outside ``[0, vocab_size)`` (those lists and concrete forced ids; checked when
+    outside ``[0, vocab_size)`` (those lists, concrete forced ids and the decoder start id,
+    which the model always reads; checked when
     ``vocab_size`` is given), and ``exponential_decay_length_penalty`` without an EOS id.
 
     Example:
@@ -241,7 +242,7 @@ def _check_token_settings(config, vocab_size: int | None) -> None:
     for name in ("suppress_tokens", "begin_suppress_tokens"):
         if getattr(config, name) is not None:
             lists[name] = [check_id_list(name, getattr(config, name))]
-    for name in ("forced_bos_token_id", "forced_eos_token_id"):
+    for name in ("forced_bos_token_id", "forced_eos_token_id", "decoder_start_token_id"):
         value = getattr(config, name)
         if value is not None and is_concrete(value):
             lists[name] = [[int(i) for i in np.atleast_1d(np.asarray(value)).tolist()]]

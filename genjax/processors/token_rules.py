@@ -20,6 +20,7 @@ from genjax.processors.base import (
     NEG_INF,
     LogitsContext,
     Transform,
+    as_count,
     as_float,
     as_int,
     check_id_list,
@@ -175,7 +176,7 @@ def min_length(length: int | Array, eos_token_ids: int | Array) -> Transform:
     Example:
         >>> process = min_length(20, eos_token_ids=2)
     """
-    return Transform(_min_length, {"length": as_int(length), "eos": as_int(eos_token_ids)})
+    return Transform(_min_length, {"length": as_count(length), "eos": as_int(eos_token_ids)})
 
 
 def _min_length(scores: Array, context: LogitsContext, length: Array, eos: Array) -> Array:
@@ -189,7 +190,7 @@ def min_new_tokens(count: int | Array, eos_token_ids: int | Array) -> Transform:
     Example:
         >>> process = min_new_tokens(5, eos_token_ids=2)
     """
-    return Transform(_min_new_tokens, {"count": as_int(count), "eos": as_int(eos_token_ids)})
+    return Transform(_min_new_tokens, {"count": as_count(count), "eos": as_int(eos_token_ids)})
 
 
 def _min_new_tokens(scores: Array, context: LogitsContext, count: Array, eos: Array) -> Array:
@@ -315,7 +316,7 @@ def exponential_decay_length_penalty(
     Example:
         >>> process = exponential_decay_length_penalty(10, 1.05, eos_token_ids=2)
     """
-    values = {"start": as_int(start), "factor": as_float(factor), "eos": as_int(eos_token_ids)}
+    values = {"start": as_count(start), "factor": as_float(factor), "eos": as_int(eos_token_ids)}
     return Transform(_exponential_decay_length_penalty, values)
 
 

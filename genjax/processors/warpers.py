@@ -36,7 +36,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from genjax.processors.base import NEG_INF, LogitsContext, Transform, as_float, as_int, per_row
+from genjax.processors.base import (
+    NEG_INF,
+    LogitsContext,
+    Transform,
+    as_count,
+    as_float,
+    per_row,
+)
 from genjax.typing import Array
 
 PREFIX = 256
@@ -205,7 +212,7 @@ def top_k(k: int | Array, min_tokens_to_keep: int = 1) -> SortedFilter:
         >>> warp = top_k(50)
     """
     keep = {"min_tokens_to_keep": int(min_tokens_to_keep)}
-    return SortedFilter(Transform(_top_k_stage, {"k": as_int(k)}, keep))
+    return SortedFilter(Transform(_top_k_stage, {"k": as_count(k)}, keep))
 
 
 def _top_k_stage(view: SortedView, k: Array, min_tokens_to_keep: int) -> tuple[Array, Array]:

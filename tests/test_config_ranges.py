@@ -89,3 +89,10 @@ def test_assistant_params_without_an_assistant_model_is_refused(tiny):
     model, params = tiny
     with pytest.raises(InputError, match="assistant_params is given without assistant_model"):
         genjax.generate(model, params, np.asarray([[3, 4]]), assistant_params=params)
+
+
+def test_a_matching_ngram_longer_than_the_sequence_unrolls_nothing_more(tiny):
+    lookup = dict(prompt_lookup_num_tokens=2, eos_token_id=None)
+    whole = _run(tiny, max_matching_ngram_size=6, **lookup)  # 3 prompt + 4 new tokens: at most 6
+    np.testing.assert_array_equal(_run(tiny, max_matching_ngram_size=10**6, **lookup), whole)
+    np.testing.assert_array_equal(whole, _run(tiny))  # greedy lookup changes no token

@@ -94,7 +94,9 @@ def _continuation_start(
     last = row.shape[0] - 1
     found = jnp.zeros((), bool)
     start = jnp.zeros((), jnp.int32)
-    for ngram in range(rules.lookup_ngram, 0, -1):
+    # an n-gram as long as the buffer can never occur before the row's end (transformers stops
+    # at the input's length - 1 too), so larger sizes unroll nothing
+    for ngram in range(min(rules.lookup_ngram, row.shape[0] - 1), 0, -1):
         matches = (starts >= first_valid) & (starts + ngram < length)
         matches = matches & (ngram <= length - first_valid - 1)
         for offset in range(ngram):

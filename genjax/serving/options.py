@@ -298,25 +298,12 @@ def _eos_ids(config: GenerationConfig, max_eos: int) -> tuple[int, ...]:
     if eos is None:
         return ()
     ids = tuple(int(i) for i in np.atleast_1d(np.asarray(eos)).tolist())
-    if any(not 0 <= i <= _INT32_MAX for i in ids):
-        raise InputError(f"eos_token_id must hold token ids >= 0, got {list(ids)}.")
     if len(ids) > max_eos:
         raise InputError(
             f"eos_token_id has {len(ids)} ids, but the engine holds at most {max_eos} per "
             f"request. Raise ContinuousBatchingConfig.max_eos_tokens to {len(ids)}."
         )
     return ids
-
-
-def _check_divisors(config: GenerationConfig) -> None:
-    """The values the logits are divided by must stay above 0 in float32."""
-    for name in ("temperature", "repetition_penalty"):
-        value = getattr(config, name)
-        if value is not None and value > 0 and np.float32(value) == 0:
-            raise InputError(
-                f"{name}={value!r} is 0 in float32, which the logits are divided "
-                "by; use at least 1e-30 (or do_sample=False for greedy decoding)."
-            )
 
 
 def _row(
@@ -452,7 +439,6 @@ def build_request(
             "stop_strings need a tokenizer: pass tokenizer= to init_continuous_batching."
         )
     eos = _eos_ids(resolved, shape.max_eos)
-    _check_divisors(resolved)
     if seed is None:
         seed = int(np.random.default_rng().integers(0, 2**31 - 1))
     elif isinstance(seed, bool) or not isinstance(seed, int | np.integer):

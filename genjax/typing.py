@@ -29,6 +29,9 @@ import jax
 Array = jax.Array
 PyTree = Any
 
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+"""The bounds of int32, the dtype of token ids, counts and seeds in compiled programs."""
+
 
 def varying_axes(x) -> tuple[str, ...]:
     """The manual mesh axes ``x`` varies over (its type's; JAX 0.7-0.9 name them ``vma``)."""

@@ -21,6 +21,7 @@ import numpy as np
 from genjax.config.fields import FIELD_NAMES
 from genjax.config.files import FrozenDict, freeze, is_array, is_tracer
 from genjax.errors import GenerationConfigError
+from genjax.typing import INT32_MAX
 
 Predicate = Callable[[np.ndarray], Any]
 
@@ -378,12 +379,11 @@ def check_field(name: str, value: Any) -> None:
     if spec.kind == "tfloat" and spec.ok is not None and not _range_ok(spec.ok, _float32(value)):
         raise _error(name, value, f"{spec.rule} in float32, the precision the logits use", spec.fix)
     ids = tuple(p[0] for p in value) if spec.kind == "sequence_bias" else value
-    if spec.kind in _ID_KINDS and any(i > _INT32_MAX for i in _ints(ids)):
+    if spec.kind in _ID_KINDS and any(i > INT32_MAX for i in _ints(ids)):
         raise _error(name, value, "token ids below 2**31 (int32)", _KIND_FIXES["tokens"])
 
 
 _ID_KINDS = ("token", "tokens", "token_list", "token_lists", "sequence_bias")
-_INT32_MAX = 2**31 - 1
 
 
 def _float32(value: Any) -> np.ndarray:

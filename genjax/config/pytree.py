@@ -15,6 +15,7 @@ import numpy as np
 
 from genjax.config.checks import SPECS
 from genjax.config.fields import FIELD_NAMES, TRACED_FIELDS
+from genjax.typing import INT32_MAX
 
 _FLOAT_TRACED = frozenset(n for n in TRACED_FIELDS if SPECS[n].kind == "tfloat")
 
@@ -50,12 +51,9 @@ def _as_leaf(name: str, value: Any) -> Any:
         return np.asarray(value, dtype=np.int32)
     if name in _FLOAT_TRACED and isinstance(value, int):
         return float(value)
-    if name == "top_k" and isinstance(value, int) and value > _INT32_MAX:
-        return _INT32_MAX
+    if name == "top_k" and isinstance(value, int) and value > INT32_MAX:
+        return INT32_MAX
     return value
-
-
-_INT32_MAX = 2**31 - 1
 
 
 def _flatten(config: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from genjax.typing import Array
+from genjax.typing import INT32_MAX, Array
 
 NEG_INF = -jnp.inf
 
@@ -244,9 +244,6 @@ def as_float(value: Any) -> Array:
 def as_int(value: Any) -> Array | None:
     """int32 (scalar or [K]) for traced ids or counts; None stays None."""
     return None if value is None else jnp.asarray(value, jnp.int32)
-
-
-INT32_MAX = 2**31 - 1
 
 
 def as_count(value: Any) -> Array:

@@ -49,6 +49,7 @@ from genjax.processors.ngram import bias_pairs
 from genjax.serving.constraint_pool import check_constraint, constraint_key
 from genjax.serving.engine import EngineShape, RowSettings
 from genjax.serving.scheduler import RequestState
+from genjax.typing import INT32_MAX, INT32_MIN
 
 SUPPORTED = frozenset(
     {
@@ -104,8 +105,6 @@ _HARMLESS_VALUES = {
 }
 """Values of unsupported fields that change nothing (besides None and the library default),
 so a checkpoint or client that spells out the neutral value is not refused."""
-
-_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -342,7 +341,7 @@ def _row(
         logprobs=np.asarray([-1 if extras.logprobs is None else extras.logprobs], np.int32),
         max_new_tokens=np.zeros((1,), np.int32),
         # past max_new_tokens a larger minimum changes nothing: held as the int32 maximum
-        min_new_tokens=np.asarray([min(config.min_new_tokens or 0, _INT32_MAX)], np.int32),
+        min_new_tokens=np.asarray([min(config.min_new_tokens or 0, INT32_MAX)], np.int32),
         eos_token_ids=ids,
         seed=np.asarray([seed], np.int32),
         sample_row=np.zeros((1,), np.int32),
@@ -440,12 +439,12 @@ def build_request(
         )
     eos = _eos_ids(resolved, shape.max_eos)
     if seed is None:
-        seed = int(np.random.default_rng().integers(0, 2**31 - 1))
+        seed = int(np.random.default_rng().integers(0, INT32_MAX))
     elif isinstance(seed, bool) or not isinstance(seed, int | np.integer):
         raise InputError(f"seed must be an int, got {seed!r}.")
-    elif not _INT32_MIN <= seed <= _INT32_MAX:
+    elif not INT32_MIN <= seed <= INT32_MAX:
         raise InputError(
-            f"seed must be in [{_INT32_MIN}, {_INT32_MAX}] (a 32-bit key, as "
+            f"seed must be in [{INT32_MIN}, {INT32_MAX}] (a 32-bit key, as "
             f"jax.random.key makes without x64), got {seed}."
         )
     constraint, key = extras.constraint, b""

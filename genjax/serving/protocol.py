@@ -55,6 +55,7 @@ from genjax.config import GenerationConfig
 from genjax.processors.ngram import bias_pairs
 from genjax.serving.logprobs import ChoiceLogprobs
 from genjax.serving.options import bias_entries
+from genjax.typing import INT32_MAX
 
 __all__ = [
     "APIError",
@@ -108,8 +109,6 @@ class APIError(Exception):
 SAMPLING_EPS = 1e-5
 """A ``temperature`` below this decodes greedily (vLLM's rule: dividing the logits by less
 would overflow float32 and draw the most likely token anyway)."""
-
-_INT32_MAX = 2**31 - 1
 
 
 def invalid(param: str, message: str, code: str = "invalid_value") -> APIError:
@@ -323,8 +322,8 @@ def generation_options(
         if getattr(request, name) is not None and np.float32(getattr(request, name)) == 0:
             value = getattr(request, name)
             raise invalid(name, f"{name}={value!r} is 0 in float32; use at least 1e-30.")
-    if request.top_k is not None and not 0 <= request.top_k <= _INT32_MAX:
-        raise invalid("top_k", f"top_k must be in [0, {_INT32_MAX}] (0: off), got {request.top_k}.")
+    if request.top_k is not None and not 0 <= request.top_k <= INT32_MAX:
+        raise invalid("top_k", f"top_k must be in [0, {INT32_MAX}] (0: off), got {request.top_k}.")
     n = 1 if request.n is None else request.n
     if not 1 <= n <= max_n:
         raise invalid("n", f"n must be between 1 and {max_n} on this server, got {n}.")

@@ -223,6 +223,7 @@ def test_jit_under_set_mesh_carries_cross_blocks_split_on_rows_and_heads(models,
             assert any(c.count(block) == model.num_layers for c in carries), (kind, block)
 
 
+@pytest.mark.slow  # 15 s; the default run keeps T5 greedy and BART beams on a mesh
 def test_encoder_outputs_and_sampling_on_a_mesh_equal_single_device(models, reference):
     """``encoder_outputs=`` states are placed with their rows on ``data``; sampling with the same
     key draws the single-device tokens."""

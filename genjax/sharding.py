@@ -100,7 +100,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -238,13 +238,25 @@ def _as_rules(rules: Rules | Mapping[str, str | None] | None) -> Rules:
     """Rules as a hashable tuple of (logical axis, mesh axis) pairs; None means the defaults."""
     if rules is None:
         return DEFAULT_RULES
-    pairs = tuple(rules.items()) if isinstance(rules, Mapping) else tuple(rules)
-    if not all(isinstance(p, tuple) and len(p) == 2 for p in pairs):
+    if isinstance(rules, Mapping):
+        pairs = tuple(rules.items())
+    elif isinstance(rules, Iterable) and not isinstance(rules, str):
+        pairs = tuple(tuple(p) if isinstance(p, list) else p for p in rules)
+    else:
+        pairs = None
+    if pairs is None or not all(_is_rule(p) for p in pairs):
         raise TypeError(
             f"rules must be a dict or a sequence of (logical axis, mesh axis or None) pairs, "
             f"like genjax.sharding.DEFAULT_RULES; got {rules!r}."
         )
     return pairs
+
+
+def _is_rule(pair) -> bool:
+    """Whether ``pair`` is ``(logical axis name, mesh axis name or None)``."""
+    if not isinstance(pair, tuple) or len(pair) != 2:
+        return False
+    return isinstance(pair[0], str) and (pair[1] is None or isinstance(pair[1], str))
 
 
 def _mesh_axis(name: str | None, mesh: Mesh | AbstractMesh, rules: Rules) -> str | None:

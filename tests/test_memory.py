@@ -87,6 +87,12 @@ def test_generate_refuses_a_cache_that_cannot_fit_and_gives_the_figure(checkpoin
     per_device = 8 // 2 * (16 + new) * (per_slot // 4) * 4 + 4
     with pytest.raises(CacheMemoryError, match=rf"needs {per_device:,} bytes"):
         genjax.generate(model, params, ids, config, mesh=sharding.make_mesh((2, 4)))
+    # A huge prompt bucket is counted before the prompts are padded to it (numpy would fail
+    # to allocate the padded prompts first).
+    bucket = 2**40
+    needed = 8 * (bucket + 4) * per_slot * 4 + 4
+    with pytest.raises(CacheMemoryError, match=rf"needs {needed:,} bytes.*prompt_buckets="):
+        genjax.generate(model, params, ids, config, max_new_tokens=4, prompt_buckets=[bucket])
 
 
 @pytest.mark.usefixtures("fast_compiles")

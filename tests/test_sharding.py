@@ -148,6 +148,9 @@ def test_uneven_sizes_raise_clear_errors(models):
         sharding.partition_spec(("mlp",), (12,), sharding.make_mesh((1, 8)))
     with pytest.raises(InputError, match="no mesh"):
         genjax.generate(model, params, ids, GREEDY, rules=sharding.DEFAULT_RULES)
+    for junk in (5, "batch", [("batch", 1)], [("batch", "data", "model")]):
+        with pytest.raises(TypeError, match=r"rules must be a dict or a sequence of \(logical"):
+            genjax.generate(model, params, ids, GREEDY, rules=junk)
     with pytest.raises(ShardingError, match="6 rows of input_ids over 8 devices"):
         sharding.pmap_generate(model, params, ids[:6], GREEDY)
     with pytest.raises(ValueError, match="needs 16 devices"):

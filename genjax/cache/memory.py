@@ -176,7 +176,8 @@ def check_fits(requests: Sequence[CacheRequest], layout=None) -> int:
     raise CacheMemoryError(
         f"the KV cache of this generate call needs {needed:,} bytes ({needed / GiB:.2f} GiB) per "
         f"device ({parts}), but only {free:,} bytes ({free / GiB:.2f} GiB) are {source}. Lower "
-        f"max_new_tokens (or max_length), the batch size, num_beams or num_return_sequences; "
+        f"max_new_tokens (or max_length), the prompt bucket (prompt_buckets=), the batch size, "
+        f"num_beams or num_return_sequences; "
         f"{quantize}or shard the rows and KV heads over more devices with "
         f"mesh=genjax.sharding.make_mesh(...)."
     )

@@ -311,20 +311,22 @@ def prepare(model, params: PyTree, input_ids, config, request: CallRequest) -> P
     pad_token_id, eos_token_ids = special_ids(resolved)
     if attention_mask is None:
         attention_mask = infer_attention_mask(input_ids, pad_token_id, eos_token_ids)
-    placed = _place(as_int32(input_ids), as_int32(attention_mask), pad_token_id, slots, policy)
-    ids, mask, offset, prompt_end = placed
-    bounds = None
     if slots is not None:  # N is traced, in bounds
-        bounds = jax.device_put(np.array([prompt_end, prompt_end + new_tokens], np.int32))
         resolved = resolved.replace(max_new_tokens=None, max_length=None)
-    plan = _plan(model, resolved, mode, ids.shape, new_tokens, slots, layout, request)
+    shape = (input_ids.shape[0], _placed_width(input_ids, slots, policy))
+    plan = _plan(model, resolved, mode, shape, new_tokens, slots, layout, request)
     meshed = layout is not None
-    dots = library_dots(params, _decode_rows(plan, ids), meshed)
+    dots = library_dots(params, _decode_rows(plan, shape[0]), meshed)
     plan = dataclasses.replace(plan, library_dots=dots)
     if plan.guidance:
         width = 1 if negative_ids is None else negative_ids.shape[1]
         plan = dataclasses.replace(plan, caches=plan.caches + (_guidance_cache(plan, width),))
-    check_fits(list(plan.caches), layout)
+    check_fits(list(plan.caches), layout)  # before the prompts are padded to that width
+    placed = _place(as_int32(input_ids), as_int32(attention_mask), pad_token_id, slots, policy)
+    ids, mask, offset, prompt_end = placed
+    bounds = None
+    if slots is not None:
+        bounds = jax.device_put(np.array([prompt_end, prompt_end + new_tokens], np.int32))
     if request.mesh is not None:  # concrete arrays only; inside a user's jit constraints place
         params = layout.place_params(params)
         ids, mask = layout.place_rows(ids, mask)
@@ -354,12 +356,12 @@ def _guidance_cache(plan: CallPlan, width: int) -> CacheRequest:
     return CacheRequest(plan.model, rows, width + plan.steps, plan.quantized)
 
 
-def _decode_rows(plan: CallPlan, ids) -> int:
+def _decode_rows(plan: CallPlan, batch: int) -> int:
     """The activation rows of a decode step's products: a row per prompt, beam and returned
     sequence; one per prompt in an assisted call, whose draft decodes one row at a time."""
     if plan.mode is Mode.ASSISTED:
-        return ids.shape[0]
-    return ids.shape[0] * max(plan.num_beams, plan.num_return_sequences)
+        return batch
+    return batch * max(plan.num_beams, plan.num_return_sequences)
 
 
 def _prepare_encoder_decoder(model, params, input_ids, config, request) -> PreparedCall:
@@ -409,7 +411,7 @@ def _prepare_encoder_decoder(model, params, input_ids, config, request) -> Prepa
     if states is not None:
         states = encoder_decoder.place_states(states, ids.shape[1])
     plan = _plan(model, resolved, mode, ids.shape, new_slots, None, layout, request)
-    rows = library_dots(params, _decode_rows(plan, ids), layout is not None)
+    rows = library_dots(params, _decode_rows(plan, ids.shape[0]), layout is not None)
     plan = dataclasses.replace(plan, caches=(), library_dots=rows)  # no memory check: its
     # sizes are a decoder-only model's caches
     if request.mesh is not None:  # concrete arrays only; inside a user's jit constraints place
@@ -468,6 +470,16 @@ def check_mode(config: GenerationConfig, assistant_model, mode: Mode) -> None:
             f"{', '.join(SUPPORTED_MODES)}. Set num_beams=1 and leave assistant / contrastive "
             f"/ DoLa options unset."
         )
+
+
+def _placed_width(input_ids, slots, policy) -> int:
+    """The width :func:`_place` lays prompts of ``input_ids``'s shape out in, known before any
+    padding is made (the memory check runs first)."""
+    if slots is not None:
+        return slots.buffer_length
+    if isinstance(input_ids, jax.core.Tracer):
+        return input_ids.shape[1]
+    return policy.length(input_ids.shape[1])
 
 
 def _place(input_ids, attention_mask, pad_token_id, slots, policy):

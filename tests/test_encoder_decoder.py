@@ -37,12 +37,14 @@ LIVE_TOL = dict(atol=1e-4, rtol=1e-4)
 
 def _forward(model, params, src, src_mask, tgt):
     """Encoder states and one teacher-forced decoder pass (a fresh cache of T slots)."""
-    states = model.encode(params, jnp.asarray(src), jnp.asarray(src_mask))
+    # jitted: eager T5 runs op by op, several times slower (test_jit_compiles_once_and_equals_eager
+    # checks that the two agree)
+    states = jax.jit(model.encode)(params, jnp.asarray(src), jnp.asarray(src_mask))
     batch, length = tgt.shape
     cache = model.init_cache(batch, length, states, jnp.asarray(src_mask), params)
     mask = jnp.ones((batch, length), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
-    logits, cache = model.apply(params, jnp.asarray(tgt), positions, cache, mask)
+    logits, cache = jax.jit(model.apply)(params, jnp.asarray(tgt), positions, cache, mask)
     return np.asarray(states), np.asarray(logits), cache
 
 
@@ -96,10 +98,9 @@ def test_cached_decoding_equals_full_forward(tmp_path, preset):
     assert full.shape == (3, 6, model.vocab_size) and np.isfinite(full).all()
     cache = model.init_cache(3, 6, jnp.asarray(states), jnp.asarray(src_mask), params)
     mask, steps = jnp.ones((3, 6), jnp.int32), []
+    apply = jax.jit(model.apply, static_argnums=5)  # one program per width and logits kept
     for t in range(6):
-        logits, cache = model.apply(
-            params, tgt[:, t : t + 1], jnp.zeros((3, 1), jnp.int32), cache, mask
-        )
+        logits, cache = apply(params, tgt[:, t : t + 1], jnp.zeros((3, 1), jnp.int32), cache, mask)
         steps.append(np.asarray(logits))
     np.testing.assert_allclose(np.concatenate(steps, 1), full, atol=1e-5, rtol=1e-5)
     assert int(cache.index) == 6
@@ -107,7 +108,7 @@ def test_cached_decoding_equals_full_forward(tmp_path, preset):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
     # A prefill of 4, then one more token, with logits_to_keep=1.
     cache = model.init_cache(3, 6, jnp.asarray(states), jnp.asarray(src_mask), params)
-    last, cache = model.apply(params, tgt[:, :4], jnp.zeros((3, 4), jnp.int32), cache, mask, 1)
+    last, cache = apply(params, tgt[:, :4], jnp.zeros((3, 4), jnp.int32), cache, mask, 1)
     np.testing.assert_allclose(last[:, 0], full[:, 3], atol=1e-5, rtol=1e-5)
 
 

@@ -14,6 +14,7 @@ from genjax.serving.options import build_request, request_config
 from genjax.serving.protocol import (
     SAMPLING_EPS,
     APIError,
+    ChatRequest,
     CompletionRequest,
     generation_options,
     parse_request,
@@ -152,3 +153,45 @@ def test_large_limits_and_ids_are_held_or_refused_not_overflowed():
     for name in ("temperature", "repetition_penalty"):
         with pytest.raises(GenerationConfigError, match=f"{name}=1e-300 .*in float32"):
             _request(do_sample=True, **{name: 1e-300})
+
+
+def _chat(**fields):
+    data = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
+    request = parse_request(ChatRequest, data)
+    return generation_options(request, GREEDY, max_n=8, vocab_size=VOCAB)[0].to_dict()
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"tools": []}, {"tools": None}, {"tool_choice": "none"}, {"tool_choice": "auto"},
+     {"parallel_tool_calls": False}, {"store": False}, {"service_tier": "auto"},
+     {"service_tier": "default"}],
+)  # fmt: skip
+def test_openai_chat_fields_that_ask_for_nothing_missing_are_accepted(fields):
+    assert _chat(**fields) == _chat()
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+        ({"store": True}, "store"),
+        ({"service_tier": "priority"}, "service_tier"),
+    ],
+)
+def test_openai_chat_fields_asking_for_what_the_server_lacks_are_a_400_naming_them(fields, param):
+    with pytest.raises(APIError, match=f"{param}=.* is not supported by this server") as error:
+        _chat(**fields)
+    assert error.value.status == 400 and error.value.param == param
+
+
+def test_a_content_part_that_is_not_text_is_a_400_naming_the_part():
+    parts = [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "x"}}]
+    data = {"model": "m", "messages": [{"role": "user", "content": parts}]}
+    with pytest.raises(APIError, match="type 'image_url' are not supported") as error:
+        parse_request(ChatRequest, data)
+    assert error.value.status == 400 and error.value.param == "messages.0.content.1.type"
+    data["messages"][0]["content"] = parts[:1]
+    assert parse_request(ChatRequest, data).messages[0].content[0].text == "hi"

@@ -24,7 +24,11 @@ Request fields:
       "json_schema": {"name", "schema", "strict", "description"}}``) and vLLM's ``guided_json``
       (a schema), ``guided_regex`` and ``guided_choice`` (a list of strings); one per request.
     * Accepted only at their neutral value, else 400 naming the field (the engine cannot honour
-      them): ``echo`` (false), ``best_of`` (null or 1), ``suffix`` (null).
+      them): ``echo`` (false), ``best_of`` (null or 1), ``suffix`` (null); chat's ``tools``
+      (null or empty: tool calling is not supported), ``tool_choice`` (null, "none" or "auto"),
+      ``store`` (false) and ``service_tier`` (null, "auto" or "default"). Chat's
+      ``parallel_tool_calls`` is accepted: with no tools it has nothing to act on.
+    * Chat content parts other than text (images, audio, files): 400 naming the part.
     * Any other field (``top_logprobs`` on completions among them): 400 naming it.
 
 Fields a request leaves unset take the model's ``generation_config.json`` values (as
@@ -40,12 +44,9 @@ temperature (default 1), since a cutoff means nothing to greedy decoding; and a
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import math
 import re
 import secrets
-import uuid
 from typing import Any, Literal
 
 import numpy as np
@@ -53,24 +54,17 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from genjax.config import GenerationConfig
 from genjax.processors.ngram import bias_pairs
-from genjax.serving.logprobs import ChoiceLogprobs
 from genjax.serving.options import bias_entries
 from genjax.typing import INT32_MAX
 
 __all__ = [
     "APIError",
     "ChatRequest",
-    "Choice",
     "CompletionRequest",
-    "StopText",
-    "choice_delta",
     "derive_seed",
     "engine_options",
-    "final_body",
     "generation_options",
     "parse_request",
-    "stream_chunk",
-    "usage",
 ]
 
 MAX_STOP_STRINGS = 4
@@ -200,6 +194,12 @@ class ChatRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    # OpenAI's, accepted at values that ask for nothing this server lacks (see _neutral).
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    store: bool | None = None
+    service_tier: str | None = None
 
 
 _TYPE_TAG = re.compile(r"str|int|bool|float|none|[A-Z]\w*|.*\[.*")
@@ -217,6 +217,8 @@ def parse_request(kind: type[_Sampling], data: Any) -> _Sampling:
     """
     if not isinstance(data, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}.")
+    if kind is ChatRequest:
+        _check_content_parts(data.get("messages"))
     try:
         return kind.model_validate(data)
     except ValidationError as error:
@@ -231,6 +233,23 @@ def parse_request(kind: type[_Sampling], data: Any) -> _Sampling:
         shown = repr(first.get("input"))
         shown = shown if len(shown) <= 80 else shown[:77] + "..."
         raise invalid(param, f"{param}: {first['msg']} (got {shown}).") from None
+
+
+def _check_content_parts(messages: Any) -> None:
+    """A 400 naming a content part that is not text (an image, audio or a file): this server
+    serves text-only models. Anything else malformed is left to the schema's message."""
+    for i, message in enumerate(messages if isinstance(messages, list) else ()):
+        parts = message.get("content") if isinstance(message, dict) else None
+        for j, part in enumerate(parts if isinstance(parts, list) else ()):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                raise invalid(
+                    f"messages.{i}.content.{j}.type",
+                    f"content parts of type {kind!r} are not supported: this server serves "
+                    f"text-only models. Send the content as a string or as parts of type "
+                    f"'text'.",
+                    "unsupported_value",
+                )
 
 
 def messages_as_dicts(request: ChatRequest) -> list[dict[str, Any]]:
@@ -252,17 +271,31 @@ def messages_as_dicts(request: ChatRequest) -> list[dict[str, Any]]:
 
 def _neutral(request: _Sampling) -> None:
     """400 for a field the engine cannot honour, when set to anything but its neutral value."""
+    engine = "the continuous-batching engine cannot honour it"
     checks = [
-        ("echo", lambda v: v in (None, False)),
-        ("best_of", lambda v: v in (None, 1)),
-        ("suffix", lambda v: v is None),
+        ("echo", lambda v: v in (None, False), engine, "leave it unset"),
+        ("best_of", lambda v: v in (None, 1), engine, "leave it unset"),
+        ("suffix", lambda v: v is None, engine, "leave it unset"),
+        ("tools", lambda v: not v, "it calls no tools", "leave tools unset or empty"),
+        (
+            "tool_choice",
+            lambda v: v in (None, "none", "auto"),
+            "it calls no tools, so no call can be required",
+            'leave it unset, "none" or "auto"',
+        ),
+        ("store", lambda v: v in (None, False), "it stores no completions", "leave it unset"),
+        (
+            "service_tier",
+            lambda v: v in (None, "auto", "default"),
+            "it has one tier",
+            'leave it unset, "auto" or "default"',
+        ),
     ]
-    for name, ok in checks:
+    for name, ok, why, fix in checks:
         if name in type(request).model_fields and not ok(getattr(request, name)):
             raise invalid(
                 name,
-                f"{name}={getattr(request, name)!r} is not supported by this server: the "
-                f"continuous-batching engine cannot honour it. Leave {name} unset.",
+                f"{name}={getattr(request, name)!r} is not supported by this server: {why}; {fix}.",
                 "unsupported_field",
             )
 
@@ -465,135 +498,3 @@ def derive_seed(seed: int | None, index: int) -> int:
     if seed is None:
         seed = secrets.randbelow(_SEED_MODULUS)
     return (seed + index * 0x9E3779B1) % _SEED_MODULUS
-
-
-# ---------------------------------------------------------------------------- choices and responses
-
-
-class StopText:
-    """The text one choice shows, from its tokens so far: stop strings cut (the stop string is
-    not shown), and, while streaming, the tail that could be the start of a stop string held
-    back, as is an unfinished UTF-8 character.
-
-    Args:
-        decode: ``ids -> text`` (special tokens skipped).
-        stops: the stop strings.
-
-    Example:
-        >>> text = StopText(lambda ids: "".join(map(chr, ids)), ("END",))
-        >>> text.advance([ord(c) for c in "abcE"], final=False)  # "E" might start "END"
-        'abc'
-        >>> text.advance([ord(c) for c in "abcEND!"], final=False), text.stopped
-        ('', True)
-        >>> text.text
-        'abc'
-    """
-
-    def __init__(self, decode, stops: tuple[str, ...]):
-        self.decode, self.stops = decode, stops
-        self.text = ""  # everything shown so far
-        self.stopped = False  # a stop string was found
-
-    def advance(self, ids: list[int], final: bool) -> str:
-        """The new text to show after ``ids`` (all tokens so far); ``final``: nothing follows."""
-        if self.stopped:
-            return ""
-        text = self.decode(ids)
-        cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
-            text, final, self.stopped = text[:cut], True, True
-        if not final:
-            text = text.rstrip("\ufffd")  # a multi-byte character still being written
-            text = text[: len(text) - self._held(text)]
-        if len(text) <= len(self.text) or not text.startswith(self.text):
-            return ""
-        delta, self.text = text[len(self.text) :], text
-        return delta
-
-    def _held(self, text: str) -> int:
-        """The length of the longest tail of ``text`` that begins some stop string."""
-        held = 0
-        for stop in self.stops:
-            for k in range(min(len(stop) - 1, len(text)), held, -1):
-                if text.endswith(stop[:k]):
-                    held = k
-                    break
-        return held
-
-
-@dataclasses.dataclass
-class Choice:
-    """One engine request of an HTTP request: its choice index and text."""
-
-    index: int
-    request_id: str
-    prompt: int  # the index of its prompt
-    prompt_tokens: int
-    text: StopText
-    tokens: int = 0
-    finish_reason: str | None = None
-    error: str | None = None
-    scores: ChoiceLogprobs | None = None  # when the request asked for log-probabilities
-
-    @property
-    def done(self) -> bool:
-        return self.finish_reason is not None or self.error is not None
-
-
-def usage(choices: list[Choice]) -> dict[str, int]:
-    """Token counts; a prompt shared by ``n`` choices counts once, as OpenAI counts it."""
-    prompt_tokens = sum({c.prompt: c.prompt_tokens for c in choices}.values())
-    completion = sum(c.tokens for c in choices)
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion,
-        "total_tokens": prompt_tokens + completion,
-    }
-
-
-def stream_chunk(kind: str, model: str, stream_id: str, created: int, choice: dict) -> str:
-    """One server-sent event carrying one choice's delta (``kind``: "chat" or "completion")."""
-    chat = kind == "chat"
-    body = {
-        "id": stream_id,
-        "object": "chat.completion.chunk" if chat else "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [choice],
-    }
-    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
-
-
-def choice_delta(
-    kind: str, index: int, text: str | None, finish: str | None, logprobs: dict | None = None
-) -> dict:
-    """A streamed choice: new text (None: none), the log-probabilities of the tokens that came
-    with it, and, on its last chunk, the finish reason."""
-    if kind == "chat":
-        if text is None and logprobs is not None:
-            text = ""
-        delta = {} if text is None else {"content": text}
-        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-    return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
-
-
-def final_body(kind: str, model: str, created: int, choices: list[Choice]) -> dict:
-    """The non-streamed response: every choice's text and finish reason, and the usage."""
-    chat = kind == "chat"
-    rows = []
-    for c in sorted(choices, key=lambda c: c.index):
-        row: dict[str, Any] = {"index": c.index}
-        if chat:
-            row["message"] = {"role": "assistant", "content": c.text.text}
-        else:
-            row["text"] = c.text.text
-        logprobs = None if c.scores is None else c.scores.whole()
-        rows.append({**row, "logprobs": logprobs, "finish_reason": c.finish_reason})
-    return {
-        "id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
-        "object": "chat.completion" if chat else "text_completion",
-        "created": created,
-        "model": model,
-        "choices": rows,
-        "usage": usage(choices),
-    }

@@ -55,17 +55,19 @@ from genjax.serving.prometheus import CONTENT_TYPE, ServerMetrics
 from genjax.serving.protocol import (
     APIError,
     ChatRequest,
-    Choice,
     CompletionRequest,
-    StopText,
-    choice_delta,
     derive_seed,
     engine_options,
-    final_body,
     generation_options,
     invalid,
     messages_as_dicts,
     parse_request,
+)
+from genjax.serving.responses import (
+    Choice,
+    StopText,
+    choice_delta,
+    final_body,
     stream_chunk,
     usage,
 )

@@ -96,3 +96,12 @@ def test_a_matching_ngram_longer_than_the_sequence_unrolls_nothing_more(tiny):
     whole = _run(tiny, max_matching_ngram_size=6, **lookup)  # 3 prompt + 4 new tokens: at most 6
     np.testing.assert_array_equal(_run(tiny, max_matching_ngram_size=10**6, **lookup), whole)
     np.testing.assert_array_equal(whole, _run(tiny))  # greedy lookup changes no token
+
+
+def test_ints_past_int64_are_range_checked_as_python_ints():
+    # numpy holds them only as objects; the range rule still reads the value
+    assert GenerationConfig(do_sample=True, top_k=10**20, max_new_tokens=10**20).top_k == 10**20
+    with pytest.raises(GenerationConfigError, match="top_k=-1000.* must be >= 0"):
+        GenerationConfig(top_k=-(10**20))
+    with pytest.raises(GenerationConfigError, match="max_new_tokens=-1000.* must be >= 1"):
+        GenerationConfig(max_new_tokens=-(10**20))

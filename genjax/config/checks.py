@@ -402,6 +402,12 @@ def _ints(value: Any) -> list[int]:
 
 
 def _range_ok(ok: Predicate, value: Any) -> bool:
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 2**63:
+        # past int64 numpy makes an object array: compare the Python int itself
+        try:
+            return bool(ok(value))
+        except TypeError:
+            return False
     array = np.asarray(value)
     if array.dtype.kind not in "fiub":
         return False

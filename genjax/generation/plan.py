@@ -313,7 +313,8 @@ def prepare(model, params: PyTree, input_ids, config, request: CallRequest) -> P
         attention_mask = infer_attention_mask(input_ids, pad_token_id, eos_token_ids)
     if slots is not None:  # N is traced, in bounds
         resolved = resolved.replace(max_new_tokens=None, max_length=None)
-    shape = (input_ids.shape[0], _placed_width(input_ids, slots, policy))
+    prompt_width = _placed_width(input_ids, slots, policy)
+    shape = (input_ids.shape[0], prompt_width)
     plan = _plan(model, resolved, mode, shape, new_tokens, slots, layout, request)
     meshed = layout is not None
     dots = library_dots(params, _decode_rows(plan, shape[0]), meshed)
@@ -322,7 +323,9 @@ def prepare(model, params: PyTree, input_ids, config, request: CallRequest) -> P
         width = 1 if negative_ids is None else negative_ids.shape[1]
         plan = dataclasses.replace(plan, caches=plan.caches + (_guidance_cache(plan, width),))
     check_fits(list(plan.caches), layout)  # before the prompts are padded to that width
-    placed = _place(as_int32(input_ids), as_int32(attention_mask), pad_token_id, slots, policy)
+    placed = _place(
+        as_int32(input_ids), as_int32(attention_mask), pad_token_id, slots, prompt_width
+    )
     ids, mask, offset, prompt_end = placed
     bounds = None
     if slots is not None:
@@ -482,9 +485,10 @@ def _placed_width(input_ids, slots, policy) -> int:
     return policy.length(input_ids.shape[1])
 
 
-def _place(input_ids, attention_mask, pad_token_id, slots, policy):
+def _place(input_ids, attention_mask, pad_token_id, slots, width: int):
     """Lays int32[B, P] prompts out in the program's slots: the ``max_cache_len`` buffer, else
-    left-padded to the bucket length, else (traced, inside a user's jit) as given.
+    left-padded to ``width`` (:func:`_placed_width`: the bucket length), else (traced, inside a
+    user's jit) as given.
 
     Returns:
         ``(ids int32[B, width], mask int32[B, width], offset, prompt_end)``; ``offset`` (``o``)
@@ -495,7 +499,7 @@ def _place(input_ids, attention_mask, pad_token_id, slots, policy):
         return slots.place(input_ids, attention_mask, pad_token_id)
     if isinstance(input_ids, jax.core.Tracer):
         return input_ids, attention_mask, 0, prompt_length
-    offset = policy.length(prompt_length) - prompt_length
+    offset = width - prompt_length
     input_ids, attention_mask = pad_prompt(input_ids, attention_mask, pad_token_id, offset)
     return input_ids, attention_mask, offset, offset + prompt_length
 

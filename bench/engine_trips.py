@@ -14,7 +14,7 @@ real tokens; and sets the matrix products' arithmetic (2 x parameters multiplied
 every prompt token through the layers, every new token through the layers and the head) against
 the wall time, as GFLOP/s.
 
-Run:  python bench/engine_trips.py [--requests 64] [--layers 30]
+Run:  python bench/engine_trips.py [--requests 64] [--layers 30] [--dtype float32]
 """
 
 from __future__ import annotations
@@ -66,6 +66,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--layers", type=int, default=None, help="default: SmolLM's 30")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = parser.parse_args(argv)
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     import jax
@@ -78,7 +79,7 @@ def main(argv=None) -> int:
     prompts, outputs = serving.workload(args.requests, shape.config["vocab_size"])
     with tempfile.TemporaryDirectory() as tmp:
         _cases.write_checkpoint(shape, layers, tmp)
-        model, params = genjax.models.from_pretrained(tmp, dtype="float32")
+        model, params = genjax.models.from_pretrained(tmp, dtype=args.dtype)
     cb = ContinuousBatchingConfig(
         max_batch_size=serving.BATCH,
         block_size=16,
@@ -131,7 +132,7 @@ def main(argv=None) -> int:
     prompt_rate = 2 * n_layer * prompt_tokens / max(prompt_s, 1e-9)
     lines = [
         f"engine trips: {args.requests} requests of bench/serving.py's workload, SmolLM-135M "
-        f"shape, {layers} layers, float32; 8 slots, chunks of 64, no prefix cache",
+        f"shape, {layers} layers, {args.dtype}; 8 slots, chunks of 64, no prefix cache",
         f"CPU: {_machine.cpu_model()} ({_machine.cpu_count()} usable); jax {jax.__version__}",
         f"wall {wall:.1f} s, {made / wall:.1f} output tokens/s: {len(trips)} round trips, "
         f"device {device:.1f} s ({device / wall:.0%}), host between trips {wall - device:.1f} s",

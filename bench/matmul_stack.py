@@ -94,7 +94,10 @@ def main() -> None:
     parser.add_argument("--loops", type=int, default=10, help="passes per timing")
     args = parser.parse_args()
     print(f"jax {jax.__version__}; {args.shape}; kernel built: {rows_kernel.kernel_available()}")
-    limits = ", ".join(f"{k.name} 1-{v}" for k, v in rows_kernel.MAX_ROWS.items())
+    limits = {k.name: f"1-{v}" for k, v in rows_kernel.MAX_ROWS.items()}
+    if rows_kernel.pairs_available():  # inputs in 32s, as every matrix here
+        limits["bfloat16"] = f"1-{rows_kernel.pair_max_rows()} (AVX-512 BF16 pair product)"
+    limits = ", ".join(f"{name} {rows}" for name, rows in limits.items())
     print(f"rows that genjax's linear gives the kernel: {limits}")
     for dtype in args.dtypes:
         weights = matrices(args.shape, dtype)

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from genjax.cache.kv import KVCache
+from genjax.kernels import gate
 from genjax.kernels import rows as rows_kernel
 from genjax.models import attention as attention_layer
 from genjax.models import layers
@@ -68,10 +69,13 @@ def test_several_rows_of_bfloat16_read_the_weight_as_stored(rows):
     assert dots, "no [R, in] x [out, in] product contracting the weight's last axis"
 
 
+@pytest.mark.parametrize("kernel", [True, False])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_a_narrow_table_lookup_reads_rows_not_a_widened_table(dtype):
-    """``Embed`` gathers a 16-bit float table as its integer bits: XLA:CPU computes a 16-bit
-    float gather in float32, on a float32 copy of the whole table made before the loop."""
+def test_a_narrow_table_lookup_reads_rows_not_a_widened_table(dtype, kernel):
+    """``Embed`` reads a 16-bit float table's rows without a copy of the table: XLA:CPU computes
+    a 16-bit float gather in float32, on a float32 copy of the whole table made before the loop;
+    gathered as integer bits it still copies the table once (the bitcast), so on the CPU the
+    gather kernel reads the table as it is (without it, the bits path)."""
     vocab, width = 1000, 64
     table = jnp.ones((vocab, width), dtype)
 
@@ -82,12 +86,16 @@ def test_a_narrow_table_lookup_reads_rows_not_a_widened_table(dtype):
         return jax.lax.fori_loop(0, 4, step, jnp.zeros((*ids.shape, width), jnp.float32))
 
     ids = jnp.zeros((8, 1), jnp.int32)
-    text = jax.jit(loop).lower(ids, table).compile().as_text()
-    assert f"f32[{vocab},{width}]" not in _shapes_in(text, "f32")
-    assert jnp.array_equal(
-        layers.take_rows(jnp.arange(12.0, dtype=dtype).reshape(4, 3), jnp.array([[3], [9]])),
-        jnp.array([[[9.0, 10.0, 11.0]], [[9.0, 10.0, 11.0]]], dtype),
-    )  # values as jnp.take's, out-of-range ids clipped
+    with gate.disabled(not kernel, kernels=("block_gather",)):
+        text = jax.jit(lambda *a: loop(*a)).lower(ids, table).compile().as_text()
+        assert f"f32[{vocab},{width}]" not in _shapes_in(text, "f32")
+        copies = re.findall(rf"= \w+\[{vocab},{width}\]\S* (?:fusion|copy|convert)\(", text)
+        assert (not copies) if kernel else len(copies) <= 1, copies
+        got = jax.jit(layers.take_rows)(
+            jnp.arange(12.0, dtype=dtype).reshape(4, 3), jnp.array([[3], [9], [-5]])
+        )
+    expected = jnp.array([[[9.0, 10.0, 11.0]], [[9.0, 10.0, 11.0]], [[0.0, 1.0, 2.0]]], dtype)
+    assert jnp.array_equal(got, expected)  # values as jnp.take's, out-of-range ids clipped
 
 
 def test_a_bfloat16_cache_write_does_not_widen_the_cache():

@@ -13,6 +13,7 @@ import genjax
 import genjax.io.bundled
 from genjax import cli
 from genjax.errors import InputError
+from genjax.kernels import native
 from genjax.models import precision
 from genjax.models import quantize as Q
 from genjax.models.precision import CPU_FLOAT32_FROM_ROWS, CPU_INT8_KERNEL_ROWS, auto_precision
@@ -44,18 +45,11 @@ def test_the_choice_per_backend_and_batch_size(bf16, kernel, monkeypatch):
         ("fpu avx2 fma avx512f avx512_vnni", False),
     ],
 )
-def test_bf16_products_are_read_from_the_cpu_flags(flags, expected, monkeypatch, tmp_path):
-    info = tmp_path / "cpuinfo"
-    info.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
-    real_open = open
-    monkeypatch.setattr(
-        precision, "open", lambda path, *a, **k: real_open(info, *a, **k), raising=False
-    )
-    precision.cpu_has_bf16_products.cache_clear()
-    try:
-        assert precision.cpu_has_bf16_products() is expected
-    finally:
-        precision.cpu_has_bf16_products.cache_clear()
+def test_bf16_products_are_read_from_the_cpu_flags(flags, expected, monkeypatch):
+    cpuinfo = f"processor\t: 0\nmodel name\t: x\nflags\t\t: {flags}\n"
+    assert native.flags_in(cpuinfo) == frozenset(flags.split())
+    monkeypatch.setattr(native, "cpu_flags", lambda: native.flags_in(cpuinfo))
+    assert precision.cpu_has_bf16_products() is expected
 
 
 def test_auto_loads_the_chosen_format(monkeypatch):

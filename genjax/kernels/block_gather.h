@@ -3,6 +3,8 @@
 //   out[b, p, m, :] = pool[table[b, m], p, :]     pool [N, P, R], table int32 [B, M],
 //                                                  out [B, P, M, R]
 //
+// (and rows of a table [N, R], as a pool [N, 1, R]: genjax.models.layers.take_rows).
+//
 // Keys pools [N, K, H, bs] are gathered as P = K * H, R = bs (out: [B, K, H, M * bs]); values
 // pools [N, K, bs, H] as P = K, R = bs * H (out: [B, K, M * bs, H]): genjax.cache.paged's
 // layouts, reshaped for free on the Python side. A table entry counts from the end when
@@ -53,15 +55,20 @@ struct GatherJob : genjax_kernels::Job {
 
 inline ffi::Error Gather(ffi::ThreadPool pool, ffi::AnyBuffer blocks, ffi::Buffer<ffi::S32> table,
                          ffi::Result<ffi::AnyBuffer> out) {
-  const auto pd = blocks.dimensions();
+  // A pool [N, R] (an embedding table) is gathered as [N, 1, R]: passed as it is, since XLA
+  // copies a reshaped parameter that a decode loop carries.
+  const auto given = blocks.dimensions();
+  const bool flat = given.size() == 2;
+  const int64_t pd[3] = {given.size() ? given[0] : 0, flat ? 1 : given.size() > 1 ? given[1] : 0,
+                         flat ? given[1] : given.size() > 2 ? given[2] : 0};
   const auto td = table.dimensions();
   const auto od = out->dimensions();
-  if (pd.size() != 3 || td.size() != 2 || od.size() != 4 || od[0] != td[0] || od[1] != pd[1] ||
-      od[2] != td[1] || od[3] != pd[2] || out->element_type() != blocks.element_type() ||
-      pd[0] < 1) {
+  if ((given.size() != 3 && !flat) || td.size() != 2 || od.size() != 4 || od[0] != td[0] ||
+      od[1] != pd[1] || od[2] != td[1] || od[3] != pd[2] ||
+      out->element_type() != blocks.element_type() || pd[0] < 1) {
     return ffi::Error::InvalidArgument(
-        "block_gather: pool [N, P, R], table [B, M] and out [B, P, M, R] of the pool's type "
-        "expected");
+        "block_gather: pool [N, P, R] (or [N, R]), table [B, M] and out [B, P, M, R] of the "
+        "pool's type expected");
   }
   auto job = std::make_shared<GatherJob>();
   job->pool = static_cast<const char*>(blocks.untyped_data());

@@ -54,13 +54,25 @@ def logical(pool: Array, tables: Array, keys: bool) -> Array:
 
 
 def _xla_gather(pool: Array, tables: Array) -> Array:
+    if pool.ndim == 2:
+        return pool[tables][:, None]  # [B, M, R] -> [B, 1, M, R]
     return pool[tables].transpose(0, 2, 1, 3)  # [B, M, P, R] -> [B, P, M, R]
+
+
+def take_rows(table: Array, ids: Array) -> Array:
+    """``table[ids]`` for a table ``[N, R]`` and int32 ids ``[n]`` already in ``[0, N)``:
+    ``[n, R]``; call only where :func:`applies`. The table goes to the kernel as it is (a
+    reshape of it would be copied by XLA, once per call of a program that loops over it)."""
+    rows = jax.lax.platform_dependent(table, ids[:, None], cpu=_gather, default=_xla_gather)
+    return rows.reshape(ids.shape[0], table.shape[1])
 
 
 @jax.custom_jvp
 def _gather(pool: Array, tables: Array) -> Array:
+    """``[B, P, M, R]`` for a pool ``[N, P, R]``; ``[B, 1, M, R]`` for a table ``[N, R]``."""
     batch, blocks = tables.shape
-    out = jax.ShapeDtypeStruct((batch, pool.shape[1], blocks, pool.shape[2]), pool.dtype)
+    parts, run = (1, pool.shape[1]) if pool.ndim == 2 else pool.shape[1:]
+    out = jax.ShapeDtypeStruct((batch, parts, blocks, run), pool.dtype)
     call = jax.ffi.ffi_call(_TARGET, out, vmap_method="sequential")
     return vary_like(call(pool, tables), (pool, tables))
 

@@ -64,6 +64,23 @@ def compiler() -> str | None:
     return None
 
 
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags as Linux's ``/proc/cpuinfo`` lists them (``avx512_bf16``,
+    ``amx_bf16``...); empty where the file cannot be read (other systems)."""
+    try:
+        return flags_in(pathlib.Path("/proc/cpuinfo").read_text())
+    except OSError:
+        return frozenset()
+
+
+def flags_in(cpuinfo: str) -> frozenset[str]:
+    """The feature flags named on the ``flags`` lines of a ``/proc/cpuinfo`` text."""
+    lines = cpuinfo.splitlines()
+    named = (line.split(":", 1)[-1].split() for line in lines if line.startswith("flags"))
+    return frozenset(flag for flags in named for flag in flags)
+
+
 def _cpu_identity() -> str:
     """The CPU's model name and feature flags (``-march=native`` builds for exactly these)."""
     try:

@@ -50,12 +50,11 @@ Static or traced: nothing here is traced; the choice is made on the host before 
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
 from genjax.errors import InputError
+from genjax.kernels import native
 from genjax.kernels import rows as rows_kernel
 
 AUTO = "auto"
@@ -114,19 +113,11 @@ BF16_PRODUCT_FLAGS = ("amx_bf16", "avx512_bf16")
 """Linux ``/proc/cpuinfo`` flags of CPUs with bfloat16 dot-product instructions."""
 
 
-@functools.cache
 def cpu_has_bf16_products() -> bool:
     """True when this machine's CPU reports bfloat16 dot-product instructions (one of
     :data:`BF16_PRODUCT_FLAGS` in Linux's ``/proc/cpuinfo``); False when it does not or the
     file cannot be read (other systems: the choice stays float32)."""
-    try:
-        with open("/proc/cpuinfo") as info:
-            return any(
-                line.startswith("flags") and not set(BF16_PRODUCT_FLAGS).isdisjoint(line.split())
-                for line in info
-            )
-    except OSError:
-        return False
+    return not native.cpu_flags().isdisjoint(BF16_PRODUCT_FLAGS)
 
 
 def resolve(dtype, quantize: str | None, batch_size: int | None):

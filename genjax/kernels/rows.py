@@ -120,14 +120,11 @@ def takes(kind, rows: int, width: int) -> bool:
 def matmul(x: Array, weight: Array, scale: Array | None = None) -> Array:
     """float32[..., O] = ``x @ weight.T`` (``* scale`` for int8 weights) for x [..., I] and weight
     [O, I], through the kernel on the CPU (call only where :func:`applies`) and XLA's product
-    elsewhere; ``x`` is taken in float32 (exactly, from bfloat16)."""
+    elsewhere; ``x`` is taken in float32 (exactly, from bfloat16), or in bfloat16 for the pair
+    product."""
+    pairs = _pairs(weight.dtype, weight.shape[-1])  # bfloat16 activations and weights
     flat = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
-    if _pairs(weight.dtype, weight.shape[-1]):  # bfloat16 activations and weights
-        y = jax.lax.platform_dependent(
-            flat.astype(jnp.bfloat16), weight, cpu=_pair_product, default=_xla_product
-        )
-        return y.reshape(*x.shape[:-1], weight.shape[0])
-    flat = flat.astype(jnp.float32)
+    flat = flat.astype(jnp.bfloat16 if pairs else jnp.float32)
     if scale is None:
         y = jax.lax.platform_dependent(flat, weight, cpu=_product, default=_xla_product)
     else:
@@ -190,17 +187,6 @@ def _product(x: Array, weight: Array) -> Array:
 def _product_jvp(primals, tangents):
     (x, weight), (dx, dweight) = primals, tangents
     return _product(x, weight), _xla_product(dx, weight) + _xla_product(x, dweight)
-
-
-@jax.custom_jvp
-def _pair_product(x: Array, weight: Array) -> Array:
-    return _call(x, weight)
-
-
-@_pair_product.defjvp
-def _pair_product_jvp(primals, tangents):
-    (x, weight), (dx, dweight) = primals, tangents
-    return _pair_product(x, weight), _xla_product(dx, weight) + _xla_product(x, dweight)
 
 
 @jax.custom_jvp

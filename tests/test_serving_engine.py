@@ -670,6 +670,14 @@ def test_add_request_rejects_what_the_engine_cannot_run(manager):
         manager.add_request(list(range(3, 43)), max_new_tokens=10)
     with pytest.raises(GenerationConfigError):
         manager.add_request([3, 4], do_sample=True, temperature=-1.0)
+    with pytest.raises(UnsupportedError, match=r"suppress_tokens names \[5\].*forced"):
+        manager.add_request([3, 4], forced_eos_token_id=[5, 6], suppress_tokens=[5])
+    with pytest.raises(UnsupportedError, match="begin_suppress_tokens with forced_bos"):
+        manager.add_request([3], forced_bos_token_id=5, begin_suppress_tokens=[6])
+    with pytest.raises(UnsupportedError, match="remove_invalid_values=True with suppress_tok"):
+        manager.add_request([3, 4], remove_invalid_values=True, suppress_tokens=[5])
+    with pytest.raises(InputError, match="forced_eos_token_id has 9 ids.*max_eos_tokens"):
+        manager.add_request([3, 4], forced_eos_token_id=list(range(3, 12)))
 
 
 def test_per_row_ngram_bans_equal_the_processor_at_each_size():
@@ -726,8 +734,12 @@ def test_stop_of_a_manager_never_started_cancels_its_queued_requests():
 
 @pytest.mark.parametrize(
     "warpers",
-    [dict(temperature=0.7, top_p=0.9), dict(typical_p=0.3, epsilon_cutoff=1e-3, eta_cutoff=2e-3)],
-    ids=["top_p", "truncation"],
+    [
+        dict(temperature=0.7, top_p=0.9),
+        dict(typical_p=0.3, epsilon_cutoff=1e-3, eta_cutoff=2e-3),
+        dict(temperature=0.6, renormalize_logits=True),
+    ],
+    ids=["top_p", "truncation", "renormalized"],
 )
 def test_sampled_requests_equal_generate_with_the_same_seed(manager, warpers):
     model, params = _model()
@@ -808,6 +820,45 @@ def test_multi_token_bias_bad_words_and_begin_suppress_equal_generate_alone(mana
         got = manager.get_result(rid, timeout=120).generated_tokens
         assert got == want and want != plain
     assert want[0] != plain[0] and plain[0] in _reference(tuple(prompt))  # begin only
+
+
+def test_length_forcing_and_decay_rules_equal_generate_alone(manager):
+    prompt = _prompt(140, 6)
+    plain = _reference(tuple(prompt))
+    early = (plain[1],)  # an EOS the plain run meets at its second token
+    cases = [  # (eos, min_new_tokens, extra fields): each changes the plain run's tokens
+        (early, None, (("min_length", len(prompt) + 5),)),  # with the prompt: 5 new at least
+        ((), None, (("forced_eos_token_id", (5, 6)),)),  # the last new token is 5 or 6
+        ((7,), None, (("exponential_decay_length_penalty", (1, 8.0)),)),  # EOS 7 after token 1
+        # transformers' order: EOS blocked to -inf, made the lowest float, then boosted past
+        # every other score; without remove_invalid_values it stays blocked for 8 tokens
+        (
+            (7,),
+            8,
+            (("remove_invalid_values", True), ("exponential_decay_length_penalty", (0, 10.0))),
+        ),
+    ]
+    for eos, min_new, extra in cases:
+        want = _reference(tuple(prompt), eos=eos or None, min_new=min_new, extra=extra)
+        fields = {name: _lists(value) for name, value in extra}
+        rid = manager.add_request(
+            prompt,
+            max_new_tokens=REF_NEW,
+            eos_token_id=list(eos) or None,
+            min_new_tokens=min_new,
+            **fields,
+        )
+        assert manager.get_result(rid, timeout=120).generated_tokens == want, extra
+        assert want != _reference(tuple(prompt), eos=eos or None, min_new=min_new), extra
+    assert want[-1] == 7 and len(want) < 8
+    # forced_bos_token_id forces the first new token after a one-token prompt only.
+    first = _reference(tuple(prompt[:1]))
+    forced = (("forced_bos_token_id", 9 if first[0] != 9 else 10),)
+    want = _reference(tuple(prompt[:1]), extra=forced)
+    for ids, expected in ((prompt[:1], want), (prompt, plain)):
+        rid = manager.add_request(ids, max_new_tokens=REF_NEW, forced_bos_token_id=forced[0][1])
+        assert manager.get_result(rid, timeout=120).generated_tokens == expected
+    assert want[0] == forced[0][1] and want != first
 
 
 class _Terminal(io.StringIO):

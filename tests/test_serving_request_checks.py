@@ -115,7 +115,7 @@ def test_an_override_of_top_k_none_turns_top_k_off_as_in_generate():
 @pytest.mark.parametrize(
     "field, value",
     [
-        ("renormalize_logits", False),
+        ("output_scores", False),
         ("token_healing", False),
         ("low_memory", False),
         ("is_assistant", False),

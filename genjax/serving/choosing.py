@@ -6,20 +6,24 @@ Token choice per row follows transformers' order: the structured-output mask of 
 the bias table (``sequence_bias``, its multi-token sequences biasing their last token when the rest
 ends the row's history; ``suppress_tokens``, ``bad_words_ids`` and, at the first new token only,
 ``begin_suppress_tokens`` as a bias of -inf, which every later step keeps at -inf, so the place in
-the chain does not matter; :func:`sequence_biases`), repetition penalty, no-repeat n-grams
-(``no_repeat_ngram_size``, each row its own size), EOS blocked until ``min_new_tokens``, OpenAI's
-presence and frequency penalties (where ``generate`` runs a user's ``logits_processor``), then
-temperature, top-k, top-p, min-p, typical-p, epsilon and eta cutoffs; greedy rows take the argmax
-(the warpers never move it), sampling rows draw with ``fold_in(key, new_token_index)`` as
-:func:`genjax.generate` does, so a preempted and recomputed request draws the same tokens; the
-sequence ``j`` of a request's ``num_return_sequences`` draws the numbers of row ``j`` of
-``generate``'s batch (:func:`genjax.decoding.sampling.sample_row`). A
-constrained row's automaton state then follows its token; a token the automaton refuses (a processor
-removed every allowed one) becomes the constraint's EOS id
+the chain does not matter, except to forcing and ``remove_invalid_values``, which
+:mod:`genjax.serving.options` therefore refuses beside the suppressions they would part from;
+:func:`sequence_biases`), repetition penalty, no-repeat n-grams
+(``no_repeat_ngram_size``, each row its own size), EOS blocked until ``min_new_tokens``, forced
+BOS and EOS, invalid values removed, the exponential decay length penalty, OpenAI's presence and
+frequency penalties (where ``generate`` runs a user's ``logits_processor``), then temperature,
+top-k, top-p, min-p, typical-p, epsilon and eta cutoffs, then ``renormalize_logits``' log-softmax;
+greedy rows take the argmax (the warpers never move it), sampling rows draw with
+``fold_in(key, new_token_index)`` as :func:`genjax.generate` does, so a preempted and recomputed
+request draws the same tokens; the sequence ``j`` of a request's ``num_return_sequences`` draws
+the numbers of row ``j`` of ``generate``'s batch (:func:`genjax.decoding.sampling.sample_row`). A
+constrained row's automaton state then follows its token; a token the automaton refuses (a
+processor removed every allowed one) becomes the constraint's EOS id
 (:func:`genjax.decoding.automaton.advance_rows`).
 
-The mask and the automaton step, the bias, OpenAI's penalties, the warpers and the draw, the
-truncation warpers and the log-probabilities each run under a ``lax.cond`` that skips them in
+The mask and the automaton step, the bias, the forcing and decay rules, OpenAI's penalties, the
+warpers and the draw, the truncation warpers, the renormalization and the log-probabilities each
+run under a ``lax.cond`` that skips them in
 steps where no row uses them, so requests that do not use an option pay one ``any`` reduction for
 it.
 
@@ -106,6 +110,12 @@ class RowSettings:
     #   makes: the sequence's index among its request's num_return_sequences (0: the first)
     constraint_eos: Array  # int32[R]: the EOS id of the request's constraint (-1: none)
     no_repeat_ngram_size: Array  # int32[R]: 0 = off; at most max_ngram
+    forced_first: Array  # int32[R]: the token forced as the first new one (-1: none)
+    forced_last: Array  # int32[R, E]: the tokens forced as the last new one (-1 fills)
+    remove_invalid: Array  # bool[R]: NaN and infinities made finite (remove_invalid_values)
+    decay_start: Array  # int32[R]: new tokens before the EOS boost starts
+    decay_factor: Array  # float32[R]: the EOS boost's factor per token; 1.0 = off
+    renormalize: Array  # bool[R]: log-softmax after the warpers (renormalize_logits)
     max_ngram: int = struct.field(pytree_node=False, default=0)  # N (static)
 
     @classmethod
@@ -143,6 +153,12 @@ class RowSettings:
             sample_row=np.zeros((rows,), np.int32),
             constraint_eos=np.full((rows,), -1, np.int32),
             no_repeat_ngram_size=np.zeros((rows,), np.int32),
+            forced_first=np.full((rows,), -1, np.int32),
+            forced_last=np.full((rows, shape.max_eos), -1, np.int32),
+            remove_invalid=np.zeros((rows,), bool),
+            decay_start=np.zeros((rows,), np.int32),
+            decay_factor=np.ones((rows,), np.float32),
+            renormalize=np.zeros((rows,), bool),
             max_ngram=shape.max_ngram,
         )
 
@@ -225,10 +241,12 @@ def choose_tokens(
     is_eos = jnp.any(jnp.arange(vocab)[None, :, None] == ids[:, None, :], axis=-1)  # [B, V]
     blocked = is_eos & (num_new < settings.min_new_tokens)[:, None]
     scores = jnp.where(blocked, NEG_INF, scores)
+    scores = _forcing_rules(scores, is_eos, num_new, settings)
     penalties = count_penalties(settings.presence_penalty, settings.frequency_penalty)
     active = jnp.any((settings.presence_penalty != 0) | (settings.frequency_penalty != 0))
     scores = jax.lax.cond(active, lambda s: penalties(s, context), lambda s: s, scores)
-    greedy = highest(scores)
+    renormalizing = jnp.any(settings.renormalize)
+    greedy = highest(_renormalized(scores, settings.renormalize, renormalizing))
 
     def draw(scores):
         warp = chain(
@@ -249,6 +267,7 @@ def choose_tokens(
             (settings.typical_p < 1) | (settings.epsilon_cutoff > 0) | (settings.eta_cutoff > 0)
         )
         warped = jax.lax.cond(truncating, lambda s: truncate(s, context), lambda s: s, warped)
+        warped = _renormalized(warped, settings.renormalize, renormalizing)
         keys = jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.key(seed), i))(
             settings.seed, num_new
         )
@@ -258,6 +277,63 @@ def choose_tokens(
     # The warpers and the draw (top-k and top-p sort the vocabulary: about 2.5 ms a step at
     # [8, 49152]) only on steps where some row samples.
     return jax.lax.cond(jnp.any(settings.do_sample), draw, lambda _: greedy, scores)
+
+
+def _forcing_rules(scores: Array, is_eos: Array, num_new: Array, settings: RowSettings) -> Array:
+    """transformers' forced BOS and EOS, invalid-value removal and exponential decay length
+    penalty per row, in its order (after the EOS blocks), each under a ``lax.cond`` that skips it
+    in steps where no row uses it.
+
+    A forced token keeps 0 and every other token gets -inf: ``forced_first`` at the first new
+    token (set on the host only for one-token prompts, where transformers' ``input_ids`` hold
+    one token), ``forced_last`` at the last one (``input_ids`` one short of ``max_length``); the
+    EOS forcing runs second, so it wins when both apply. The decay adds ``|s| * (factor**i - 1)``
+    to each finite EOS score ``s`` once ``i = num_new - decay_start`` is positive.
+
+    Args:
+        scores: float32[B, V].
+        is_eos: bool[B, V], each row's EOS ids.
+        num_new: int32[B], new tokens so far.
+        settings: the rows' :class:`RowSettings`.
+    """
+    vocab = scores.shape[-1]
+    first = (num_new == 0) & (settings.forced_first >= 0)  # [B]
+    last = (num_new == settings.max_new_tokens - 1) & jnp.any(settings.forced_last >= 0, axis=-1)
+
+    def force(scores):
+        ids = jnp.arange(vocab)[None, :]
+        first_mask = ids == settings.forced_first[:, None]
+        last_mask = jnp.any(ids[:, :, None] == settings.forced_last[:, None, :], axis=-1)
+        forced = jnp.where(jnp.where(last[:, None], last_mask, first_mask), 0.0, NEG_INF)
+        return jnp.where((first | last)[:, None], forced, scores)
+
+    scores = jax.lax.cond(jnp.any(first | last), force, lambda s: s, scores)
+
+    def finite(scores):
+        info = jnp.finfo(scores.dtype)
+        cleaned = jnp.nan_to_num(scores, nan=0.0, posinf=info.max, neginf=info.min)
+        return jnp.where(settings.remove_invalid[:, None], cleaned, scores)
+
+    scores = jax.lax.cond(jnp.any(settings.remove_invalid), finite, lambda s: s, scores)
+    steps = num_new - settings.decay_start  # [B]
+
+    def decay(scores):
+        power = jnp.power(settings.decay_factor, steps.astype(jnp.float32))
+        boosted = scores + jnp.abs(scores) * (power - 1.0)[:, None]
+        boost = is_eos & jnp.isfinite(scores) & (steps > 0)[:, None]
+        return jnp.where(boost, boosted, scores)
+
+    return jax.lax.cond(jnp.any(settings.decay_factor != 1.0), decay, lambda s: s, scores)
+
+
+def _renormalized(scores: Array, rows: Array, any_rows: Array) -> Array:
+    """float32[B, V]: ``log_softmax`` of the rows with ``rows`` (bool[B]) set, the others as
+    given; skipped (``lax.cond``) when ``any_rows`` is False."""
+
+    def renormalize(scores):
+        return jnp.where(rows[:, None], jax.nn.log_softmax(scores, axis=-1), scores)
+
+    return jax.lax.cond(any_rows, renormalize, lambda s: s, scores)
 
 
 def sequence_biases(

@@ -8,7 +8,11 @@ engine runs, per row: greedy or sampling with ``temperature``, ``top_k``, ``top_
 ``sequence_bias`` (OpenAI's ``logit_bias`` among them), ``suppress_tokens``, ``bad_words_ids``
 and ``begin_suppress_tokens`` (one bias table per request, the bans as -inf biases; sequences
 up to ``ContinuousBatchingConfig.max_bias_sequence_length`` tokens);
-``max_new_tokens`` (or ``max_length``), ``min_new_tokens``, EOS ids (a list), ``stop_strings``
+``forced_bos_token_id`` and ``forced_eos_token_id`` (a forced id may not also be suppressed),
+``remove_invalid_values`` (not beside a suppression), ``exponential_decay_length_penalty``,
+``renormalize_logits``;
+``max_new_tokens`` (or ``max_length``), ``min_new_tokens``, ``min_length`` (held as the new
+tokens it asks for after the request's prompt), EOS ids (a list), ``stop_strings``
 (matched on the host with the tokenizer), a ``seed`` and ``num_return_sequences`` (sampled
 sequences of one prompt, at most ``max_batch_size``; sequence ``j`` draws as row ``j`` of
 ``genjax.generate``'s batch). Any other field set to a non-default
@@ -56,6 +60,12 @@ SUPPORTED = frozenset(
         "max_length",
         "max_new_tokens",
         "min_new_tokens",
+        "min_length",
+        "forced_bos_token_id",
+        "forced_eos_token_id",
+        "remove_invalid_values",
+        "exponential_decay_length_penalty",
+        "renormalize_logits",
         "do_sample",
         "temperature",
         "top_k",
@@ -91,12 +101,10 @@ SUPPORTED = frozenset(
 # Values equal to transformers' defaults, which a checkpoint's generation_config.json may spell
 # out (transformers v5 writes output_attentions/output_hidden_states false from config.json).
 _HARMLESS_VALUES = {
-    "min_length": (0,),
     "output_scores": (False,),
     "output_logits": (False,),
     "output_attentions": (False,),
     "output_hidden_states": (False,),
-    "renormalize_logits": (False,),
     "token_healing": (False,),
     "low_memory": (False,),
     "is_assistant": (False,),
@@ -305,6 +313,67 @@ def _eos_ids(config: GenerationConfig, max_eos: int) -> tuple[int, ...]:
     return ids
 
 
+def _forced_last(config: GenerationConfig, max_eos: int) -> np.ndarray:
+    """int32[1, E]: ``forced_eos_token_id`` (-1 fills; all -1 when unset)."""
+    row = np.full((1, max_eos), -1, np.int32)
+    if config.forced_eos_token_id is None:
+        return row
+    ids = np.atleast_1d(np.asarray(config.forced_eos_token_id)).tolist()
+    if len(ids) > max_eos:
+        raise InputError(
+            f"forced_eos_token_id has {len(ids)} ids, but the engine holds at most {max_eos} per "
+            f"request. Raise ContinuousBatchingConfig.max_eos_tokens to {len(ids)}."
+        )
+    row[0, : len(ids)] = ids
+    return row
+
+
+def _suppressions(config: GenerationConfig) -> str:
+    """The suppression fields ``config`` sets, joined with "and" ("" when none)."""
+    names = ("suppress_tokens", "begin_suppress_tokens")
+    return " and ".join(name for name in names if getattr(config, name))
+
+
+def _check_forcing(config: GenerationConfig, prompt_length: int) -> int:
+    """The id forced as the first new token (-1: none): ``forced_bos_token_id``, which
+    transformers applies when ``input_ids`` hold one token, so only after a one-token prompt.
+
+    Raises:
+        UnsupportedError: a forced id that ``suppress_tokens`` or ``begin_suppress_tokens`` also
+            name (transformers suppresses after forcing, the engine before: the two would part),
+            or ``begin_suppress_tokens`` with a forced BOS after a one-token prompt
+            (transformers then moves the suppression to the second new token), or
+            ``remove_invalid_values`` with a suppression (transformers suppresses after it).
+    """
+    bos = config.forced_bos_token_id
+    first = int(bos) if bos is not None and prompt_length == 1 else -1
+    forced = set() if first < 0 else {first}
+    if config.forced_eos_token_id is not None:
+        forced |= {int(i) for i in np.atleast_1d(np.asarray(config.forced_eos_token_id)).tolist()}
+    for name in ("suppress_tokens", "begin_suppress_tokens"):
+        both = forced & {int(t) for t in np.atleast_1d(getattr(config, name) or ())}
+        if both:
+            raise UnsupportedError(
+                f"{name} names {sorted(both)}, which forced_bos_token_id or forced_eos_token_id "
+                "forces: the continuous-batching engine does not run a token both forced and "
+                f"suppressed. Remove it from {name}, or use genjax.generate for this request."
+            )
+    if config.remove_invalid_values is True and (suppressed := _suppressions(config)):
+        raise UnsupportedError(
+            f"remove_invalid_values=True with {suppressed}: transformers suppresses after "
+            "removing invalid values (the suppressed tokens stay -inf), the continuous-batching "
+            "engine before (they would become the lowest float). Leave one of them out, or use "
+            "genjax.generate for this request."
+        )
+    if first >= 0 and config.begin_suppress_tokens is not None:
+        raise UnsupportedError(
+            "begin_suppress_tokens with forced_bos_token_id after a one-token prompt: "
+            "transformers then suppresses at the second new token, which the continuous-batching "
+            "engine does not do. Use genjax.generate for this request."
+        )
+    return first
+
+
 def _row(
     config: GenerationConfig,
     eos: tuple[int, ...],
@@ -322,6 +391,7 @@ def _row(
 
     bias_ids, bias_values, bias_prefixes, bias_first_only = _bias_table(config, shape)
     c = extras.constraint
+    decay = config.exponential_decay_length_penalty or (0, 1.0)
     return RowSettings(
         do_sample=np.asarray([sampling], bool),
         temperature=value("temperature", 1.0, np.float32),
@@ -347,6 +417,12 @@ def _row(
         sample_row=np.zeros((1,), np.int32),
         constraint_eos=np.asarray([-1 if c is None else c.eos_token_id], np.int32),
         no_repeat_ngram_size=np.asarray([_ngram_size(config, shape)], np.int32),
+        forced_first=np.full((1,), -1, np.int32),  # build_request sets it: it needs the prompt
+        forced_last=_forced_last(config, shape.max_eos),
+        remove_invalid=np.asarray([config.remove_invalid_values is True], bool),
+        decay_start=np.asarray([min(int(decay[0]), INT32_MAX)], np.int32),
+        decay_factor=np.asarray([decay[1]], np.float32),
+        renormalize=np.asarray([config.renormalize_logits is True], bool),
         max_ngram=shape.max_ngram,
     )
 
@@ -453,7 +529,13 @@ def build_request(
         check_constraint(constraint, states, edges, vocab_size, eos)
         key = constraint_key(constraint)
     row = _row(resolved, eos, int(seed), shape, extras)
-    row = row.replace(max_new_tokens=np.asarray([new], np.int32))
+    # min_length counts the prompt too (transformers' input_ids): as a count of new tokens
+    at_least = max(row.min_new_tokens[0], min((resolved.min_length or 0) - length, INT32_MAX))
+    row = row.replace(
+        max_new_tokens=np.asarray([new], np.int32),
+        min_new_tokens=np.asarray([at_least], np.int32),
+        forced_first=np.asarray([_check_forcing(resolved, length)], np.int32),
+    )
     return RequestState(
         request_id=request_id,
         prompt=[int(t) for t in prompt],

@@ -22,15 +22,21 @@ pytestmark = pytest.mark.usefixtures("fast_compiles")
 
 
 @pytest.mark.parametrize("kernel", [False, True], ids=["no-kernel", "kernel"])
-@pytest.mark.parametrize("bf16", [False, True], ids=["no-bf16-products", "bf16-products"])
-def test_the_choice_per_backend_and_batch_size(bf16, kernel, monkeypatch):
+@pytest.mark.parametrize(
+    ("bf16", "pairs"),  # the pair product is one of the bfloat16 dot products
+    [(False, False), (True, False), (True, True)],
+    ids=["no-bf16-products", "bf16-products", "bf16-pair-product"],
+)
+def test_the_choice_per_backend_and_batch_size(bf16, pairs, kernel, monkeypatch):
     monkeypatch.setattr(precision, "cpu_has_bf16_products", lambda: bf16)
     monkeypatch.setattr(precision, "int8_kernel_takes", lambda rows: kernel and rows <= 32)
+    monkeypatch.setattr(precision, "bf16_pair_kernel_runs", lambda: pairs)
     assert auto_precision(None, "cpu") == ("float32", "int8")
     assert auto_precision(CPU_FLOAT32_FROM_ROWS - 1, "cpu") == ("float32", "int8")
     many = ("bfloat16" if bf16 else "float32", None)
     assert auto_precision(CPU_INT8_KERNEL_ROWS + 1, "cpu") == auto_precision(64, "cpu") == many
-    middle = ("float32", "int8") if kernel else many  # int8 where the row kernel takes it
+    # int8 where the row kernel takes it, unless the pair product runs bfloat16 rows
+    middle = ("float32", "int8") if kernel and not pairs else many
     assert auto_precision(CPU_FLOAT32_FROM_ROWS, "cpu") == middle
     assert auto_precision(CPU_INT8_KERNEL_ROWS, "cpu") == middle
     assert auto_precision(1, "gpu") == auto_precision(64, "tpu") == ("bfloat16", None)
@@ -54,6 +60,7 @@ def test_bf16_products_are_read_from_the_cpu_flags(flags, expected, monkeypatch)
 
 def test_auto_loads_the_chosen_format(monkeypatch):
     monkeypatch.setattr(precision, "cpu_has_bf16_products", lambda: False)
+    monkeypatch.setattr(precision, "bf16_pair_kernel_runs", lambda: False)
     folder = genjax.io.bundled.path()
     _, few = genjax.models.from_pretrained(folder, dtype="auto")
     _, int8 = genjax.models.from_pretrained(folder, quantize="int8")

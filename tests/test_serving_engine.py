@@ -737,9 +737,9 @@ def test_stop_of_a_manager_never_started_cancels_its_queued_requests():
     [
         dict(temperature=0.7, top_p=0.9),
         dict(typical_p=0.3, epsilon_cutoff=1e-3, eta_cutoff=2e-3),
-        dict(temperature=0.6, renormalize_logits=True),
+        dict(top_h=0.4, renormalize_logits=True),
     ],
-    ids=["top_p", "truncation", "renormalized"],
+    ids=["top_p", "truncation", "top_h_renormalized"],
 )
 def test_sampled_requests_equal_generate_with_the_same_seed(manager, warpers):
     model, params = _model()

@@ -27,10 +27,19 @@ Xeon (AMX), SmolLM's shape, greedy, ms per step float32 / bfloat16 / int8 (same 
 bfloat16 / int8 / int4: 1 row 2.13x / 3.33x / 2.78x; 8 rows 1.15x / 1.22x / 1.20x; 16 rows
 1.38x / 1.26x / 1.21x; 32 rows 1.41x / 0.90x / 0.92x.
 
-* CPU, fewer than :data:`CPU_FLOAT32_FROM_ROWS` rows (one user), or up to
-  :data:`CPU_INT8_KERNEL_ROWS` rows where the row kernel takes int8 products: float32
-  activations with int8 weights (``quantize="int8"``), the one large and steady gain (and
-  1.15x llama.cpp end to end on the Q4_1 file, ``2026-12-03-cpu-amd-epyc-four-bit.txt``).
+With the AVX-512 BF16 pair product (:func:`bf16_pair_kernel_runs`), bfloat16 became the
+faster format from 4 rows and is the more exact one (below): on the AMD EPYC
+(``bench/results/2026-12-04-cpu-amd-epyc-precision.txt``), a decode step against float32's,
+bfloat16 / int8: 1 row 1.81x / 3.19x; 2 rows 1.51x / 2.24x; 4 rows 1.75x / 1.83x (12.4 against
+11.9 ms); 8 rows 1.97x / 1.06x; 16 rows 1.53x / 0.85x; 32 rows 2.03x / 1.09x.
+
+* CPU, fewer than :data:`CPU_FLOAT32_FROM_ROWS` rows (one user): float32 activations with int8
+  weights (``quantize="int8"``), the one large and steady gain (and 1.15x llama.cpp end to end
+  on the Q4_1 file, ``2026-12-03-cpu-amd-epyc-four-bit.txt``).
+* CPU, more rows, where the pair product runs: bfloat16. (The Intel Xeon has it too; there the
+  pair product was not yet measured against int8 weights at 4-16 rows.)
+* CPU without it, up to :data:`CPU_INT8_KERNEL_ROWS` rows where the row kernel takes int8
+  products: int8 weights as above.
 * CPU, more rows: bfloat16 on a CPU with bfloat16 dot products (:func:`cpu_has_bf16_products`:
   AMX bfloat16 tiles, as on Intel Xeon since Sapphire Rapids, or AVX-512 BF16, as on AMD EPYC
   since Zen 4): there bfloat16 was the faster format at 32 rows on both CPU kinds this
@@ -79,7 +88,8 @@ def auto_precision(batch_size: int | None = None, backend: str | None = None):
     Returns:
         ``("float32", "int8")``, ``("float32", None)`` or ``("bfloat16", None)`` (see the
         module docstring; on a CPU with bfloat16 dot products, :func:`cpu_has_bf16_products`,
-        ``("bfloat16", None)`` where int8 is not picked).
+        ``("bfloat16", None)`` where int8 is not picked; with the pair product from
+        :data:`CPU_FLOAT32_FROM_ROWS` rows).
 
     Raises:
         InputError: ``batch_size`` is not a positive integer.
@@ -99,9 +109,20 @@ def auto_precision(batch_size: int | None = None, backend: str | None = None):
     if backend != "cpu":
         return "bfloat16", None
     few = batch_size is None or batch_size < CPU_FLOAT32_FROM_ROWS
-    if few or (batch_size <= CPU_INT8_KERNEL_ROWS and int8_kernel_takes(batch_size)):
+    if few:
+        return "float32", "int8"
+    if bf16_pair_kernel_runs():
+        return "bfloat16", None
+    if batch_size <= CPU_INT8_KERNEL_ROWS and int8_kernel_takes(batch_size):
         return "float32", "int8"
     return ("bfloat16", None) if cpu_has_bf16_products() else ("float32", None)
+
+
+def bf16_pair_kernel_runs() -> bool:
+    """Whether genjax's row kernel multiplies bfloat16 rows with the AVX-512 BF16 pair product
+    in this process (:func:`genjax.kernels.rows.pairs_available`, kernels not turned off)."""
+    width = rows_kernel.PAIR_INPUT_MULTIPLE
+    return rows_kernel.pairs_available() and rows_kernel.takes(jnp.bfloat16, 1, width)
 
 
 def int8_kernel_takes(rows: int) -> bool:

@@ -265,8 +265,10 @@ def top_h(h: float | Array) -> SortedFilter:
     Among the 100 most likely tokens (transformers' ``top_n``), renormalized, tokens are added from
     the most likely while the running sum of ``-p log p`` stays ``<= h * H`` (``H`` the entropy of
     those 100); the most likely token always stays, and every token outside them is dropped.
-    ``h`` in (0, 1], traced, scalar or float[B]. Cost: one ``lax.top_k`` of 256 (shared with
-    adjacent sorted filters, see :class:`SortedFilter`) and O(B * 100) work.
+    ``h`` in (0, 1], traced, scalar or float[B]; a row's ``h <= 0`` (which ``GenerationConfig``
+    refuses) keeps every token: the serving engine's rows without top-H. Cost: one
+    ``lax.top_k`` of 256 (shared with adjacent sorted filters, see :class:`SortedFilter`) and
+    O(B * 100) work.
 
     Example:
         >>> warp = top_h(0.4)
@@ -289,7 +291,8 @@ def _top_h_stage(view: SortedView, h: Array) -> tuple[Array, Array]:
     selected = live & (jnp.cumsum(terms, axis=-1) <= budget)
     selected = selected.at[:, 0].set(True)
     kept = jnp.sum(selected, axis=-1)
-    return _value_at(view.values, kept - 1), jnp.ones((batch,), bool)
+    cut = jnp.where(per_row(h) <= 0, NEG_INF, _value_at(view.values, kept - 1))
+    return cut, jnp.ones((batch,), bool)
 
 
 def _kth_largest(scores: Array, k: int) -> Array:

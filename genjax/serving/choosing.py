@@ -12,8 +12,8 @@ the chain does not matter, except to forcing and ``remove_invalid_values``, whic
 (``no_repeat_ngram_size``, each row its own size), EOS blocked until ``min_new_tokens``, forced
 BOS and EOS, invalid values removed, the exponential decay length penalty, OpenAI's presence and
 frequency penalties (where ``generate`` runs a user's ``logits_processor``), then temperature,
-top-k, top-p, min-p, typical-p, epsilon and eta cutoffs, then ``renormalize_logits``' log-softmax;
-greedy rows take the argmax (the warpers never move it), sampling rows draw with
+top-H, top-k, top-p, min-p, typical-p, epsilon and eta cutoffs, then ``renormalize_logits``'
+log-softmax; greedy rows take the argmax (the warpers never move it), sampling rows draw with
 ``fold_in(key, new_token_index)`` as :func:`genjax.generate` does, so a preempted and recomputed
 request draws the same tokens; the sequence ``j`` of a request's ``num_return_sequences`` draws
 the numbers of row ``j`` of ``generate``'s batch (:func:`genjax.decoding.sampling.sample_row`). A
@@ -60,6 +60,7 @@ from genjax.processors import (
     min_p,
     repetition_penalty,
     temperature,
+    top_h,
     top_k,
     top_p,
     typical_p,
@@ -86,6 +87,7 @@ class RowSettings:
 
     do_sample: Array  # bool[R]: draw tokens (else argmax)
     temperature: Array  # float32[R]: 1.0 = off
+    top_h: Array  # float32[R]: 0.0 = off
     top_k: Array  # int32[R]: 0 = off
     top_p: Array  # float32[R]: 1.0 = off
     min_p: Array  # float32[R]: 0.0 = off
@@ -132,6 +134,7 @@ class RowSettings:
         return cls(
             do_sample=np.zeros((rows,), bool),
             temperature=np.ones((rows,), np.float32),
+            top_h=np.zeros((rows,), np.float32),
             top_k=np.zeros((rows,), np.int32),
             top_p=np.ones((rows,), np.float32),
             min_p=np.zeros((rows,), np.float32),
@@ -251,6 +254,7 @@ def choose_tokens(
     def draw(scores):
         warp = chain(
             temperature(settings.temperature),
+            top_h(settings.top_h),
             top_k(settings.top_k),
             top_p(settings.top_p),
             min_p(settings.min_p),

@@ -2,7 +2,7 @@
 
 A request's config is its ``generation_config`` with unset fields from the manager's (itself
 filled from the model's ``generation_config``), then updated by its keyword overrides. The
-engine runs, per row: greedy or sampling with ``temperature``, ``top_k``, ``top_p``,
+engine runs, per row: greedy or sampling with ``temperature``, ``top_h``, ``top_k``, ``top_p``,
 ``min_p``, ``typical_p``, ``epsilon_cutoff``, ``eta_cutoff``, ``repetition_penalty``,
 ``no_repeat_ngram_size`` (up to ``ContinuousBatchingConfig.max_no_repeat_ngram_size``),
 ``sequence_bias`` (OpenAI's ``logit_bias`` among them), ``suppress_tokens``, ``bad_words_ids``
@@ -68,6 +68,7 @@ SUPPORTED = frozenset(
         "renormalize_logits",
         "do_sample",
         "temperature",
+        "top_h",
         "top_k",
         "top_p",
         "min_p",
@@ -395,6 +396,7 @@ def _row(
     return RowSettings(
         do_sample=np.asarray([sampling], bool),
         temperature=value("temperature", 1.0, np.float32),
+        top_h=value("top_h", 0.0, np.float32),
         top_k=value("top_k", 0, np.int32),
         top_p=value("top_p", 1.0, np.float32),
         min_p=value("min_p", 0.0, np.float32),

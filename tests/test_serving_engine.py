@@ -643,8 +643,10 @@ def test_no_compilation_after_warmup_over_a_random_workload(manager):
 
 def test_add_request_rejects_what_the_engine_cannot_run(manager):
     model, _ = _model()
-    with pytest.raises(UnsupportedError, match="encoder_no_repeat_ngram_size.*continuous-batch"):
-        manager.add_request([3, 4], encoder_no_repeat_ngram_size=2)
+    with pytest.raises(UnsupportedError, match="guidance_scale=1.5.*continuous-batch"):
+        manager.add_request([3, 4], guidance_scale=1.5)
+    with pytest.raises(InputError, match="encoder_no_repeat_ngram_size=9.*max_no_repeat_ngram"):
+        manager.add_request([3, 4], encoder_no_repeat_ngram_size=9)
     with pytest.raises(InputError, match="max_no_repeat_ngram_size to 9"):
         manager.add_request([3, 4], no_repeat_ngram_size=9)
     with pytest.raises(InputError, match="max_bias_sequence_length to 9"):
@@ -695,6 +697,18 @@ def test_per_row_ngram_bans_equal_the_processor_at_each_size():
             want = P.no_repeat_ngram_size(int(size))(want, context)
         np.testing.assert_array_equal(got[row : row + 1], want)
     assert np.isinf(np.asarray(got[:3])).any(axis=1).all()  # every size banned something
+    # With window_end, n-grams of each row's prompt alone (its first prompt_lengths tokens).
+    prompts = np.asarray([20, 6, 7, 3], np.int32)
+    got = ban_repeated_ngrams(scores, tokens, lengths, sizes, 4, window_end=prompts)
+    for row, (length, size, prompt) in enumerate(zip(lengths, sizes, prompts, strict=True)):
+        want = scores[row : row + 1]
+        if size:
+            ids = tokens[row : row + 1, :length]
+            context = LogitsContext.for_prompt(ids).replace(prompt_end=jnp.asarray(prompt))
+            want = P.encoder_no_repeat_ngram_size(int(size))(want, context)
+        np.testing.assert_array_equal(got[row : row + 1], want)
+    assert np.isinf(np.asarray(got[:3])).any(axis=1).all()
+    assert not np.array_equal(got, ban_repeated_ngrams(scores, tokens, lengths, sizes, 4))
 
 
 def test_stop_ends_every_request_and_waits_never_hang(manager):
@@ -822,34 +836,39 @@ def test_multi_token_bias_bad_words_and_begin_suppress_equal_generate_alone(mana
     assert want[0] != plain[0] and plain[0] in _reference(tuple(prompt))  # begin only
 
 
-def test_length_forcing_and_decay_rules_equal_generate_alone(manager):
+def test_length_forcing_decay_and_prompt_rules_equal_generate_alone(manager):
     prompt = _prompt(140, 6)
     plain = _reference(tuple(prompt))
     early = (plain[1],)  # an EOS the plain run meets at its second token
-    cases = [  # (eos, min_new_tokens, extra fields): each changes the plain run's tokens
-        (early, None, (("min_length", len(prompt) + 5),)),  # with the prompt: 5 new at least
-        ((), None, (("forced_eos_token_id", (5, 6)),)),  # the last new token is 5 or 6
-        ((7,), None, (("exponential_decay_length_penalty", (1, 8.0)),)),  # EOS 7 after token 1
+    # the prompt followed by the start of its greedy run, which then repeats one of those
+    primed = prompt + plain[:3]
+    cases = [  # (prompt, eos, min_new_tokens, extra fields): each changes the plain run's tokens
+        (prompt, early, None, (("min_length", len(prompt) + 5),)),  # with the prompt: 5 new
+        (prompt, (), None, (("forced_eos_token_id", (5, 6)),)),  # the last new token: 5 or 6
+        (prompt, (7,), None, (("exponential_decay_length_penalty", (1, 8.0)),)),  # EOS 7 soon
+        (prompt, (), None, (("encoder_repetition_penalty", 3.0),)),  # the prompt rewarded
+        (primed, (), None, (("encoder_no_repeat_ngram_size", 1),)),  # no token of the prompt
         # transformers' order: EOS blocked to -inf, made the lowest float, then boosted past
         # every other score; without remove_invalid_values it stays blocked for 8 tokens
         (
+            prompt,
             (7,),
             8,
             (("remove_invalid_values", True), ("exponential_decay_length_penalty", (0, 10.0))),
         ),
     ]
-    for eos, min_new, extra in cases:
-        want = _reference(tuple(prompt), eos=eos or None, min_new=min_new, extra=extra)
+    for ids, eos, min_new, extra in cases:
+        want = _reference(tuple(ids), eos=eos or None, min_new=min_new, extra=extra)
         fields = {name: _lists(value) for name, value in extra}
         rid = manager.add_request(
-            prompt,
+            ids,
             max_new_tokens=REF_NEW,
             eos_token_id=list(eos) or None,
             min_new_tokens=min_new,
             **fields,
         )
         assert manager.get_result(rid, timeout=120).generated_tokens == want, extra
-        assert want != _reference(tuple(prompt), eos=eos or None, min_new=min_new), extra
+        assert want != _reference(tuple(ids), eos=eos or None, min_new=min_new), extra
     assert want[-1] == 7 and len(want) < 8
     # forced_bos_token_id forces the first new token after a one-token prompt only.
     first = _reference(tuple(prompt[:1]))

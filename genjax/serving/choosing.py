@@ -8,8 +8,10 @@ ends the row's history; ``suppress_tokens``, ``bad_words_ids`` and, at the first
 ``begin_suppress_tokens`` as a bias of -inf, which every later step keeps at -inf, so the place in
 the chain does not matter, except to forcing and ``remove_invalid_values``, which
 :mod:`genjax.serving.options` therefore refuses beside the suppressions they would part from;
-:func:`sequence_biases`), repetition penalty, no-repeat n-grams
-(``no_repeat_ngram_size``, each row its own size), EOS blocked until ``min_new_tokens``, forced
+:func:`sequence_biases`), the encoder repetition penalty (the prompt as the encoder input, as
+transformers reads it for decoder-only models), repetition penalty, no-repeat n-grams of the
+history and of the prompt (``no_repeat_ngram_size``, ``encoder_no_repeat_ngram_size``, each row
+its own sizes), EOS blocked until ``min_new_tokens``, forced
 BOS and EOS, invalid values removed, the exponential decay length penalty, OpenAI's presence and
 frequency penalties (where ``generate`` runs a user's ``logits_processor``), then temperature,
 top-H, top-k, top-p, min-p, typical-p, epsilon and eta cutoffs, then ``renormalize_logits``'
@@ -55,6 +57,7 @@ from genjax.processors import (
     LogitsContext,
     chain,
     count_penalties,
+    encoder_repetition_penalty,
     epsilon_cutoff,
     eta_cutoff,
     min_p,
@@ -95,6 +98,7 @@ class RowSettings:
     epsilon_cutoff: Array  # float32[R]: 0.0 = off
     eta_cutoff: Array  # float32[R]: 0.0 = off
     repetition_penalty: Array  # float32[R]: 1.0 = off
+    encoder_repetition_penalty: Array  # float32[R]: 1.0 = off (rewards the prompt's tokens)
     presence_penalty: Array  # float32[R]: 0.0 = off (OpenAI's, on generated tokens)
     frequency_penalty: Array  # float32[R]: 0.0 = off
     bias_ids: Array  # int32[R, L_b]: biased token ids; -1 fills unused entries
@@ -112,6 +116,7 @@ class RowSettings:
     #   makes: the sequence's index among its request's num_return_sequences (0: the first)
     constraint_eos: Array  # int32[R]: the EOS id of the request's constraint (-1: none)
     no_repeat_ngram_size: Array  # int32[R]: 0 = off; at most max_ngram
+    encoder_no_repeat_ngram_size: Array  # int32[R]: 0 = off; n-grams of the prompt; <= max_ngram
     forced_first: Array  # int32[R]: the token forced as the first new one (-1: none)
     forced_last: Array  # int32[R, E]: the tokens forced as the last new one (-1 fills)
     remove_invalid: Array  # bool[R]: NaN and infinities made finite (remove_invalid_values)
@@ -142,6 +147,7 @@ class RowSettings:
             epsilon_cutoff=np.zeros((rows,), np.float32),
             eta_cutoff=np.zeros((rows,), np.float32),
             repetition_penalty=np.ones((rows,), np.float32),
+            encoder_repetition_penalty=np.ones((rows,), np.float32),
             presence_penalty=np.zeros((rows,), np.float32),
             frequency_penalty=np.zeros((rows,), np.float32),
             bias_ids=np.full((rows, max_bias), -1, np.int32),
@@ -156,6 +162,7 @@ class RowSettings:
             sample_row=np.zeros((rows,), np.int32),
             constraint_eos=np.full((rows,), -1, np.int32),
             no_repeat_ngram_size=np.zeros((rows,), np.int32),
+            encoder_no_repeat_ngram_size=np.zeros((rows,), np.int32),
             forced_first=np.full((rows,), -1, np.int32),
             forced_last=np.full((rows, shape.max_eos), -1, np.int32),
             remove_invalid=np.zeros((rows,), bool),
@@ -232,14 +239,24 @@ def choose_tokens(
 
         biased = jnp.any(settings.bias_ids >= 0)
         scores = jax.lax.cond(biased, bias, lambda s: s, scores)
+    rewarded = settings.encoder_repetition_penalty
+    reward = encoder_repetition_penalty(rewarded)
+    scores = jax.lax.cond(
+        jnp.any(rewarded != 1.0), lambda s: reward(s, context), lambda s: s, scores
+    )
     scores = repetition_penalty(settings.repetition_penalty)(scores, context)
-    if settings.max_ngram:
-        sizes = settings.no_repeat_ngram_size
+    if settings.max_ngram:  # n-grams of the whole history, then of the prompt alone
+        for sizes, ends in (
+            (settings.no_repeat_ngram_size, lengths),
+            (settings.encoder_no_repeat_ngram_size, prompt_lengths),
+        ):
 
-        def ban(scores):
-            return ban_repeated_ngrams(scores, tokens, lengths, sizes, settings.max_ngram)
+            def ban(scores, sizes=sizes, ends=ends):
+                return ban_repeated_ngrams(
+                    scores, tokens, lengths, sizes, settings.max_ngram, window_end=ends
+                )
 
-        scores = jax.lax.cond(jnp.any(sizes > 0), ban, lambda s: s, scores)
+            scores = jax.lax.cond(jnp.any(sizes > 0), ban, lambda s: s, scores)
     ids = settings.eos_token_ids  # [B, E]
     is_eos = jnp.any(jnp.arange(vocab)[None, :, None] == ids[:, None, :], axis=-1)  # [B, V]
     blocked = is_eos & (num_new < settings.min_new_tokens)[:, None]
@@ -378,10 +395,17 @@ def sequence_biases(
 
 
 def ban_repeated_ngrams(
-    scores: Array, tokens: Array, lengths: Array, sizes: Array, max_size: int
+    scores: Array,
+    tokens: Array,
+    lengths: Array,
+    sizes: Array,
+    max_size: int,
+    window_end: Array | None = None,
 ) -> Array:
     """transformers' ``NoRepeatNGramLogitsProcessor`` with a size per row: bans every token that
-    would complete an n-gram already in the row's history.
+    would complete an n-gram already in the row's history (with ``window_end`` the prompt
+    lengths, its ``EncoderNoRepeatNGramLogitsProcessor`` for a decoder-only model: n-grams of
+    the prompt alone).
 
     Row ``b`` with ``n = sizes[b]`` (0: off) compares its newest ``n - 1`` tokens with every
     window ``tokens[b, i : i + n - 1]`` whose n-gram lies in the history (``i + n <=
@@ -395,6 +419,7 @@ def ban_repeated_ngrams(
         lengths: int32[B].
         sizes: int32[B], each row's n-gram size, at most ``max_size``.
         max_size: ``N`` (static).
+        window_end: int32[B], where the compared n-grams must end (None: ``lengths``).
 
     Example:
         >>> scores = jnp.zeros((1, 4))
@@ -406,7 +431,8 @@ def ban_repeated_ngrams(
     slots = tokens.shape[1]
     starts = jnp.arange(slots)[None, :]  # [1, S]: window starts
     n = sizes[:, None]  # [B, 1]
-    match = (n > 0) & (starts + n <= lengths[:, None])  # [B, S]
+    end = lengths if window_end is None else window_end
+    match = (n > 0) & (starts + n <= end[:, None])  # [B, S]
     padded = jnp.pad(tokens, ((0, 0), (0, max_size)))
     for k in range(max_size - 1):
         newest = jnp.take_along_axis(

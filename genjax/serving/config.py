@@ -85,9 +85,10 @@ class ContinuousBatchingConfig:
             row. 1: single tokens only.
         max_top_logprobs: the most top log-probabilities a request may ask per token
             (``logprobs=k``); 0 leaves them out of the compiled step.
-        max_no_repeat_ngram_size: ``N``, the largest ``no_repeat_ngram_size`` a request may
-            set; each step compares ``N - 1`` offsets of every history (in steps where a row
-            uses it); 0 leaves the option out of the compiled step.
+        max_no_repeat_ngram_size: ``N``, the largest ``no_repeat_ngram_size`` (and
+            ``encoder_no_repeat_ngram_size``) a request may set; each step compares ``N - 1``
+            offsets of every history (in steps where a row uses it); 0 leaves the option out
+            of the compiled step.
         max_constraint_states: ``S_p``, states in the engine's pool of structured-output
             automata (:mod:`genjax.serving.constraint_pool`); an automaton of ``n`` states takes
             ``n + 1``. 0: no pool, and a request with a constraint raises InputError. The

@@ -4,7 +4,9 @@ A request's config is its ``generation_config`` with unset fields from the manag
 filled from the model's ``generation_config``), then updated by its keyword overrides. The
 engine runs, per row: greedy or sampling with ``temperature``, ``top_h``, ``top_k``, ``top_p``,
 ``min_p``, ``typical_p``, ``epsilon_cutoff``, ``eta_cutoff``, ``repetition_penalty``,
-``no_repeat_ngram_size`` (up to ``ContinuousBatchingConfig.max_no_repeat_ngram_size``),
+``encoder_repetition_penalty``, ``no_repeat_ngram_size`` and ``encoder_no_repeat_ngram_size``
+(the prompt as the encoder input, as transformers reads it for decoder-only models; both up to
+``ContinuousBatchingConfig.max_no_repeat_ngram_size``),
 ``sequence_bias`` (OpenAI's ``logit_bias`` among them), ``suppress_tokens``, ``bad_words_ids``
 and ``begin_suppress_tokens`` (one bias table per request, the bans as -inf biases; sequences
 up to ``ContinuousBatchingConfig.max_bias_sequence_length`` tokens);
@@ -76,7 +78,9 @@ SUPPORTED = frozenset(
         "epsilon_cutoff",
         "eta_cutoff",
         "repetition_penalty",
+        "encoder_repetition_penalty",
         "no_repeat_ngram_size",
+        "encoder_no_repeat_ngram_size",
         "sequence_bias",
         "suppress_tokens",
         "begin_suppress_tokens",
@@ -218,11 +222,13 @@ def _bias_table(
     return ids, values, prefixes, first
 
 
-def _ngram_size(config: GenerationConfig, shape: EngineShape) -> int:
-    size = int(config.no_repeat_ngram_size or 0)
+def _ngram_size(
+    config: GenerationConfig, shape: EngineShape, name: str = "no_repeat_ngram_size"
+) -> int:
+    size = int(getattr(config, name) or 0)
     if size > shape.max_ngram:
         raise InputError(
-            f"no_repeat_ngram_size={size}, but the engine compares n-grams of at most "
+            f"{name}={size}, but the engine compares n-grams of at most "
             f"{shape.max_ngram} tokens. Raise ContinuousBatchingConfig.max_no_repeat_ngram_size "
             f"to {size}."
         )
@@ -404,6 +410,9 @@ def _row(
         epsilon_cutoff=value("epsilon_cutoff", 0.0, np.float32),
         eta_cutoff=value("eta_cutoff", 0.0, np.float32),
         repetition_penalty=np.asarray([config.repetition_penalty or 1.0], np.float32),
+        encoder_repetition_penalty=np.asarray(
+            [config.encoder_repetition_penalty or 1.0], np.float32
+        ),
         presence_penalty=np.asarray([extras.presence_penalty], np.float32),
         frequency_penalty=np.asarray([extras.frequency_penalty], np.float32),
         bias_ids=bias_ids,
@@ -419,6 +428,9 @@ def _row(
         sample_row=np.zeros((1,), np.int32),
         constraint_eos=np.asarray([-1 if c is None else c.eos_token_id], np.int32),
         no_repeat_ngram_size=np.asarray([_ngram_size(config, shape)], np.int32),
+        encoder_no_repeat_ngram_size=np.asarray(
+            [_ngram_size(config, shape, "encoder_no_repeat_ngram_size")], np.int32
+        ),
         forced_first=np.full((1,), -1, np.int32),  # build_request sets it: it needs the prompt
         forced_last=_forced_last(config, shape.max_eos),
         remove_invalid=np.asarray([config.remove_invalid_values is True], bool),

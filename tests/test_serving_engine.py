@@ -13,9 +13,11 @@ final output is published. Timeouts only bound a broken run.
 import dataclasses
 import functools
 import io
+import itertools
 import sys
 import tempfile
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -878,6 +880,26 @@ def test_length_forcing_decay_and_prompt_rules_equal_generate_alone(manager):
         rid = manager.add_request(ids, max_new_tokens=REF_NEW, forced_bos_token_id=forced[0][1])
         assert manager.get_result(rid, timeout=120).generated_tokens == expected
     assert want[0] == forced[0][1] and want != first
+
+
+def test_max_time_ends_a_request_after_the_round_trip_that_passes_it(manager):
+    prompt = _prompt(150, 6)
+    plain = _reference(tuple(prompt))
+    scheduler = manager._scheduler
+    ticks = itertools.count()  # a clock one second later at each read: admission reads 0,
+    scheduler.clock = lambda: float(next(ticks))  # then each round trip's tokens 1, 2, 3...
+    try:
+        rid = manager.add_request(prompt, max_new_tokens=REF_NEW, max_time=2.5)
+        out = manager.get_result(rid, timeout=120)
+        # a request without max_time never reads the clock: it runs to its length
+        whole = manager.get_result(manager.add_request(prompt, max_new_tokens=REF_NEW), 120)
+    finally:
+        scheduler.clock = time.monotonic
+    # three round trips (the first token, then decode loops): ended after the third
+    assert out.finish_reason == "length" and next(ticks) == 4
+    assert 2 < len(out.generated_tokens) < REF_NEW
+    assert out.generated_tokens == plain[: len(out.generated_tokens)]
+    assert whole.generated_tokens == plain and whole.finish_reason == "length"
 
 
 class _Terminal(io.StringIO):

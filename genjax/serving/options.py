@@ -14,7 +14,9 @@ up to ``ContinuousBatchingConfig.max_bias_sequence_length`` tokens);
 ``remove_invalid_values`` (not beside a suppression), ``exponential_decay_length_penalty``,
 ``renormalize_logits``;
 ``max_new_tokens`` (or ``max_length``), ``min_new_tokens``, ``min_length`` (held as the new
-tokens it asks for after the request's prompt), EOS ids (a list), ``stop_strings``
+tokens it asks for after the request's prompt), ``max_time`` (seconds from the request's first
+admission, checked on the host after each round trip, whose tokens it keeps: finish reason
+"length"), EOS ids (a list), ``stop_strings``
 (matched on the host with the tokenizer), a ``seed`` and ``num_return_sequences`` (sampled
 sequences of one prompt, at most ``max_batch_size``; sequence ``j`` draws as row ``j`` of
 ``genjax.generate``'s batch). Any other field set to a non-default
@@ -63,6 +65,7 @@ SUPPORTED = frozenset(
         "max_new_tokens",
         "min_new_tokens",
         "min_length",
+        "max_time",
         "forced_bos_token_id",
         "forced_eos_token_id",
         "remove_invalid_values",
@@ -562,4 +565,5 @@ def build_request(
         constraint=constraint,
         constraint_key=key,
         copies=copies,
+        max_time=None if resolved.max_time is None else float(resolved.max_time),
     )

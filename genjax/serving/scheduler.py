@@ -85,6 +85,8 @@ class RequestState:
     streaming: bool = False
     num_logprobs: int | None = None  # None: no log-probabilities; k: the chosen's and the top k
     created_time: float = dataclasses.field(default_factory=time.time)
+    max_time: float | None = None  # seconds from its first admission (transformers' max_time)
+    started: float | None = None  # the scheduler's clock at its first admission
     generated: list[int] = dataclasses.field(default_factory=list)
     timestamps: list[float] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)  # per generated token
@@ -170,6 +172,7 @@ class Scheduler:
         tokenizer: decodes tokens for stop strings; None when no request has stop strings.
         prefix_caching: share the cached blocks of equal prompt prefixes.
         constraints: the constraint pool's host copy; None: no request has a constraint.
+        clock: seconds for ``max_time`` (``time.monotonic``; a test may pass its own).
     """
 
     def __init__(
@@ -178,8 +181,10 @@ class Scheduler:
         tokenizer=None,
         prefix_caching: bool = True,
         constraints: ConstraintPool | None = None,
+        clock=time.monotonic,
     ):
         self.shape = shape
+        self.clock = clock
         self.constraints = constraints
         self.tokenizer = tokenizer
         self.prefix_caching = prefix_caching
@@ -271,6 +276,8 @@ class Scheduler:
         if self.prefix_caching:
             self._take_cached_prefix(request)
         request.status = RequestStatus.PREFILLING
+        if request.max_time is not None and request.started is None:
+            request.started = self.clock()  # preempted and readmitted: the first admission's
         self._admissions += 1
         request.order = self._admissions
         self.prefilling.append(request)
@@ -504,7 +511,18 @@ class Scheduler:
             if ended and owner is not None and not owner.done:
                 self._end_by_rule(owner)
                 updates.setdefault(id(owner), (owner, 0))
+        self._end_past_max_time([request for request, _ in updates.values()])
         return list(updates.values())
+
+    def _end_past_max_time(self, requests: list[RequestState]) -> None:
+        """Ends (reason "length") the requests that received tokens after their ``max_time``:
+        as transformers' ``MaxTimeCriteria``, checked once a token is out, here once per round
+        trip, so a request keeps the tokens of the trip that crossed its limit."""
+        timed = [r for r in requests if r.max_time is not None and not r.done]
+        now = self.clock() if timed else 0.0
+        for request in timed:
+            if now - request.started > request.max_time:
+                self.finish(request, RequestStatus.FINISHED, "length")
 
     def _end_by_rule(self, request: RequestState) -> None:
         last = request.generated[-1] if request.generated else None

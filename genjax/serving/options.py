@@ -344,7 +344,7 @@ def _suppressions(config: GenerationConfig) -> str:
     return " and ".join(name for name in names if getattr(config, name))
 
 
-def _check_forcing(config: GenerationConfig, prompt_length: int) -> int:
+def _check_rule_order(config: GenerationConfig, prompt_length: int) -> int:
     """The id forced as the first new token (-1: none): ``forced_bos_token_id``, which
     transformers applies when ``input_ids`` hold one token, so only after a one-token prompt.
 
@@ -551,7 +551,7 @@ def build_request(
     row = row.replace(
         max_new_tokens=np.asarray([new], np.int32),
         min_new_tokens=np.asarray([at_least], np.int32),
-        forced_first=np.asarray([_check_forcing(resolved, length)], np.int32),
+        forced_first=np.asarray([_check_rule_order(resolved, length)], np.int32),
     )
     return RequestState(
         request_id=request_id,

@@ -121,6 +121,10 @@ def test_parse_request_names_the_bad_field(body, param):
         ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"stop_token_ids": [5, 4096]}, "stop_token_ids"),
+        ({"ignore_eos": True, "guided_regex": "a+"}, "ignore_eos"),
+        ({"ignore_eos": True, "response_format": {"type": "json_object"}}, "ignore_eos"),
     ],
 )
 def test_generation_options_refuses_by_name(extra, param):
@@ -168,6 +172,24 @@ def test_generation_options_maps_openai_names_onto_the_config():
         parse_request(CompletionRequest, {"model": "m", "prompt": "x", "temperature": 0}), base, 8
     )
     assert not greedy.do_sample and greedy.temperature is None and greedy.top_k is None
+
+
+def test_vllm_end_fields_map_onto_the_eos_ids_and_min_new_tokens():
+    base = genjax.GenerationConfig(eos_token_id=[2, 7], min_new_tokens=1)
+
+    def mapped(**extra):
+        body = {"model": "m", "prompt": "x", **extra}
+        config, *_ = generation_options(
+            parse_request(CompletionRequest, body), base, 8, vocab_size=64
+        )
+        eos = config.eos_token_id
+        return np.atleast_1d(eos).tolist(), config.min_new_tokens
+
+    assert mapped() == ([2, 7], 1)  # the checkpoint's
+    assert mapped(min_tokens=3, stop_token_ids=[9, 7, 9]) == ([2, 7, 9], 3)
+    assert mapped(ignore_eos=True) == ([], 1)  # no EOS (None would be the checkpoint's)
+    assert mapped(ignore_eos=True, stop_token_ids=[5]) == ([5], 1)
+    assert mapped(ignore_eos=False, stop_token_ids=[]) == ([2, 7], 1)
 
 
 @pytest.mark.parametrize(
@@ -786,6 +808,30 @@ def test_logit_bias_bans_and_forces_tokens(server, tokenizer, scored_reference):
     forced = tokenizer.encode(" zebra")[0]
     answer = client.completions.create(logit_bias={str(forced): 100}, **kwargs)
     assert answer.choices[0].text == tokenizer.decode([forced] * 6)
+
+
+def test_vllm_stop_token_ids_min_tokens_and_ignore_eos(server, tokenizer, scored_reference):
+    client = server.client()
+    tokens = scored_reference[0][0]
+    stop = tokens[2]
+    first = tokens.index(stop)  # where greedy decoding first makes it
+    kwargs = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0}
+    ended = client.completions.create(extra_body={"stop_token_ids": [stop]}, **kwargs)
+    assert ended.choices[0].finish_reason == "stop"
+    assert ended.usage.completion_tokens == first + 1
+    assert ended.choices[0].text == _greedy_text(tokenizer, tokens, first + 1)
+    held = {"stop_token_ids": [stop], "min_tokens": first + 2}
+    later = client.completions.create(extra_body=held, **kwargs)
+    assert later.usage.completion_tokens >= first + 2
+    assert later.choices[0].text.startswith(_greedy_text(tokenizer, tokens, first))
+    # The model's EOS, forced by a bias: it ends the choice at once unless EOS is ignored.
+    eos = genjax.GenerationConfig.from_pretrained(bundled.path()).eos_token_id
+    eos = np.atleast_1d(eos).tolist()[0]
+    forced = {**kwargs, "max_tokens": 5, "logit_bias": {str(eos): 100}}
+    assert client.completions.create(**forced).usage.completion_tokens == 1
+    ignored = client.completions.create(extra_body={"ignore_eos": True}, **forced)
+    assert ignored.usage.completion_tokens == 5
+    assert ignored.choices[0].finish_reason == "length"
 
 
 @pytest.mark.parametrize(

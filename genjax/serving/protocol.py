@@ -11,6 +11,11 @@ Request fields:
       (n engine requests; choice ``j`` of prompt ``i`` gets seed ``derive_seed(seed, i*n + j)``),
       ``stop``, ``seed``, ``stream``, ``stream_options.include_usage``, ``user`` (metadata), and
       the transformers names ``top_k``, ``min_p``, ``repetition_penalty``.
+    * vLLM's ``min_tokens`` (EOS and ``stop_token_ids`` blocked before that many tokens: the
+      engine's ``min_new_tokens``), ``stop_token_ids`` (ids that end a choice as EOS does,
+      finish reason "stop"; the text keeps them unless they are special tokens) and
+      ``ignore_eos`` (the model's EOS ids end nothing; ``stop_token_ids`` still do; refused
+      with structured output, which ends at EOS).
     * OpenAI's ``presence_penalty`` and ``frequency_penalty`` (each in ``[-2, 2]``; counted over
       the generated tokens only, :func:`genjax.processors.count_penalties`) and ``logit_bias``
       (token-id strings to biases in ``[-100, 100]``, added to the logits first, as
@@ -155,6 +160,10 @@ class _Sampling(_Strict):
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
+    # vLLM's extras for the end of a choice.
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
     # OpenAI's, honoured by the engine.
     logit_bias: dict[str, float] | None = None
     presence_penalty: float | None = None
@@ -376,6 +385,7 @@ def generation_options(
     for name in ("top_p", "top_k", "min_p", "repetition_penalty"):
         if getattr(request, name) is not None:
             fields[name] = getattr(request, name)
+    fields.update(_end_fields(request, base, vocab_size))
     if request.temperature is not None:
         sampled = request.temperature >= SAMPLING_EPS
         fields["do_sample"] = sampled
@@ -395,6 +405,42 @@ def generation_options(
     if bias:
         _check_bias_room(config, len(bias), max_logit_bias)
     return config, max_tokens, n, stop
+
+
+def _end_fields(request: _Sampling, base: GenerationConfig, vocab_size: int | None) -> dict:
+    """The config fields of vLLM's ``min_tokens``, ``stop_token_ids`` and ``ignore_eos`` (see
+    the module docstring), or a 400 naming the bad one."""
+    fields: dict[str, Any] = {}
+    if request.min_tokens is not None:
+        if not 0 <= request.min_tokens <= INT32_MAX:
+            message = f"min_tokens must be in [0, {INT32_MAX}], got {request.min_tokens}."
+            raise invalid("min_tokens", message)
+        fields["min_new_tokens"] = request.min_tokens
+    stop_ids = list(dict.fromkeys(request.stop_token_ids or ()))
+    top = INT32_MAX if vocab_size is None else vocab_size - 1
+    bad = [i for i in stop_ids if not 0 <= i <= top]
+    if bad:
+        message = f"stop_token_ids holds {bad[0]}, outside the vocabulary [0, {top}]."
+        raise invalid("stop_token_ids", message)
+    if request.ignore_eos and _constrained(request):
+        raise invalid(
+            "ignore_eos",
+            "ignore_eos cannot be combined with structured output: a constrained choice ends "
+            "at the model's EOS once its text is complete. Leave ignore_eos unset.",
+        )
+    if request.ignore_eos or stop_ids:
+        own = base.eos_token_id
+        eos = [] if request.ignore_eos or own is None else np.atleast_1d(own).tolist()
+        eos = list(dict.fromkeys([*(int(i) for i in eos), *stop_ids]))
+        fields["eos_token_id"] = eos  # empty: no EOS (None would take the model's back)
+    return fields
+
+
+def _constrained(request: _Sampling) -> bool:
+    """Whether the request asks for structured output."""
+    guided = (request.guided_json, request.guided_regex, request.guided_choice)
+    formatted = request.response_format is not None and request.response_format.type != "text"
+    return formatted or any(value is not None for value in guided)
 
 
 def _cuts(request: _Sampling) -> bool:

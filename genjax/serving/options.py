@@ -401,7 +401,9 @@ def _row(
 
     bias_ids, bias_values, bias_prefixes, bias_first_only = _bias_table(config, shape)
     c = extras.constraint
-    decay = config.exponential_decay_length_penalty or (0, 1.0)
+    start, factor = config.exponential_decay_length_penalty or (0, 1.0)
+    with np.errstate(over="ignore"):  # a factor past float32 is inf, as generate holds it
+        factor = np.asarray([factor], np.float32)
     return RowSettings(
         do_sample=np.asarray([sampling], bool),
         temperature=value("temperature", 1.0, np.float32),
@@ -437,8 +439,8 @@ def _row(
         forced_first=np.full((1,), -1, np.int32),  # build_request sets it: it needs the prompt
         forced_last=_forced_last(config, shape.max_eos),
         remove_invalid=np.asarray([config.remove_invalid_values is True], bool),
-        decay_start=np.asarray([min(int(decay[0]), INT32_MAX)], np.int32),
-        decay_factor=np.asarray([decay[1]], np.float32),
+        decay_start=np.asarray([min(int(start), INT32_MAX)], np.int32),
+        decay_factor=factor,
         renormalize=np.asarray([config.renormalize_logits is True], bool),
         max_ngram=shape.max_ngram,
     )

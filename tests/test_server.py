@@ -43,7 +43,7 @@ from genjax.serving.protocol import (
     generation_options,
     parse_request,
 )
-from genjax.serving.responses import StopText
+from genjax.serving.responses import StopText, make_choices
 from genjax.serving.scheduler import RequestStatus
 from genjax.serving.server import build_app
 
@@ -79,6 +79,25 @@ def test_stop_text_final_flushes_what_was_held_and_waits_for_whole_characters():
     partial = StopText(lambda ids: "é\ufffd" if len(ids) == 1 else "éè", ())
     assert partial.advance([1], final=False) == "é"
     assert partial.advance([1, 2], final=False) == "è"
+
+
+def test_stop_text_keeps_the_stop_string_when_asked_the_earliest_first():
+    chars = lambda ids: "".join(map(chr, ids))
+    text = StopText(chars, ("xyz", "<END>", "<E"), keep_stop=True)
+    assert text.advance([ord(c) for c in "ab<END>xyz tail"], final=False) == "ab<END>"
+    assert text.stopped  # "<END>" and "<E" start together: the first listed of the two
+
+
+def test_a_choice_shows_its_ending_token_only_when_asked():
+    end = SimpleNamespace(generated_tokens=[5, 6, 2], finish_reason="stop")
+    end.is_finished = lambda: True
+    length = SimpleNamespace(**{**vars(end), "finish_reason": "length"})
+    chars = lambda ids: "".join(map(chr, ids))
+    (plain,) = make_choices("t", [3], 1, chars, (), [2, 9], keep_stop=False)
+    (kept,) = make_choices("t", [3], 1, chars, (), 2, keep_stop=True)
+    assert plain.request_id == "t-0" and plain.stop_ids == {2, 9}
+    assert plain.shown(end) == [5, 6] and kept.shown(end) == [5, 6, 2]
+    assert plain.shown(length) == [5, 6, 2]  # a length limit: the last token is text
 
 
 def test_derive_seed_is_stable_distinct_and_in_int32():
@@ -819,7 +838,10 @@ def test_vllm_stop_token_ids_min_tokens_and_ignore_eos(server, tokenizer, scored
     ended = client.completions.create(extra_body={"stop_token_ids": [stop]}, **kwargs)
     assert ended.choices[0].finish_reason == "stop"
     assert ended.usage.completion_tokens == first + 1
-    assert ended.choices[0].text == _greedy_text(tokenizer, tokens, first + 1)
+    assert ended.choices[0].text == _greedy_text(tokenizer, tokens, first)  # as vLLM: not shown
+    shown = {"stop_token_ids": [stop], "include_stop_str_in_output": True}
+    kept = client.completions.create(extra_body=shown, **kwargs)
+    assert kept.choices[0].text == _greedy_text(tokenizer, tokens, first + 1)
     held = {"stop_token_ids": [stop], "min_tokens": first + 2}
     later = client.completions.create(extra_body=held, **kwargs)
     assert later.usage.completion_tokens >= first + 2
@@ -831,7 +853,14 @@ def test_vllm_stop_token_ids_min_tokens_and_ignore_eos(server, tokenizer, scored
     assert client.completions.create(**forced).usage.completion_tokens == 1
     ignored = client.completions.create(extra_body={"ignore_eos": True}, **forced)
     assert ignored.usage.completion_tokens == 5
-    assert ignored.choices[0].finish_reason == "length"
+    assert ignored.choices[0].finish_reason == "length" and ignored.choices[0].text == ""
+    special = {"ignore_eos": True, "skip_special_tokens": False}
+    spelled = client.completions.create(extra_body=special, **forced).choices[0].text
+    assert spelled == tokenizer.decode([eos] * 5) and spelled
+    shown = {"include_stop_str_in_output": True, "skip_special_tokens": False}
+    assert client.completions.create(extra_body=shown, **forced).choices[0].text == (
+        tokenizer.decode([eos])
+    )
 
 
 @pytest.mark.parametrize(

@@ -13,9 +13,11 @@ Request fields:
       the transformers names ``top_k``, ``min_p``, ``repetition_penalty``.
     * vLLM's ``min_tokens`` (EOS and ``stop_token_ids`` blocked before that many tokens: the
       engine's ``min_new_tokens``), ``stop_token_ids`` (ids that end a choice as EOS does,
-      finish reason "stop"; the text keeps them unless they are special tokens) and
-      ``ignore_eos`` (the model's EOS ids end nothing; ``stop_token_ids`` still do; refused
-      with structured output, which ends at EOS).
+      finish reason "stop"), ``ignore_eos`` (the model's EOS ids end nothing; ``stop_token_ids``
+      still do; refused with structured output, which ends at EOS),
+      ``include_stop_str_in_output`` (the text keeps the stop string, or the EOS or stop token,
+      that ended it; by default, as in vLLM, it does not) and ``skip_special_tokens`` (default
+      true: special tokens are left out of the text).
     * OpenAI's ``presence_penalty`` and ``frequency_penalty`` (each in ``[-2, 2]``; counted over
       the generated tokens only, :func:`genjax.processors.count_penalties`) and ``logit_bias``
       (token-id strings to biases in ``[-100, 100]``, added to the logits first, as
@@ -164,6 +166,8 @@ class _Sampling(_Strict):
     min_tokens: int | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
     # OpenAI's, honoured by the engine.
     logit_bias: dict[str, float] | None = None
     presence_penalty: float | None = None

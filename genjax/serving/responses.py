@@ -14,9 +14,19 @@ import json
 import uuid
 from typing import Any
 
+import numpy as np
+
 from genjax.serving.logprobs import ChoiceLogprobs
 
-__all__ = ["Choice", "StopText", "choice_delta", "final_body", "stream_chunk", "usage"]
+__all__ = [
+    "Choice",
+    "StopText",
+    "choice_delta",
+    "final_body",
+    "make_choices",
+    "stream_chunk",
+    "usage",
+]
 
 
 class StopText:
@@ -25,8 +35,9 @@ class StopText:
     back, as is an unfinished UTF-8 character.
 
     Args:
-        decode: ``ids -> text`` (special tokens skipped).
+        decode: ``ids -> text``.
         stops: the stop strings.
+        keep_stop: show the stop string found (vLLM's ``include_stop_str_in_output``).
 
     Example:
         >>> text = StopText(lambda ids: "".join(map(chr, ids)), ("END",))
@@ -38,8 +49,8 @@ class StopText:
         'abc'
     """
 
-    def __init__(self, decode, stops: tuple[str, ...]):
-        self.decode, self.stops = decode, stops
+    def __init__(self, decode, stops: tuple[str, ...], keep_stop: bool = False):
+        self.decode, self.stops, self.keep_stop = decode, stops, keep_stop
         self.text = ""  # everything shown so far
         self.stopped = False  # a stop string was found
 
@@ -48,9 +59,11 @@ class StopText:
         if self.stopped:
             return ""
         text = self.decode(ids)
-        cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
-            text, final, self.stopped = text[:cut], True, True
+        found = [(i, n) for n, i in enumerate(text.find(s) for s in self.stops) if i >= 0]
+        if found:  # the earliest, and the first listed of those found there
+            cut, n = min(found)
+            end = cut + len(self.stops[n]) if self.keep_stop else cut
+            text, final, self.stopped = text[:end], True, True
         if not final:
             text = text.rstrip("\ufffd")  # a multi-byte character still being written
             text = text[: len(text) - self._held(text)]
@@ -83,10 +96,44 @@ class Choice:
     finish_reason: str | None = None
     error: str | None = None
     scores: ChoiceLogprobs | None = None  # when the request asked for log-probabilities
+    stop_ids: frozenset[int] = frozenset()  # the ids that end it (EOS, stop_token_ids)
+    keep_stop: bool = False  # show the token or string that ended it
+
+    def shown(self, output) -> list[int]:
+        """The tokens of an engine output whose text the choice shows: all of them, but the
+        EOS or stop token that ended it (as vLLM, unless ``include_stop_str_in_output``)."""
+        ids = output.generated_tokens
+        ended = output.is_finished() and output.finish_reason == "stop"
+        if ended and not self.keep_stop and ids and ids[-1] in self.stop_ids:
+            return ids[:-1]
+        return ids
 
     @property
     def done(self) -> bool:
         return self.finish_reason is not None or self.error is not None
+
+
+def make_choices(
+    tag: str, lengths: list[int], n: int, decode, stops: tuple[str, ...], ends, keep_stop: bool
+) -> list[Choice]:
+    """``n`` choices per prompt (``lengths``: their token counts), choice ``k`` with engine
+    request id ``f"{tag}-{k}"``; ``ends``: the request's EOS ids (an id, a list or None), the
+    tokens whose text a choice they end does not show unless ``keep_stop``."""
+    ids = [] if ends is None else np.atleast_1d(np.asarray(ends)).tolist()
+    stop_ids = frozenset(int(i) for i in ids)
+    return [
+        Choice(
+            i * n + j,
+            f"{tag}-{i * n + j}",
+            i,
+            length,
+            StopText(decode, stops, keep_stop),
+            stop_ids=stop_ids,
+            keep_stop=keep_stop,
+        )
+        for i, length in enumerate(lengths)
+        for j in range(n)
+    ]
 
 
 def usage(choices: list[Choice]) -> dict[str, int]:

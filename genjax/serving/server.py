@@ -65,9 +65,9 @@ from genjax.serving.protocol import (
 )
 from genjax.serving.responses import (
     Choice,
-    StopText,
     choice_delta,
     final_body,
+    make_choices,
     stream_chunk,
     usage,
 )
@@ -286,12 +286,11 @@ class _Server:
         budgets = [self.budget(len(ids), max_tokens, param if max_tokens is None else limit)
                    for ids in rows]  # fmt: skip
         tag = uuid.uuid4().hex[:16]
-        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)
-        choices = [
-            Choice(i * n + j, f"{tag}-{i * n + j}", i, len(ids), StopText(decode, stops))
-            for i, ids in enumerate(rows)
-            for j in range(n)
-        ]
+        skip = body.skip_special_tokens is not False
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=skip)
+        keep = bool(body.include_stop_str_in_output)
+        lengths = [len(ids) for ids in rows]
+        choices = make_choices(tag, lengths, n, decode, stops, config.eos_token_id, keep)
         if extras["logprobs"] is not None:
             for choice in choices:
                 choice.scores = ChoiceLogprobs(kind, extras["logprobs"], self.token_texts)
@@ -374,7 +373,7 @@ class _Server:
                 choice.scores.update(output)
             if gone is not None and not final:
                 continue
-            delta = choice.text.advance(output.generated_tokens, final)
+            delta = choice.text.advance(choice.shown(output), final)
             if choice.text.stopped:
                 choice.finish_reason = "stop"
                 if not final:

@@ -114,6 +114,7 @@ def test_derive_seed_is_stable_distinct_and_in_int32():
         ({"model": "m", "prompt": "x", "stream": 1}, "stream"),
         ({"model": "m", "prompt": "x", "best_effort": True}, "best_effort"),
         ({"model": "m", "prompt": [[1], "a"]}, "prompt"),
+        ({"model": "m", "prompt": "x", "bad_words": "one"}, "bad_words"),  # a list of strings
     ],
 )
 def test_parse_request_names_the_bad_field(body, param):
@@ -846,6 +847,13 @@ def test_vllm_stop_token_ids_min_tokens_and_ignore_eos(server, tokenizer, scored
     later = client.completions.create(extra_body=held, **kwargs)
     assert later.usage.completion_tokens >= first + 2
     assert later.choices[0].text.startswith(_greedy_text(tokenizer, tokens, first))
+    # vLLM's bad_words: the greedy run's first word, banned as a word (a leading space).
+    at = next(k for k, t in enumerate(tokens) if tokenizer.decode([t])[1:].isalpha())
+    word = tokenizer.decode([tokens[at]])
+    assert word.startswith(" ") and tokenizer.encode(word, add_special_tokens=False) == [tokens[at]]
+    banned = client.completions.create(extra_body={"bad_words": [word.strip()]}, **kwargs)
+    assert banned.choices[0].text.startswith(_greedy_text(tokenizer, tokens, at))
+    assert not banned.choices[0].text.startswith(_greedy_text(tokenizer, tokens, at + 1))
     # The model's EOS, forced by a bias: it ends the choice at once unless EOS is ignored.
     eos = genjax.GenerationConfig.from_pretrained(bundled.path()).eos_token_id
     eos = np.atleast_1d(eos).tolist()[0]

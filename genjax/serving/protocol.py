@@ -15,6 +15,7 @@ Request fields:
       engine's ``min_new_tokens``), ``stop_token_ids`` (ids that end a choice as EOS does,
       finish reason "stop"), ``ignore_eos`` (the model's EOS ids end nothing; ``stop_token_ids``
       still do; refused with structured output, which ends at EOS),
+      ``bad_words`` (strings, banned as token sequences: :func:`bad_words_ids`),
       ``include_stop_str_in_output`` (the text keeps the stop string, or the EOS or stop token,
       that ended it; by default, as in vLLM, it does not) and ``skip_special_tokens`` (default
       true: special tokens are left out of the text).
@@ -166,6 +167,7 @@ class _Sampling(_Strict):
     min_tokens: int | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
+    bad_words: list[str] | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     # OpenAI's, honoured by the engine.
@@ -438,6 +440,31 @@ def _end_fields(request: _Sampling, base: GenerationConfig, vocab_size: int | No
         eos = list(dict.fromkeys([*(int(i) for i in eos), *stop_ids]))
         fields["eos_token_id"] = eos  # empty: no EOS (None would take the model's back)
     return fields
+
+
+def bad_words_ids(words: list[str] | None, encode) -> list[list[int]]:
+    """vLLM's ``bad_words`` as ``bad_words_ids``: each word's tokens as it would begin a text,
+    and, where a leading space spells it with as many tokens but another first one, as it
+    would follow a space (vLLM's rule); ``encode``: ``text -> ids`` without special tokens.
+
+    Raises:
+        APIError: 400 naming ``bad_words`` for an entry with no tokens.
+
+    Example:
+        >>> table = {"cat": [5], " cat": [9], "a b": [1, 2], " a b": [3, 2]}
+        >>> bad_words_ids(["cat", " a b"], table.get)
+        [[5], [9], [1, 2], [3, 2]]
+    """
+    out: list[list[int]] = []
+    for word in words or ():
+        bare = list(encode(word.lstrip()) or ())
+        if not bare:
+            raise invalid("bad_words", f"bad_words entry {word!r} has no tokens.")
+        out.append(bare)
+        spaced = list(encode(" " + word.lstrip()) or ())
+        if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+            out.append(spaced)
+    return out
 
 
 def _constrained(request: _Sampling) -> bool:

@@ -56,6 +56,7 @@ from genjax.serving.protocol import (
     APIError,
     ChatRequest,
     CompletionRequest,
+    bad_words_ids,
     derive_seed,
     engine_options,
     generation_options,
@@ -272,6 +273,10 @@ class _Server:
             max_logit_bias=limits.max_logit_bias,
         )
         extras = engine_options(body, limits.max_top_logprobs)
+        if body.bad_words:
+            encode = lambda text: self.tokenizer.encode(text, add_special_tokens=False)
+            banned = [*(config.bad_words_ids or ()), *bad_words_ids(body.bad_words, encode)]
+            config = config.replace(bad_words_ids=banned)
         spec = guided_spec(body)
         if spec is not None:
             eos, config = constraint_eos(config, self.tokenizer)

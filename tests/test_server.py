@@ -854,6 +854,17 @@ def test_vllm_stop_token_ids_min_tokens_and_ignore_eos(server, tokenizer, scored
     banned = client.completions.create(extra_body={"bad_words": [word.strip()]}, **kwargs)
     assert banned.choices[0].text.startswith(_greedy_text(tokenizer, tokens, at))
     assert not banned.choices[0].text.startswith(_greedy_text(tokenizer, tokens, at + 1))
+    # truncate_prompt_tokens: the prompt's last k tokens, as if sent alone.
+    ids = tokenizer.encode(PROMPTS[0])
+    short = {**kwargs, "prompt": ids[-4:]}
+    alone = client.completions.create(**short)
+    cut = client.completions.create(extra_body={"truncate_prompt_tokens": 4}, **kwargs)
+    assert (cut.choices[0].text, cut.usage.prompt_tokens) == (alone.choices[0].text, 4)
+    whole = client.completions.create(extra_body={"truncate_prompt_tokens": -1}, **kwargs)
+    assert whole.choices[0].text == _greedy_text(tokenizer, tokens, 12) != alone.choices[0].text
+    assert whole.usage.prompt_tokens == len(ids)
+    with pytest.raises(openai.BadRequestError, match="truncate_prompt_tokens"):
+        client.completions.create(extra_body={"truncate_prompt_tokens": 0}, **kwargs)
     # The model's EOS, forced by a bias: it ends the choice at once unless EOS is ignored.
     eos = genjax.GenerationConfig.from_pretrained(bundled.path()).eos_token_id
     eos = np.atleast_1d(eos).tolist()[0]

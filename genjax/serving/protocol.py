@@ -18,7 +18,9 @@ Request fields:
       ``bad_words`` (strings, banned as token sequences: :func:`bad_words_ids`),
       ``include_stop_str_in_output`` (the text keeps the stop string, or the EOS or stop token,
       that ended it; by default, as in vLLM, it does not) and ``skip_special_tokens`` (default
-      true: special tokens are left out of the text).
+      true: special tokens are left out of the text), ``truncate_prompt_tokens`` (each
+      prompt's last ``k`` tokens, chat template included; -1: the server's context;
+      :func:`truncated`).
     * OpenAI's ``presence_penalty`` and ``frequency_penalty`` (each in ``[-2, 2]``; counted over
       the generated tokens only, :func:`genjax.processors.count_penalties`) and ``logit_bias``
       (token-id strings to biases in ``[-100, 100]``, added to the logits first, as
@@ -170,6 +172,7 @@ class _Sampling(_Strict):
     bad_words: list[str] | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
+    truncate_prompt_tokens: int | None = None
     # OpenAI's, honoured by the engine.
     logit_bias: dict[str, float] | None = None
     presence_penalty: float | None = None
@@ -465,6 +468,28 @@ def bad_words_ids(words: list[str] | None, encode) -> list[list[int]]:
         if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
             out.append(spaced)
     return out
+
+
+def truncated(rows: list[list[int]], keep: int | None, context: int) -> list[list[int]]:
+    """vLLM's ``truncate_prompt_tokens``: each prompt's last ``keep`` tokens (-1: ``context``,
+    the server's tokens per request); None leaves them whole.
+
+    Raises:
+        APIError: 400 naming ``truncate_prompt_tokens`` when it is neither -1 nor positive.
+
+    Example:
+        >>> truncated([[1, 2, 3], [4]], 2, 8), truncated([[1, 2, 3]], -1, 2)
+        ([[2, 3], [4]], [[2, 3]])
+    """
+    if keep is None:
+        return rows
+    if keep != -1 and keep < 1:
+        raise invalid(
+            "truncate_prompt_tokens",
+            f"truncate_prompt_tokens must be -1 (the context) or at least 1, got {keep}.",
+        )
+    keep = context if keep == -1 else keep
+    return [ids[-keep:] for ids in rows]
 
 
 def _constrained(request: _Sampling) -> bool:

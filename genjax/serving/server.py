@@ -63,6 +63,7 @@ from genjax.serving.protocol import (
     invalid,
     messages_as_dicts,
     parse_request,
+    truncated,
 )
 from genjax.serving.responses import (
     Choice,
@@ -212,7 +213,7 @@ class _Server:
 
     # ---- prompts ------------------------------------------------------------------------
     def prompts(self, body: CompletionRequest | ChatRequest) -> list[list[int]]:
-        """The prompts' token ids (runs in a worker thread)."""
+        """The prompts' token ids, truncated as the request asks (runs in a worker thread)."""
         if isinstance(body, ChatRequest):
             if self.tokenizer.chat_template is None:
                 raise invalid("messages", "this model has no chat template; use /v1/completions.")
@@ -224,7 +225,7 @@ class _Server:
                 raise invalid("messages", str(error)) from None
             except Exception as error:  # the template's raise_exception, a template bug
                 raise invalid("messages", f"the chat template failed: {error}") from None
-            return [list(ids)]
+            return truncated([list(ids)], body.truncate_prompt_tokens, self.context)
         prompt = body.prompt
         if isinstance(prompt, str):
             prompt = [prompt]
@@ -238,7 +239,7 @@ class _Server:
             if not ids:
                 raise invalid("prompt", "a prompt encodes to no tokens; send some text.")
             rows.append(ids)
-        return rows
+        return truncated(rows, body.truncate_prompt_tokens, self.context)
 
     def budget(self, prompt_tokens: int, max_tokens: int | None, param: str) -> int:
         """New tokens for one prompt: ``max_tokens``, else the config's, within the context."""

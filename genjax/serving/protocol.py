@@ -484,12 +484,9 @@ def truncated(rows: list[list[int]], keep: int | None, context: int) -> list[lis
     if keep is None:
         return rows
     if keep != -1 and keep < 1:
-        raise invalid(
-            "truncate_prompt_tokens",
-            f"truncate_prompt_tokens must be -1 (the context) or at least 1, got {keep}.",
-        )
-    keep = context if keep == -1 else keep
-    return [ids[-keep:] for ids in rows]
+        message = f"truncate_prompt_tokens must be -1 (the context) or at least 1, got {keep}."
+        raise invalid("truncate_prompt_tokens", message)
+    return [ids[-(context if keep == -1 else keep) :] for ids in rows]
 
 
 def _constrained(request: _Sampling) -> bool:
